@@ -1,0 +1,76 @@
+"""jupyter_shard: interactive distributed training from a notebook.
+
+``%load_ext jupyter_shard`` adds the ``%%distributed`` family of magics; :class:`Pool` is the same
+machinery for scripts. Names are imported lazily so that loading the extension stays cheap and
+never imports torch into the kernel.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from jupyter_shard.pool import Pool
+    from jupyter_shard.rank.shard import Shard
+    from jupyter_shard.results import DistributedError, PoolError, RunResult
+    from jupyter_shard.spec import LaunchSpec, SpecError
+    from jupyter_shard.strategies import register_strategy
+
+    shard: Shard
+
+__all__ = [
+    "DistributedError",
+    "LaunchSpec",
+    "Pool",
+    "PoolError",
+    "RunResult",
+    "SpecError",
+    "__version__",
+    "load_ipython_extension",
+    "register_strategy",
+    "shard",
+    "unload_ipython_extension",
+]
+
+_LAZY = {
+    "Pool": "jupyter_shard.pool",
+    "DistributedError": "jupyter_shard.results",
+    "PoolError": "jupyter_shard.results",
+    "RunResult": "jupyter_shard.results",
+    "LaunchSpec": "jupyter_shard.spec",
+    "SpecError": "jupyter_shard.spec",
+    "register_strategy": "jupyter_shard.strategies",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "shard":
+        from jupyter_shard.rank.shard import current
+
+        helper = current()
+        if helper is None:
+            raise ImportError(
+                "`shard` exists only inside rank processes: use it in a %%distributed cell "
+                "(or code run by jupyter_shard.Pool.run)"
+            )
+        return helper
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'jupyter_shard' has no attribute {name!r}")
+
+
+def load_ipython_extension(ipython: InteractiveShell) -> None:
+    from jupyter_shard.magics import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: InteractiveShell) -> None:
+    from jupyter_shard.magics import unload
+
+    unload(ipython)

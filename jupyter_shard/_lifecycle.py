@@ -1,0 +1,96 @@
+"""Files a pool leaves on disk: its private directory record, its logs, and stale-pool clean-up.
+
+Each pool writes ``pool.json`` (kernel and rank pids with their start times) into its private
+directory. A later start removes directories whose kernel is gone, killing their recorded ranks
+only when pid *and* start time still match - never by process name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+
+from jupyter_shard.launchers.local import kill_recorded
+
+DIR_PREFIX = "jupyter_shard-"
+
+
+def _start_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def record_pool(directory: Path, rank_pids: list[int]) -> None:
+    record = {
+        "kernel": [os.getpid(), _start_time(os.getpid())],
+        "ranks": [[pid, _start_time(pid)] for pid in rank_pids],
+    }
+    tmp = directory / "pool.json.tmp"
+    tmp.write_text(json.dumps(record))
+    tmp.replace(directory / "pool.json")
+
+
+def clean_stale_pools(base: Path | None = None) -> list[Path]:
+    """Remove pool directories left by kernels that died; returns what was removed."""
+    root = base or Path(tempfile.gettempdir())
+    removed = []
+    for directory in root.glob(DIR_PREFIX + "*"):
+        try:
+            if not directory.is_dir() or directory.stat().st_uid != os.getuid():
+                continue
+            record = json.loads((directory / "pool.json").read_text())
+        except (OSError, ValueError):
+            if _older_than(directory, 3600):
+                shutil.rmtree(directory, ignore_errors=True)
+                removed.append(directory)
+            continue
+        kernel_pid, kernel_start = record["kernel"]
+        if kernel_start is not None and _start_time(kernel_pid) == kernel_start:
+            continue
+        for pid, started in record["ranks"]:
+            if started is not None and _start_time(pid) == started:
+                kill_recorded(pid)
+        shutil.rmtree(directory, ignore_errors=True)
+        removed.append(directory)
+    return removed
+
+
+def _older_than(path: Path, seconds: float) -> bool:
+    try:
+        return time.time() - path.stat().st_mtime > seconds
+    except OSError:
+        return False
+
+
+def new_log_dir(root: Path | None) -> Path:
+    base = root or Path(
+        os.environ.get("JUPYTER_SHARD_LOG_DIR", Path.home() / ".cache" / "jupyter_shard" / "logs")
+    )
+    path = base / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+def free_port() -> int:
+    """A currently free loopback port (for MASTER_PORT; the pool itself listens on no TCP port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def loopback_interface() -> str:
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addrs):
+            return name
+    return "lo"

@@ -1,0 +1,38 @@
+"""Launchers start and signal rank processes; nothing else in the package does.
+
+A launcher is a plugin: the built-in ``local`` one spawns ranks on this host, and a site can add its
+own (Kubernetes, MPI, ...) through the ``jupyter_shard.launchers`` entry-point group. Each gives back
+one :class:`RankHandle` per rank, a Popen-shaped object the pool polls and signals.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
+from jupyter_shard.spec import SpecError
+
+__all__ = ["Launcher", "RankHandle", "RankLaunch", "available_launchers", "get_launcher"]
+
+ENTRY_POINT_GROUP = "jupyter_shard.launchers"
+
+
+def _registry() -> dict[str, type[Launcher]]:
+    from jupyter_shard.launchers.local import LocalLauncher
+
+    found: dict[str, type[Launcher]] = {"local": LocalLauncher}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in found:
+            found[ep.name] = ep.load()
+    return found
+
+
+def available_launchers() -> list[str]:
+    return sorted(_registry())
+
+
+def get_launcher(name: str) -> Launcher:
+    registry = _registry()
+    if name not in registry:
+        raise SpecError(f"--launcher {name!r} is not installed; available: {', '.join(sorted(registry))}")
+    return registry[name]()

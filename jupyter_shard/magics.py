@@ -1,0 +1,295 @@
+"""The notebook surface: ``%%distributed`` and friends. Thin: parse options, build a spec, call the pool.
+
+Bad options become one ``UsageError`` line and leave a running pool untouched. A failed cell raises
+:class:`~jupyter_shard.DistributedError`, shown as every failed rank's traceback (root cause first)
+rather than the magic's own frames, so "Run All" stops there and nbval sees the failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import shlex
+import sys
+from typing import Any, NoReturn
+
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+
+from jupyter_shard.pool import Pool
+from jupyter_shard.results import DistributedError, PoolError, RankStatus
+from jupyter_shard.spec import LaunchSpec, SpecError, parse_ranks
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise SpecError(f"%%{self.prog}: {message}")
+
+
+def _distributed_parser() -> _Parser:
+    p = _Parser(prog="distributed", add_help=False, exit_on_error=False)
+    p.add_argument("--nproc", type=int)
+    p.add_argument("--gpus", type=int)
+    p.add_argument("--device")
+    p.add_argument("--strategy")
+    p.add_argument("--zero-stage", type=int, dest="zero_stage")
+    p.add_argument("--offload")
+    p.add_argument("--precision")
+    p.add_argument("--ranks")
+    p.add_argument("--timeout", type=float)
+    p.add_argument("--launcher")
+    p.add_argument("--nodes", type=int)
+    p.add_argument("--config")
+    return p
+
+
+def _parse(parser: _Parser, line: str) -> argparse.Namespace:
+    try:
+        args = shlex.split(line)
+        namespace, extra = parser.parse_known_args(args)
+    except (ValueError, argparse.ArgumentError) as exc:
+        raise UsageError(f"%%{parser.prog}: {exc}") from None
+    except SpecError as exc:
+        raise UsageError(str(exc)) from None
+    if extra:
+        raise UsageError(
+            f"%%{parser.prog}: unknown option {extra[0]!r}; see %%{parser.prog}? for the options"
+        )
+    return namespace
+
+
+class _Value:
+    """Shows a rank's last-expression value as the cell's Out[n]."""
+
+    def __init__(self, bundle: dict[str, Any]) -> None:
+        self.bundle = bundle
+
+    def _repr_mimebundle_(self, include: object = None, exclude: object = None) -> dict[str, Any]:
+        return self.bundle
+
+
+@magics_class
+class DistributedMagics(Magics):
+    def __init__(self, shell: InteractiveShell) -> None:
+        super().__init__(shell)
+        self.pool: Pool | None = None
+        self._parser = _distributed_parser()
+
+    # -- running cells ---------------------------------------------------------------------------
+
+    @cell_magic
+    def distributed(self, line: str, cell: str) -> Any:
+        """Run the cell on every rank: %%distributed [--nproc N | --gpus N] [--device auto|cpu|cuda]
+        [--strategy none|ddp|fsdp|deepspeed] [--ranks SPEC] [--timeout SECONDS] ..."""
+        opts = _parse(self._parser, line)
+        try:
+            spec = self._resolve(opts)
+            ranks = parse_ranks(opts.ranks, spec.nproc) if opts.ranks else None
+        except SpecError as exc:
+            raise UsageError(str(exc)) from None
+        pool = self._pool_for(spec)
+        return self._run(pool, cell, ranks, opts.timeout)
+
+    @cell_magic
+    def rank(self, line: str, cell: str) -> Any:
+        """Run the cell only on some ranks: %%rank 0 | 0,2 | 1-3"""
+        pool = self._require_pool()
+        try:
+            ranks = parse_ranks(line.strip() or "0", pool.world_size)
+        except SpecError as exc:
+            raise UsageError(str(exc)) from None
+        return self._run(pool, cell, ranks, None)
+
+    def _run(self, pool: Pool, cell: str, ranks: tuple[int, ...] | None, timeout: float | None) -> Any:
+        count = self.shell.execution_count if self.shell is not None else 0
+        result = pool.run(cell, ranks, timeout=timeout, exec_count=count)
+        lowest = min(result.ranks)
+        value = result.ranks[lowest].result
+        if value is None:
+            return None
+        if lowest != 0:
+            value = {**value, "text/plain": f"[rank {lowest}] {value.get('text/plain', '')}"}
+        return _Value(value)
+
+    def _resolve(self, opts: argparse.Namespace) -> LaunchSpec:
+        given = {k: v for k, v in vars(opts).items() if v is not None and k not in ("ranks", "timeout")}
+        current = self.pool.spec if self.pool is not None else None
+        if current is not None and not given:
+            return current
+        base: dict[str, Any] = {}
+        if current is not None:
+            base = {
+                "nproc": current.nproc,
+                "device": current.device,
+                "strategy": current.strategy,
+                "launcher": current.launcher,
+                "nodes": current.nodes,
+            }
+            if "gpus" in given or "device" in given:
+                base.pop("nproc")
+        return LaunchSpec.create(**{**base, **given})
+
+    def _pool_for(self, spec: LaunchSpec) -> Pool:
+        pool = self.pool
+        if pool is None:
+            pool = self.pool = Pool(spec=spec)
+        elif spec != pool.spec:
+            if pool.started:
+                print(
+                    f"jupyter_shard: restarting pool {_change(pool.spec, spec)}; rank state is lost",
+                    file=sys.stderr,
+                )
+            pool.restart(spec)
+        if not pool.started:
+            print(f"jupyter_shard: starting {spec.describe()} …", file=sys.stderr, flush=True)
+            pool.start()
+        return pool
+
+    def _require_pool(self) -> Pool:
+        if self.pool is None or not self.pool.started:
+            raise UsageError("no pool is running; start one with a %%distributed cell")
+        return self.pool
+
+    # -- moving values ---------------------------------------------------------------------------
+
+    @line_magic
+    def dist_push(self, line: str) -> None:
+        """Copy kernel variables to every rank: %dist_push a b"""
+        names = line.split()
+        if not names:
+            raise UsageError("%dist_push needs variable names, e.g. %dist_push lr batch_size")
+        ns = self.shell.user_ns if self.shell is not None else {}
+        missing = [n for n in names if n not in ns]
+        if missing:
+            raise UsageError(f"%dist_push: {missing[0]!r} is not defined in the notebook")
+        self._require_pool().push(**{n: ns[n] for n in names})
+
+    @line_magic
+    def dist_pull(self, line: str) -> None:
+        """Bring a rank variable into the kernel: %dist_pull name [--rank K | --all]"""
+        parser = _Parser(prog="dist_pull", add_help=False, exit_on_error=False)
+        parser.add_argument("name")
+        group = parser.add_mutually_exclusive_group()
+        group.add_argument("--rank", type=int, default=0)
+        group.add_argument("--all", action="store_true")
+        opts = _parse(parser, line)
+        pool = self._require_pool()
+        if not 0 <= opts.rank < pool.world_size:
+            raise UsageError(
+                f"%dist_pull: rank {opts.rank} does not exist; the pool has ranks 0-{pool.world_size - 1}"
+            )
+        value = pool.pull_all(opts.name) if opts.all else pool.pull(opts.name, opts.rank)
+        if self.shell is not None:
+            self.shell.user_ns[opts.name] = value
+
+    # -- inspecting and control ------------------------------------------------------------------
+
+    @line_magic
+    def dist_status(self, line: str) -> Any:
+        """Per-rank table: rank, pid, host, device, state, memory, current cell, log."""
+        if self.pool is None:
+            print("no pool is running; start one with a %%distributed cell")
+            return None
+        return StatusTable(self.pool.spec.describe(), self.pool.status())
+
+    @line_magic
+    def dist_stacks(self, line: str) -> None:
+        """Print every rank's current Python stack."""
+        for rank, text in self._require_pool().stacks().items():
+            print(f"──── rank {rank} ────\n{text}")
+
+    @line_magic
+    def dist_interrupt(self, line: str) -> None:
+        """Send KeyboardInterrupt to ranks that are running."""
+        self._require_pool().interrupt()
+
+    @line_magic
+    def dist_restart(self, line: str) -> None:
+        """Fresh rank processes with the same options; rank state is lost."""
+        if self.pool is None:
+            raise UsageError("no pool to restart; start one with a %%distributed cell")
+        self.pool.restart()
+        print(f"jupyter_shard: restarted {self.pool.spec.describe()}; rank state is lost")
+
+    @line_magic
+    def dist_shutdown(self, line: str) -> None:
+        """Stop every rank."""
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
+            print("jupyter_shard: pool shut down")
+
+
+def _change(old: LaunchSpec, new: LaunchSpec) -> str:
+    parts = []
+    if old.nproc != new.nproc:
+        parts.append(f"{old.nproc} → {new.nproc} ranks")
+    for field in ("device", "strategy", "launcher", "nodes"):
+        a, b = getattr(old, field), getattr(new, field)
+        if a != b:
+            parts.append(f"{field} {getattr(a, 'value', a)} → {getattr(b, 'value', b)}")
+    return ", ".join(parts) or "with new options"
+
+
+class StatusTable:
+    """``%dist_status`` output: an HTML table with a plain-text twin."""
+
+    COLUMNS = ("rank", "pid", "host", "device", "state", "memory", "cell", "log")
+
+    def __init__(self, title: str, rows: list[RankStatus]) -> None:
+        self.title = title
+        self.rows = rows
+
+    def _cells(self, row: RankStatus) -> list[str]:
+        rss = row.memory.get("rss")
+        memory = f"{rss / 2**20:.0f} MiB" if rss else "-"
+        if "cuda_allocated" in row.memory:
+            memory += f" · cuda {row.memory['cuda_allocated'] / 2**20:.0f} MiB"
+        state = row.state.value + (f" ({row.exit})" if row.exit else "")
+        return [
+            str(row.rank),
+            str(row.pid),
+            row.host,
+            row.device,
+            state,
+            memory,
+            row.cell or "-",
+            row.log_path,
+        ]
+
+    def __repr__(self) -> str:
+        table = [list(self.COLUMNS), *[self._cells(r) for r in self.rows]]
+        widths = [max(len(r[i]) for r in table) for i in range(len(self.COLUMNS))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
+        return "\n".join([self.title, *lines])
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{c}</th>" for c in self.COLUMNS)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in self._cells(r)) + "</tr>"
+            for r in self.rows
+        )
+        return f"<div><b>{html.escape(self.title)}</b><table><tr>{head}</tr>{body}</table></div>"
+
+
+def _show_error(
+    shell: InteractiveShell, etype: type, evalue: BaseException, tb: object, tb_offset: int | None = None
+) -> None:
+    if isinstance(evalue, DistributedError):
+        stb = evalue.render()
+    else:
+        stb = [f"{etype.__name__}: {evalue}"]
+    shell._showtraceback(etype, evalue, stb)
+
+
+def load(shell: InteractiveShell) -> None:
+    shell.register_magics(DistributedMagics)
+    shell.set_custom_exc((DistributedError, PoolError), _show_error)
+
+
+def unload(shell: InteractiveShell) -> None:
+    magics = shell.magics_manager.registry.get("DistributedMagics")
+    if isinstance(magics, DistributedMagics) and magics.pool is not None:
+        magics.pool.shutdown()
+    shell.set_custom_exc((), None)

@@ -1,0 +1,601 @@
+"""The kernel side of a rank pool: start ranks, fan cells out, gather output and results, stop.
+
+A :class:`Pool` owns one ROUTER socket on ``ipc://`` inside a private 0700 directory, the pool key,
+and a lifeline pipe whose write end only this process holds: when the kernel dies, every rank sees
+the pipe close and kills its own process group. The thread that calls :meth:`Pool.run` pumps
+messages until every target rank reports ``done``, a rank dies, or the user interrupts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from jupyter_shard import _lifecycle
+from jupyter_shard.launchers import RankHandle, RankLaunch, get_launcher
+from jupyter_shard.launchers.base import describe_exit
+from jupyter_shard.protocol import (
+    KERNEL,
+    KEY_ENV,
+    MAX_FRAME,
+    Message,
+    ProtocolError,
+    Wire,
+    new_key,
+    rank_identity,
+)
+from jupyter_shard.results import DistributedError, PoolError, RankResult, RankState, RankStatus, RunResult
+from jupyter_shard.spec import DEFAULT_TIMEOUT, LaunchSpec, format_ranks
+from jupyter_shard.widgets.rank_output import ConsoleSink, NotebookSink, RankSink
+
+__all__ = ["Pool"]
+
+START_TIMEOUT = float(os.environ.get("JUPYTER_SHARD_START_TIMEOUT", "180"))
+INTERRUPT_GRACE = 2.0
+DESYNC_GRACE = 3.0
+HISTORY_LIMIT = 1_000_000
+CAPTURE_LIMIT = 4 * 1024 * 1024
+
+_live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
+
+
+class _Rank:
+    """The kernel's record of one rank process."""
+
+    def __init__(self, handle: RankHandle, log_path: Path) -> None:
+        self.handle = handle
+        self.rank = handle.rank
+        self.identity = rank_identity(handle.rank).encode()
+        self.state = RankState.STARTING
+        self.device = ""
+        self.log_path = log_path
+        self.cell = ""
+        self.exit = ""
+
+
+class Pool:
+    """A pool of persistent rank processes. Use as a context manager or call :meth:`shutdown`."""
+
+    def __init__(
+        self,
+        nproc: int | None = None,
+        device: str = "auto",
+        strategy: str = "none",
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        launcher: str = "local",
+        spec: LaunchSpec | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
+        sink: RankSink | None = None,
+    ) -> None:
+        self.spec = spec or LaunchSpec.create(
+            nproc=nproc, device=device, strategy=strategy, timeout=timeout, launcher=launcher
+        )
+        self.sink = sink or (NotebookSink() if _in_kernel() else ConsoleSink())
+        self._log_root = Path(log_dir) if log_dir else None
+        self._ranks: dict[int, _Rank] = {}
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        self._wire: Wire | None = None
+        self._dir: Path | None = None
+        self._lifeline_w: int | None = None
+        self._replies: dict[str, dict[int, Message]] = {}
+        self._run: RunResult | None = None
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LIMIT)
+        self.log_dir: Path | None = None
+        self.on_notice: Callable[[str], None] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        return self._sock is not None
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.nproc
+
+    def __enter__(self) -> Pool:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def start(self) -> None:
+        """Spawn every rank and wait until all joined the process group (or one failed)."""
+        if self.started:
+            return
+        _lifecycle.clean_stale_pools()
+        launcher = get_launcher(self.spec.launcher)
+        key = new_key()
+        self._wire = Wire(key, KERNEL)
+        self._dir = Path(tempfile.mkdtemp(prefix="jupyter_shard-"))
+        self.log_dir = _lifecycle.new_log_dir(self._log_root)
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+        address = f"ipc://{self._dir / 'pool.sock'}"
+        sock.bind(address)
+        self._sock = sock
+        lifeline_r, self._lifeline_w = os.pipe()
+        launches = [self._launch(rank, address, key, lifeline_r) for rank in range(self.spec.nproc)]
+        try:
+            handles = launcher.start(self.spec, launches, lifeline_r)
+        except BaseException:
+            os.close(lifeline_r)
+            self._teardown()
+            raise
+        os.close(lifeline_r)
+        for handle, launch in zip(handles, launches, strict=True):
+            self._ranks[handle.rank] = _Rank(handle, launch.log_path)
+            self.sink.log_paths[handle.rank] = str(launch.log_path)
+        _lifecycle.record_pool(self._dir, [h.pid for h in handles])
+        _live_pools.add(self)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _launch(self, rank: int, address: str, key: bytes, lifeline_r: int) -> RankLaunch:
+        assert self._dir is not None and self.log_dir is not None
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTER_SHARD_")}
+        nproc = self.spec.nproc
+        package_root = str(Path(__file__).resolve().parent.parent)
+        env.update(
+            {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "GROUP_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(_lifecycle.free_port()),
+                "GLOO_SOCKET_IFNAME": _lifecycle.loopback_interface(),
+                "NCCL_SOCKET_IFNAME": _lifecycle.loopback_interface(),
+                "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p),
+                KEY_ENV: key.hex(),
+                "JUPYTER_SHARD_ADDRESS": address,
+                "JUPYTER_SHARD_STORE": str(self._dir / "store"),
+                "JUPYTER_SHARD_LIFELINE_FD": str(lifeline_r),
+                "JUPYTER_SHARD_PARENT_PID": str(os.getpid()),
+                "JUPYTER_SHARD_DEVICE": self.spec.device.value,
+                "JUPYTER_SHARD_STRATEGY": self.spec.strategy.value,
+                "JUPYTER_SHARD_TIMEOUT": str(self.spec.timeout),
+                "JUPYTER_SHARD_LOG": str(self.log_dir / f"rank-{rank}.log"),
+            }
+        )
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        return RankLaunch(rank=rank, env=env, log_path=self.log_dir / f"rank-{rank}.log", cwd=Path.cwd())
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while any(r.state is RankState.STARTING for r in self._ranks.values()):
+            self._pump(0.1)
+            for r in self._ranks.values():
+                code = r.handle.poll()
+                if code is not None and r.state is RankState.STARTING:
+                    self._pump(0.2)
+                    raise PoolError(self._startup_failure(r, describe_exit(code)))
+            if time.monotonic() > deadline:
+                slow = [r.rank for r in self._ranks.values() if r.state is RankState.STARTING]
+                raise PoolError(
+                    f"rank {format_ranks(slow)} did not start within {START_TIMEOUT:.0f} s; "
+                    f"see the logs in {self.log_dir}"
+                )
+
+    def _startup_failure(self, r: _Rank, how: str) -> str:
+        tb = r.exit or _tail(r.log_path)
+        return f"rank {r.rank} failed to start ({how}); its log {r.log_path} ends with:\n{tb}"
+
+    def shutdown(self) -> None:
+        """Stop every rank (and its children) and release the socket, key and private directory."""
+        if self._sock is not None and self._wire is not None:
+            for r in self._live():
+                self._send(r, "shutdown", {})
+        deadline = time.monotonic() + 1.0
+        for r in self._ranks.values():
+            r.handle.wait(max(0.0, deadline - time.monotonic()))
+            r.handle.kill_tree()
+        self._ranks.clear()
+        self._teardown()
+        _live_pools.discard(self)
+
+    def _teardown(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._lifeline_w is not None:
+            os.close(self._lifeline_w)
+            self._lifeline_w = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+        self._wire = None
+
+    def restart(self, spec: LaunchSpec | None = None) -> None:
+        """New rank processes (rank state is lost), with the same or a new spec."""
+        self.shutdown()
+        if spec is not None:
+            self.spec = spec
+        self.start()
+
+    # -- running cells ---------------------------------------------------------------------------
+
+    def run(
+        self,
+        code: str,
+        ranks: Sequence[int] | None = None,
+        timeout: float | None = None,
+        exec_count: int = 0,
+    ) -> RunResult:
+        """Run ``code`` on ``ranks`` (default: all); raise :class:`DistributedError` if any fails."""
+        self.start()
+        targets = self._targets(ranks)
+        cell_id = uuid.uuid4().hex
+        result = RunResult(cell_id, {r.rank: RankResult(r.rank) for r in targets})
+        self._run = result
+        self.sink.begin_cell()
+        started = time.monotonic()
+        body = {"cell_id": cell_id, "code": code, "exec_count": exec_count}
+        for r in targets:
+            self._send(r, "execute", body)
+            r.state, r.cell = RankState.RUNNING, _head(code)
+        try:
+            self._gather(result, targets, started, timeout)
+        finally:
+            self.sink.end_cell()
+            self._run = None
+        if not result.ok:
+            raise DistributedError(result)
+        return result
+
+    def _targets(self, ranks: Sequence[int] | None) -> list[_Rank]:
+        chosen = sorted(set(ranks)) if ranks is not None else sorted(self._ranks)
+        missing = [r for r in chosen if r not in self._ranks]
+        if missing:
+            raise PoolError(
+                f"rank {format_ranks(missing)} does not exist: the pool has {self.world_size} ranks"
+            )
+        dead = [self._ranks[r] for r in sorted(self._ranks) if self._ranks[r].state is RankState.DEAD]
+        if dead:
+            why = "; ".join(f"rank {r.rank} {r.exit or 'is dead'}" for r in dead)
+            raise PoolError(
+                f"{why}. Run %dist_restart (or pool.restart()) for fresh ranks; rank state is lost"
+            )
+        return [self._ranks[r] for r in chosen]
+
+    def _gather(self, result: RunResult, targets: list[_Rank], started: float, timeout: float | None) -> None:
+        pending = {r.rank for r in targets}
+        interrupted = False
+        while pending:
+            try:
+                self._pump(0.05)
+                for r in targets:
+                    if r.rank in pending and self._check_exit(r, result):
+                        pending.discard(r.rank)
+                pending = {k for k in pending if result.ranks[k].status == "pending"}
+                if not pending:
+                    break
+                failed_at = [f.failed_at for f in result.ranks.values() if f.failed_at]
+                if failed_at and time.monotonic() - min(failed_at) > DESYNC_GRACE:
+                    self._stop(result, pending, "still running after another rank failed")
+                    break
+                if timeout is not None and time.monotonic() - started > timeout:
+                    self._stop(result, pending, f"still running after the {timeout:g} s timeout")
+                    break
+            except KeyboardInterrupt:
+                if interrupted:
+                    continue
+                interrupted = True
+                self._stop(result, pending, "interrupted")
+                break
+        if interrupted:
+            result.notes.append("the cell was interrupted")
+
+    def _check_exit(self, r: _Rank, result: RunResult | None) -> bool:
+        code = r.handle.poll()
+        if code is None or r.state is RankState.DEAD:
+            return False
+        self._pump(0.05)
+        r.state, r.exit = RankState.DEAD, describe_exit(code)
+        if result is not None and r.rank in result.ranks and result.ranks[r.rank].status == "pending":
+            failure = result.ranks[r.rank]
+            failure.status, failure.evalue, failure.failed_at = (
+                "dead",
+                f"rank {r.rank} {r.exit}",
+                time.monotonic(),
+            )
+            failure.traceback = [f"rank {r.rank} {r.exit} while running the cell; its log: {r.log_path}"]
+            return True
+        return False
+
+    def _stop(self, result: RunResult, pending: set[int], why: str) -> None:
+        """SIGINT the pending ranks; kill those that do not stop within the grace period."""
+        ranks = sorted(pending)
+        self._notice(f"rank {format_ranks(ranks)} {why}: sending SIGINT")
+        for k in ranks:
+            self._ranks[k].handle.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + INTERRUPT_GRACE
+        while time.monotonic() < deadline:
+            self._pump(0.05)
+            for k in ranks:
+                self._check_exit(self._ranks[k], result)
+            if all(result.ranks[k].status != "pending" for k in ranks):
+                return
+        stuck = [k for k in ranks if result.ranks[k].status == "pending"]
+        for k in stuck:
+            self._ranks[k].handle.kill_tree()
+            self._check_exit(self._ranks[k], result)
+            result.ranks[k].traceback.insert(
+                0,
+                f"rank {k} did not stop within {INTERRUPT_GRACE:g} s of SIGINT (blocked in a collective or native code?)",
+            )
+        note = (
+            f"killed rank {format_ranks(stuck)} (no response to SIGINT within {INTERRUPT_GRACE:g} s); "
+            "restarting the pool: rank state is lost"
+        )
+        result.notes.append(note)
+        self._notice(note)
+        self.restart()
+
+    # -- moving values ---------------------------------------------------------------------------
+
+    def push(self, ranks: Sequence[int] | None = None, **values: Any) -> None:
+        """Copy kernel values to every rank (or ``ranks``) under the given names."""
+        import cloudpickle
+
+        self.start()
+        names = list(values)
+        buffers = [cloudpickle.dumps(values[n]) for n in names]
+        too_big = [n for n, b in zip(names, buffers, strict=True) if len(b) > MAX_FRAME]
+        if too_big:
+            raise PoolError(
+                f"{too_big[0]!r} is over the {MAX_FRAME // 2**20} MiB message limit; save it to a file and load it on the ranks"
+            )
+        replies = self._request("push", {"names": names}, self._targets(ranks), buffers=buffers, timeout=60.0)
+        errors = [f"rank {k}: {m.body['error']}" for k, m in sorted(replies.items()) if not m.body["ok"]]
+        if errors:
+            raise PoolError("push failed on " + "; ".join(errors))
+
+    def pull(self, name: str, rank: int = 0) -> Any:
+        """A copy of the rank's variable ``name``."""
+        return self.pull_all(name, ranks=[rank])[rank]
+
+    def pull_all(self, name: str, ranks: Sequence[int] | None = None) -> dict[int, Any]:
+        import cloudpickle
+
+        self.start()
+        replies = self._request("pull", {"name": name}, self._targets(ranks), timeout=60.0)
+        out: dict[int, Any] = {}
+        for k, msg in sorted(replies.items()):
+            if not msg.body["ok"]:
+                raise PoolError(msg.body["error"])
+            out[k] = cloudpickle.loads(msg.buffers[0])
+        return out
+
+    # -- inspecting ------------------------------------------------------------------------------
+
+    def status(self) -> list[RankStatus]:
+        replies = self._request("status", {}, self._live(), timeout=1.0) if self.started else {}
+        rows = []
+        for k, r in sorted(self._ranks.items()):
+            self._check_exit(r, None)
+            reply = replies.get(k)
+            memory = dict(reply.body["memory"]) if reply else {}
+            cell = (
+                str(reply.body["cell"])
+                if reply and reply.body["executing"]
+                else r.cell
+                if r.state is RankState.RUNNING
+                else ""
+            )
+            rows.append(
+                RankStatus(
+                    k, r.handle.pid, r.handle.host, r.device, r.state, memory, cell, str(r.log_path), r.exit
+                )
+            )
+        return rows
+
+    def stacks(self, timeout: float = 2.0) -> dict[int, str]:
+        """Every rank's current Python stacks (main thread first), even mid-cell."""
+        live = self._live()
+        replies = self._request("stacks", {}, live, timeout=timeout)
+        out: dict[int, str] = {}
+        for k, r in sorted(self._ranks.items()):
+            if k in replies:
+                parts = [f"{s['thread']}:\n{s['stack']}" for s in replies[k].body["stacks"]]
+                out[k] = "\n".join(parts)
+            elif r.state is RankState.DEAD:
+                out[k] = f"(rank {k} {r.exit})"
+            else:
+                out[k] = f"(no answer within {timeout:g} s: the rank may hold the GIL in native code)"
+        return out
+
+    def interrupt(self) -> None:
+        """Interrupt whatever the ranks are running (outside a foreground :meth:`run`)."""
+        for r in self._live():
+            if r.state is RankState.RUNNING:
+                r.handle.send_signal(signal.SIGINT)
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _live(self) -> list[_Rank]:
+        return [r for r in self._ranks.values() if r.state is not RankState.DEAD and r.handle.poll() is None]
+
+    def _send(self, r: _Rank, msg_type: str, body: dict[str, Any], buffers: Iterable[bytes] = ()) -> None:
+        assert self._sock is not None and self._wire is not None
+        frames = [r.identity, *self._wire.encode(msg_type, body, list(buffers))]
+        try:
+            self._sock.send_multipart(frames, copy=False)
+        except zmq.ZMQError as exc:
+            raise PoolError(f"rank {r.rank} is not connected ({exc}); run %dist_restart") from None
+
+    def _request(
+        self,
+        msg_type: str,
+        body: dict[str, Any],
+        targets: list[_Rank],
+        *,
+        buffers: Sequence[bytes] = (),
+        timeout: float,
+    ) -> dict[int, Message]:
+        req_id = uuid.uuid4().hex
+        self._replies[req_id] = {}
+        try:
+            for r in targets:
+                self._send(r, msg_type, {**body, "req_id": req_id}, buffers)
+            deadline = time.monotonic() + timeout
+            while len(self._replies[req_id]) < len(targets) and time.monotonic() < deadline:
+                self._pump(0.02)
+                if any(self._check_exit(r, None) or r.state is RankState.DEAD for r in targets):
+                    break
+            return self._replies[req_id]
+        finally:
+            del self._replies[req_id]
+
+    def _pump(self, timeout: float) -> None:
+        """Receive and dispatch every waiting message; wait up to ``timeout`` for the first."""
+        sock, wire = self._sock, self._wire
+        if sock is None or wire is None:
+            return
+        wait_ms = int(timeout * 1000)
+        while sock.poll(wait_ms, zmq.POLLIN):
+            wait_ms = 0
+            frames = sock.recv_multipart(copy=True)
+            identity = frames[0].decode(errors="replace")
+            rank = _rank_of(identity)
+            if rank not in self._ranks:
+                continue
+            try:
+                msg = wire.decode(frames[1:], expect_sender=identity)
+            except ProtocolError as exc:
+                print(f"jupyter_shard: dropped a message on the pool socket: {exc}", file=sys.__stderr__)
+                continue
+            handler = _HANDLERS.get(msg.type)
+            if handler is not None:
+                handler(self, self._ranks[rank], msg)
+
+    def _notice(self, text: str) -> None:
+        if self.on_notice is not None:
+            self.on_notice(text)
+        else:
+            self.sink.notice(f"jupyter_shard: {text}")
+
+    # -- message handlers (dispatched through _HANDLERS) -----------------------------------------
+
+    def _on_ready(self, r: _Rank, msg: Message) -> None:
+        r.state, r.device = RankState.IDLE, str(msg.body["device"])
+
+    def _on_startup_failed(self, r: _Rank, msg: Message) -> None:
+        r.exit = str(msg.body["traceback"])
+
+    def _on_stream(self, r: _Rank, msg: Message) -> None:
+        name, text = str(msg.body["name"]), str(msg.body["text"])
+        self.sink.stream(r.rank, name, text)
+        if self._run is not None and r.rank in self._run.ranks:
+            res = self._run.ranks[r.rank]
+            if name == "stderr" and len(res.stderr) < CAPTURE_LIMIT:
+                res.stderr += text
+            elif name == "stdout" and len(res.stdout) < CAPTURE_LIMIT:
+                res.stdout += text
+
+    def _on_display(self, r: _Rank, msg: Message) -> None:
+        self.sink.display(r.rank, dict(msg.body["data"]), dict(msg.body["metadata"]))
+
+    def _on_result(self, r: _Rank, msg: Message) -> None:
+        if self._run is not None and r.rank in self._run.ranks:
+            self._run.ranks[r.rank].result = dict(msg.body["data"])
+
+    def _on_done(self, r: _Rank, msg: Message) -> None:
+        body = msg.body
+        ok = body["status"] == "ok"
+        r.state, r.cell = (RankState.IDLE if ok else RankState.FAILED), ""
+        if self._run is None or body["cell_id"] != self._run.cell_id or r.rank not in self._run.ranks:
+            return
+        res = self._run.ranks[r.rank]
+        res.duration = float(body["duration"])
+        if ok:
+            res.status = "ok"
+            return
+        res.status = "interrupted" if body["ename"] == "KeyboardInterrupt" else "error"
+        res.ename, res.evalue = str(body["ename"]), str(body["evalue"])
+        res.traceback = [str(line) for line in body["traceback"]]
+        res.failed_at = time.monotonic()
+
+    def _on_metrics(self, r: _Rank, msg: Message) -> None:
+        for record in msg.body["records"]:
+            self.history.append({"rank": r.rank, **record})
+
+    def _on_reply(self, r: _Rank, msg: Message) -> None:
+        bucket = self._replies.get(str(msg.body.get("req_id")))
+        if bucket is not None:
+            bucket[r.rank] = msg
+
+
+_HANDLERS: dict[str, Callable[[Pool, _Rank, Message], None]] = {
+    "ready": Pool._on_ready,
+    "startup_failed": Pool._on_startup_failed,
+    "stream": Pool._on_stream,
+    "display": Pool._on_display,
+    "result": Pool._on_result,
+    "done": Pool._on_done,
+    "metrics": Pool._on_metrics,
+    "push_reply": Pool._on_reply,
+    "pull_reply": Pool._on_reply,
+    "stacks_reply": Pool._on_reply,
+    "status_reply": Pool._on_reply,
+}
+
+
+def _rank_of(identity: str) -> int:
+    prefix, _, number = identity.partition("-")
+    return int(number) if prefix == "rank" and number.isdigit() else -1
+
+
+def _head(code: str) -> str:
+    lines = [ln for ln in code.strip().splitlines() if ln.strip()]
+    return lines[0][:80] if lines else ""
+
+
+def _tail(path: Path, limit: int = 4000) -> str:
+    try:
+        data = path.read_bytes()[-limit:]
+    except OSError:
+        return "(no log)"
+    return data.decode(errors="replace").strip() or "(the log is empty)"
+
+
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and hasattr(shell, "kernel")
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for pool in list(_live_pools):
+        pool.shutdown()

@@ -1,0 +1,205 @@
+"""Every message that crosses the kernel/rank boundary, and the one way to sign and check them.
+
+A message on the wire is a list of frames::
+
+    [b"jsh1", signature, header_json, body_json, *buffers]
+
+``signature`` is HMAC-SHA256 over the tag, header, body and every buffer (each length-prefixed),
+computed with the pool's random key. :meth:`Wire.decode` checks size limits and the signature with a
+constant-time compare *before* parsing anything, then rejects replays (each sender's ``seq`` must
+grow). Bodies are JSON; only values the user explicitly pushes or pulls travel as pickled buffers,
+and those are unpickled by the caller after :meth:`Wire.decode` has authenticated them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import json
+import os
+import secrets
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypedDict
+
+__all__ = [
+    "KEY_ENV",
+    "Message",
+    "ProtocolError",
+    "Wire",
+    "new_key",
+]
+
+TAG = b"jsh1"
+KEY_ENV = "JUPYTER_SHARD_KEY"
+MAX_HEADER = 4 * 1024
+MAX_BODY = 64 * 1024 * 1024
+MAX_FRAME = int(os.environ.get("JUPYTER_SHARD_MAX_FRAME", str(1 << 30)))
+KERNEL = "kernel"
+
+MsgType = Literal[
+    # kernel -> rank
+    "execute",
+    "push",
+    "pull",
+    "stacks",
+    "status",
+    "shutdown",
+    # rank -> kernel
+    "ready",
+    "startup_failed",
+    "stream",
+    "display",
+    "result",
+    "done",
+    "metrics",
+    "push_reply",
+    "pull_reply",
+    "stacks_reply",
+    "status_reply",
+]
+MSG_TYPES: frozenset[str] = frozenset(MsgType.__args__)  # type: ignore[attr-defined]
+
+
+class ExecuteBody(TypedDict):
+    cell_id: str
+    code: str
+    exec_count: int
+
+
+class StreamBody(TypedDict):
+    cell_id: str
+    name: Literal["stdout", "stderr"]
+    text: str
+
+
+class DisplayBody(TypedDict):
+    cell_id: str
+    data: dict[str, Any]
+    metadata: dict[str, Any]
+
+
+class DoneBody(TypedDict):
+    cell_id: str
+    status: Literal["ok", "error"]
+    ename: str
+    evalue: str
+    traceback: list[str]
+    duration: float
+
+
+class ReadyBody(TypedDict):
+    rank: int
+    pid: int
+    host: str
+    device: str
+    log_path: str
+
+
+class MetricsBody(TypedDict):
+    step: int
+    values: dict[str, float]
+    ts: float
+
+
+class ProtocolError(Exception):
+    """A frame that failed a size, signature, replay or schema check. Never fatal to the pool."""
+
+
+def new_key() -> bytes:
+    """A fresh 256-bit pool key."""
+    return secrets.token_bytes(32)
+
+
+@dataclass
+class Message:
+    type: str
+    body: dict[str, Any]
+    sender: str = ""
+    seq: int = 0
+    buffers: list[bytes] = field(default_factory=list)
+
+
+def _mac(key: bytes, frames: Sequence[bytes]) -> bytes:
+    digest = hmac.new(key, digestmod=hashlib.sha256)
+    for frame in frames:
+        digest.update(len(frame).to_bytes(8, "big"))
+        digest.update(frame)
+    return digest.digest()
+
+
+class Wire:
+    """Builds, signs, checks and parses messages for one endpoint (the kernel or one rank)."""
+
+    def __init__(self, key: bytes, sender: str) -> None:
+        if len(key) < 32:
+            raise ValueError("pool keys must be at least 256 bits")
+        self._key = key
+        self.sender = sender
+        # Start from the clock so that a restarted endpoint with the same key still moves forward.
+        self._seq = itertools.count(time.time_ns())
+        self._last_seen: dict[str, int] = {}
+        self.rejected = 0
+
+    def encode(self, msg_type: str, body: dict[str, Any], buffers: Sequence[bytes] = ()) -> list[bytes]:
+        header = {
+            "v": 1,
+            "type": msg_type,
+            "id": uuid.uuid4().hex,
+            "seq": next(self._seq),
+            "sender": self.sender,
+            "ts": time.time(),
+        }
+        parts = [
+            json.dumps(header, separators=(",", ":")).encode(),
+            json.dumps(body, separators=(",", ":")).encode(),
+            *buffers,
+        ]
+        return [TAG, _mac(self._key, [TAG, *parts]), *parts]
+
+    def decode(self, frames: Sequence[bytes], expect_sender: str | None = None) -> Message:
+        """Authenticate, then parse. Raises :class:`ProtocolError` for anything not well-formed."""
+        try:
+            return self._decode(frames, expect_sender)
+        except ProtocolError:
+            self.rejected += 1
+            raise
+
+    def _decode(self, frames: Sequence[bytes], expect_sender: str | None) -> Message:
+        if len(frames) < 4 or bytes(frames[0]) != TAG:
+            raise ProtocolError("not a jupyter_shard message (bad tag or too few frames)")
+        signature, header_raw, body_raw, *buffers = (bytes(f) for f in frames[1:])
+        if len(header_raw) > MAX_HEADER or len(body_raw) > MAX_BODY:
+            raise ProtocolError("message header or body over the size limit")
+        if any(len(b) > MAX_FRAME for b in buffers):
+            raise ProtocolError("message buffer over the size limit")
+        expected = _mac(self._key, [TAG, header_raw, body_raw, *buffers])
+        if not hmac.compare_digest(expected, signature):
+            raise ProtocolError("bad signature")
+        try:
+            header = json.loads(header_raw)
+            body = json.loads(body_raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ProtocolError(f"signed message is not JSON: {exc}") from None
+        if not isinstance(header, dict) or not isinstance(body, dict):
+            raise ProtocolError("signed message header and body must be JSON objects")
+        msg_type, sender, seq = header.get("type"), header.get("sender"), header.get("seq")
+        if msg_type not in MSG_TYPES or not isinstance(sender, str) or type(seq) is not int:
+            raise ProtocolError(f"signed message has an unknown type or bad header: {msg_type!r}")
+        if expect_sender is not None and sender != expect_sender:
+            raise ProtocolError(f"message claims sender {sender!r} on the socket of {expect_sender!r}")
+        if seq <= self._last_seen.get(sender, -1):
+            raise ProtocolError(f"replayed or reordered message from {sender!r}")
+        self._last_seen[sender] = seq
+        return Message(type=msg_type, body=body, sender=sender, seq=seq, buffers=list(buffers))
+
+    def forget(self, sender: str) -> None:
+        """Drop replay state for a sender that is being replaced by a fresh process."""
+        self._last_seen.pop(sender, None)
+
+
+def rank_identity(rank: int) -> str:
+    return f"rank-{rank}"

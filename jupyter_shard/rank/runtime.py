@@ -1,0 +1,240 @@
+"""The life of a rank process: start up, join the process group, then run cells until told to stop.
+
+Start-up reads its orders from the environment the launcher set (the pool key is removed from the
+environment as soon as it is read), connects to the kernel, joins the default process group
+through a FileStore in the pool's private directory, and says ``ready``. A failure at any point is
+reported with its traceback and the process exits, so a pool start never waits on a dead rank.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from types import FrameType
+from typing import Any
+
+from jupyter_shard.protocol import KEY_ENV, MAX_FRAME, Message, Wire, rank_identity
+from jupyter_shard.rank.channel import Channel, watch_lifeline
+from jupyter_shard.rank.output import RankStream
+
+ENV_PREFIX = "JUPYTER_SHARD_"
+
+
+class RankState:
+    """What the main thread is doing, readable from the I/O thread."""
+
+    def __init__(self) -> None:
+        self.executing = False
+        self.cell_id = ""
+        self.cell_head = ""
+        self.started = 0.0
+
+    def begin(self, cell_id: str, code: str) -> None:
+        self.cell_id = cell_id
+        lines = [ln for ln in code.strip().splitlines() if ln.strip()]
+        self.cell_head = lines[0][:80] if lines else ""
+        self.started = time.time()
+        self.executing = True
+
+    def end(self) -> None:
+        self.executing = False
+        self.cell_head = ""
+
+
+def _env(name: str) -> str:
+    return os.environ[ENV_PREFIX + name]
+
+
+def main() -> None:
+    key = bytes.fromhex(os.environ.pop(KEY_ENV))
+    rank = int(os.environ["RANK"])
+    wire = Wire(key, rank_identity(rank))
+    channel = Channel(_env("ADDRESS"), wire)
+    watch_lifeline(int(_env("LIFELINE_FD")), int(_env("PARENT_PID")))
+    state = RankState()
+    log = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="replace")
+    lock = threading.Lock()
+    sys.stdout = RankStream("stdout", log, channel.enqueue, lambda: state.cell_id, lock)
+    sys.stderr = RankStream("stderr", log, channel.enqueue, lambda: state.cell_id, lock)
+    channel.flushers.extend([sys.stdout.flush, sys.stderr.flush])
+    channel.io_handlers["stacks"] = lambda msg: _reply_stacks(channel, msg)
+    channel.io_handlers["status"] = lambda msg: _reply_status(channel, msg, state)
+    channel.start()
+    sys.argv = [""]
+    try:
+        runner = _start_up(rank, channel, state)
+    except BaseException:
+        tb = traceback.format_exc()
+        print(tb, file=sys.stderr)
+        channel.send("startup_failed", {"rank": rank, "traceback": tb})
+        channel.close()
+        os._exit(1)
+    runner.loop()
+
+
+def _start_up(rank: int, channel: Channel, state: RankState) -> _Runner:
+    import torch
+    import torch.distributed as dist
+
+    from jupyter_shard.rank import shard as shard_module
+    from jupyter_shard.rank.shell import RankShell
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    if _env("DEVICE") == "cuda":
+        if torch.cuda.device_count() <= local_rank:
+            raise RuntimeError(
+                f"rank {rank} needs CUDA device {local_rank} but {torch.cuda.device_count()} are visible"
+            )
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(
+        backend,
+        init_method="file://" + _env("STORE"),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=float(_env("TIMEOUT"))),
+    )
+    helper = shard_module.Shard(rank, local_rank, world_size, device, _env("STRATEGY"), channel.enqueue)
+    shard_module.set_current(helper)
+    channel.flushers.append(helper.flush_metrics)
+    shell = RankShell.create(channel, {"shard": helper, "__name__": "__main__"})
+    channel.send(
+        "ready",
+        {
+            "rank": rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "device": str(device),
+            "log_path": _env("LOG"),
+        },
+    )
+    return _Runner(rank, channel, state, shell)
+
+
+class _Runner:
+    """The main thread's loop: one handler per message type, an unknown type is logged."""
+
+    def __init__(self, rank: int, channel: Channel, state: RankState, shell: Any) -> None:
+        self.rank = rank
+        self.channel = channel
+        self.state = state
+        self.shell = shell
+        self.handlers = {
+            "execute": self.execute,
+            "push": self.push,
+            "pull": self.pull,
+            "shutdown": self.shutdown,
+        }
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        if self.state.executing:
+            raise KeyboardInterrupt
+
+    def loop(self) -> None:
+        while True:
+            msg = self.channel.inbox.get()
+            handler = self.handlers.get(msg.type)
+            if handler is None:
+                print(f"jupyter_shard: rank {self.rank} ignored a {msg.type!r} message", file=sys.__stderr__)
+                continue
+            handler(msg)
+
+    def execute(self, msg: Message) -> None:
+        body = msg.body
+        cell_id, code = str(body["cell_id"]), str(body["code"])
+        started = time.perf_counter()
+        self.state.begin(cell_id, code)
+        try:
+            error = self.shell.run(code, cell_id, int(body.get("exec_count", 0)))
+        except KeyboardInterrupt:
+            error = ("KeyboardInterrupt", "", ["KeyboardInterrupt"])
+        finally:
+            self.state.end()
+        name, value, tb = error or ("", "", [])
+        self.channel.send(
+            "done",
+            {
+                "cell_id": cell_id,
+                "status": "error" if error else "ok",
+                "ename": name,
+                "evalue": value,
+                "traceback": tb,
+                "duration": time.perf_counter() - started,
+            },
+        )
+
+    def push(self, msg: Message) -> None:
+        import cloudpickle
+
+        names = [str(n) for n in msg.body["names"]]
+        try:
+            values = [cloudpickle.loads(buf) for buf in msg.buffers]
+            self.shell.user_ns.update(zip(names, values, strict=True))
+            reply: dict[str, Any] = {"req_id": msg.body["req_id"], "ok": True, "error": ""}
+        except Exception as exc:
+            reply = {"req_id": msg.body["req_id"], "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        self.channel.send("push_reply", reply)
+
+    def pull(self, msg: Message) -> None:
+        import cloudpickle
+
+        name = str(msg.body["name"])
+        reply: dict[str, Any] = {"req_id": msg.body["req_id"], "ok": False, "error": ""}
+        buffers: list[bytes] = []
+        if name not in self.shell.user_ns:
+            reply["error"] = f"name {name!r} is not defined on rank {self.rank}"
+        else:
+            try:
+                data = cloudpickle.dumps(self.shell.user_ns[name])
+                if len(data) > MAX_FRAME:
+                    reply["error"] = (
+                        f"{name!r} is {len(data) / 2**20:.0f} MiB pickled, over the "
+                        f"{MAX_FRAME / 2**20:.0f} MiB message limit; save it to a file instead"
+                    )
+                else:
+                    reply["ok"], buffers = True, [data]
+            except Exception as exc:
+                reply["error"] = f"{name!r} could not be pickled: {type(exc).__name__}: {exc}"
+        self.channel.send("pull_reply", reply, buffers)
+
+    def shutdown(self, msg: Message) -> None:
+        self.channel.close()
+        os._exit(0)
+
+
+def _reply_stacks(channel: Channel, msg: Message) -> None:
+    main_id = threading.main_thread().ident
+    names = {t.ident: t.name for t in threading.enumerate()}
+    stacks = []
+    for ident, frame in sys._current_frames().items():
+        name = names.get(ident, str(ident))
+        if name.startswith("jupyter_shard-"):
+            continue
+        lines = traceback.format_stack(frame)
+        stacks.append({"thread": "MainThread" if ident == main_id else name, "stack": "".join(lines)})
+    channel.enqueue("stacks_reply", {"req_id": msg.body["req_id"], "stacks": stacks}, [])
+
+
+def _reply_status(channel: Channel, msg: Message, state: RankState) -> None:
+    from jupyter_shard.rank.shard import current, memory_report
+
+    helper = current()
+    body = {
+        "req_id": msg.body["req_id"],
+        "executing": state.executing,
+        "cell": state.cell_head,
+        "running_for": time.time() - state.started if state.executing else 0.0,
+        "memory": memory_report(helper.device if helper else None),
+    }
+    channel.enqueue("status_reply", body, [])

@@ -1,0 +1,93 @@
+"""The IPython shell a rank runs cells in: magics, ``!cmd``, ``display()`` and last-expression
+results as in a notebook, with results, displays and tracebacks sent to the kernel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from IPython.core.displayhook import DisplayHook
+from IPython.core.displaypub import DisplayPublisher
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
+
+from jupyter_shard.rank.channel import Channel
+
+
+class _RankDisplayHook(DisplayHook):
+    """Send the last expression's value as a ``result`` message instead of printing it."""
+
+    def write_output_prompt(self) -> None:
+        pass
+
+    def write_format_data(self, format_dict: dict[str, Any], md_dict: dict[str, Any] | None = None) -> None:
+        shell = self.shell
+        assert isinstance(shell, RankShell)
+        shell.channel.send(
+            "result", {"cell_id": shell.cell_id, "data": format_dict, "metadata": md_dict or {}}
+        )
+
+    def finish_displayhook(self) -> None:
+        pass
+
+
+class _RankDisplayPublisher(DisplayPublisher):
+    def publish(  # type: ignore[override]
+        self,
+        data: dict[str, Any],
+        metadata: dict[str, Any] | None = None,
+        source: object = None,
+        *,
+        transient: dict[str, Any] | None = None,
+        update: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        shell = self.shell
+        assert isinstance(shell, RankShell)
+        body = {
+            "cell_id": shell.cell_id,
+            "data": data,
+            "metadata": metadata or {},
+            "transient": transient or {},
+            "update": update,
+        }
+        shell.channel.send("display", body)
+
+    def clear_output(self, wait: bool = False) -> None:
+        pass
+
+
+class RankShell(InteractiveShell):
+    """One per rank process; ``channel`` and ``cell_id`` are set by the runtime."""
+
+    displayhook_class = _RankDisplayHook
+    display_pub_class = _RankDisplayPublisher
+
+    channel: Channel
+    cell_id: str = ""
+    last_error: tuple[str, str, list[str]] | None = None
+
+    @classmethod
+    def create(cls, channel: Channel, user_ns: dict[str, Any]) -> RankShell:
+        config = Config()
+        config.HistoryManager.enabled = False
+        config.InteractiveShell.colors = "nocolor"
+        config.InteractiveShell.xmode = "Context"
+        shell = cls.instance(config=config, user_ns=user_ns)
+        shell.channel = channel
+        return shell
+
+    def _showtraceback(self, etype: type[BaseException], evalue: BaseException, stb: list[str]) -> None:
+        self.last_error = (etype.__name__, str(evalue), list(stb))
+
+    def run(self, code: str, cell_id: str, exec_count: int) -> tuple[str, str, list[str]] | None:
+        """Run one cell; the error as (name, value, traceback lines), or None on success."""
+        self.cell_id = cell_id
+        self.last_error = None
+        if exec_count > 0:
+            self.execution_count = exec_count
+        result = self.run_cell(code, store_history=True)
+        if self.last_error is None and not result.success:
+            exc = result.error_in_exec or result.error_before_exec
+            if exc is not None:
+                self.last_error = (type(exc).__name__, str(exc), [f"{type(exc).__name__}: {exc}"])
+        return self.last_error

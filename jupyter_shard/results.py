@@ -1,0 +1,121 @@
+"""What a run gives back: per-rank results, and the error raised when any rank fails.
+
+Vocabulary as in torch.distributed.elastic: a :class:`RunResult` holds one :class:`RankResult` per
+rank; a failure is summarised root cause first (the first rank that failed, then the rest).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from jupyter_shard.spec import format_ranks
+
+
+class RankState(str, Enum):
+    STARTING = "starting"
+    IDLE = "idle"
+    RUNNING = "running"
+    FAILED = "failed"
+    DEAD = "dead"
+
+
+@dataclass
+class RankResult:
+    rank: int
+    status: str = "pending"  # ok | error | interrupted | dead
+    stdout: str = ""
+    stderr: str = ""
+    result: dict[str, Any] | None = None
+    ename: str = ""
+    evalue: str = ""
+    traceback: list[str] = field(default_factory=list)
+    duration: float = 0.0
+    failed_at: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass
+class RunResult:
+    cell_id: str
+    ranks: dict[int, RankResult]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.ranks.values())
+
+    @property
+    def value(self) -> dict[str, Any] | None:
+        """The last expression's display bundle from the lowest rank that produced one."""
+        for rank in sorted(self.ranks):
+            if self.ranks[rank].result is not None:
+                return self.ranks[rank].result
+        return None
+
+    def failures(self) -> list[RankResult]:
+        """Failed ranks, the first to fail first."""
+        failed = [r for r in self.ranks.values() if not r.ok]
+        return sorted(failed, key=lambda r: (r.failed_at or float("inf"), r.rank))
+
+
+@dataclass
+class RankStatus:
+    rank: int
+    pid: int
+    host: str
+    device: str
+    state: RankState
+    memory: dict[str, int]
+    cell: str
+    log_path: str
+    exit: str = ""
+
+
+class PoolError(RuntimeError):
+    """The pool cannot do what was asked (not started, a rank is dead, start-up failed)."""
+
+
+class DistributedError(Exception):
+    """A cell failed on one or more ranks; the first failing rank is named first."""
+
+    def __init__(self, result: RunResult, headline: str | None = None) -> None:
+        self.result = result
+        self.failures = result.failures()
+        first = self.failures[0] if self.failures else None
+        self.rank = first.rank if first else -1
+        self.tracebacks = {f.rank: list(f.traceback) for f in self.failures}
+        self.headline = headline or _headline(self.failures)
+        super().__init__(self.headline)
+
+    def render(self) -> list[str]:
+        """Every failed rank's traceback, root cause first, for showing in a notebook."""
+        lines = [self.headline]
+        for note in self.result.notes:
+            lines.append(note)
+        for failure in self.failures:
+            lines.append(f"──── rank {failure.rank}: {_summary(failure)} ────")
+            lines.extend(failure.traceback)
+        return lines
+
+    def __str__(self) -> str:
+        return "\n".join(self.render())
+
+
+def _summary(failure: RankResult) -> str:
+    if failure.status == "dead":
+        return failure.evalue
+    return f"{failure.ename}: {failure.evalue}" if failure.evalue else failure.ename
+
+
+def _headline(failures: list[RankResult]) -> str:
+    if not failures:
+        return "the cell failed"
+    first = failures[0]
+    others = [f.rank for f in failures[1:]]
+    also = f" (also failed: rank {format_ranks(others)})" if others else ""
+    return f"rank {first.rank} failed first: {_summary(first)}{also}"

@@ -1,0 +1,228 @@
+"""What a pool should be: validated launch options shared by the magics and the Python API.
+
+Everything a user types in a ``%%distributed`` line becomes a :class:`LaunchSpec` here, and every
+mistake becomes one :class:`SpecError` line that says what is wrong and what is allowed. Nothing in
+this module starts a process or imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from pathlib import Path
+
+__all__ = [
+    "Device",
+    "LaunchSpec",
+    "Offload",
+    "Precision",
+    "SpecError",
+    "Strategy",
+    "format_ranks",
+    "parse_ranks",
+    "visible_gpus",
+]
+
+DEFAULT_TIMEOUT = 60.0
+
+
+class SpecError(ValueError):
+    """A bad option: the message is one line saying what is wrong and what is allowed."""
+
+
+class Device(str, Enum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class Strategy(str, Enum):
+    NONE = "none"
+    DDP = "ddp"
+    FSDP = "fsdp"
+    DEEPSPEED = "deepspeed"
+
+
+class Offload(str, Enum):
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class Precision(str, Enum):
+    FP32 = "32"
+    BF16_MIXED = "bf16-mixed"
+    FP16_MIXED = "16-mixed"
+
+
+def _choice(enum: type[Enum], value: str, option: str) -> Enum:
+    try:
+        return enum(value)
+    except ValueError:
+        allowed = ", ".join(str(m.value) for m in enum)  # type: ignore[var-annotated]
+        raise SpecError(f"{option} {value!r} is not valid; choose one of: {allowed}") from None
+
+
+def visible_gpus() -> int:
+    """Count CUDA devices without importing torch or creating a CUDA context in the kernel."""
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        entries = [e for e in cvd.split(",") if e.strip() and e.strip() != "-1"]
+        return len(entries) if _nvidia_devices() else 0
+    return _nvidia_devices()
+
+
+def _nvidia_devices() -> int:
+    try:
+        names = os.listdir("/dev")
+    except OSError:
+        return 0
+    return sum(1 for n in names if re.fullmatch(r"nvidia\d+", n))
+
+
+_RANK_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def parse_ranks(text: str, world_size: int | None = None) -> tuple[int, ...]:
+    """Parse ``0``, ``0,2`` or ``1-3`` into sorted unique ranks, checked against ``world_size``."""
+    ranks: set[int] = set()
+    for item in text.replace(" ", "").split(","):
+        match = _RANK_ITEM.match(item)
+        if not match:
+            raise SpecError(f"rank list {text!r} is not valid; write ranks like 0, 0,2 or 1-3")
+        lo = int(match.group(1))
+        hi = int(match.group(2)) if match.group(2) is not None else lo
+        if hi < lo:
+            raise SpecError(f"rank range {item!r} runs backwards; write it as {hi}-{lo}")
+        ranks.update(range(lo, hi + 1))
+    if world_size is not None:
+        outside = sorted(r for r in ranks if r >= world_size)
+        if outside:
+            raise SpecError(
+                f"rank {outside[0]} does not exist: the pool has {world_size} ranks (0-{world_size - 1})"
+            )
+    return tuple(sorted(ranks))
+
+
+def format_ranks(ranks: Sequence[int]) -> str:
+    """The inverse of :func:`parse_ranks`: ``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    parts: list[str] = []
+    ordered = sorted(set(ranks))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """The shape of a pool. Two specs with the same :meth:`pool_key` can share a pool."""
+
+    nproc: int = 2
+    device: Device = Device.CPU
+    strategy: Strategy = Strategy.NONE
+    zero_stage: int | None = None
+    offload: Offload = Offload.NONE
+    precision: Precision = Precision.FP32
+    launcher: str = "local"
+    nodes: int = 1
+    timeout: float = DEFAULT_TIMEOUT
+    config: Path | None = None
+    env: tuple[tuple[str, str], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise SpecError(f"--nproc {self.nproc} is not valid; a pool needs at least 1 rank")
+        if self.nodes < 1:
+            raise SpecError(f"--nodes {self.nodes} is not valid; use 1 or more")
+        if self.zero_stage is not None and not 0 <= self.zero_stage <= 3:
+            raise SpecError(f"--zero-stage {self.zero_stage} is not valid; choose 0, 1, 2 or 3")
+        if self.timeout <= 0:
+            raise SpecError(f"--timeout {self.timeout:g} is not valid; give seconds above 0")
+        if self.device is Device.AUTO:
+            raise SpecError("resolve device 'auto' with LaunchSpec.create before building a spec")
+
+    @classmethod
+    def create(
+        cls,
+        nproc: int | None = None,
+        gpus: int | None = None,
+        device: str | Device = Device.AUTO,
+        strategy: str | Strategy = Strategy.NONE,
+        zero_stage: int | None = None,
+        offload: str | Offload = Offload.NONE,
+        precision: str | Precision = Precision.FP32,
+        launcher: str = "local",
+        nodes: int = 1,
+        timeout: float = DEFAULT_TIMEOUT,
+        config: str | Path | None = None,
+        gpu_count: int | None = None,
+    ) -> LaunchSpec:
+        """Resolve user options (``auto`` device, default rank count) into a checked spec."""
+        available = visible_gpus() if gpu_count is None else gpu_count
+        dev = Device(_choice(Device, str(getattr(device, "value", device)), "--device"))
+        strat = Strategy(_choice(Strategy, str(getattr(strategy, "value", strategy)), "--strategy"))
+        off = Offload(_choice(Offload, str(getattr(offload, "value", offload)), "--offload"))
+        prec = Precision(_choice(Precision, str(getattr(precision, "value", precision)), "--precision"))
+        if gpus is not None:
+            if nproc is not None and nproc != gpus:
+                raise SpecError(f"--gpus {gpus} and --nproc {nproc} disagree; give only one of them")
+            if dev is Device.CPU:
+                raise SpecError(f"--gpus {gpus} needs CUDA but --device is cpu; use --nproc {gpus}")
+            if gpus < 1:
+                raise SpecError(f"--gpus {gpus} is not valid; use 1 or more")
+            if gpus > available:
+                raise SpecError(
+                    f"--gpus {gpus} asked for, but {available} CUDA device(s) are visible; "
+                    f"run `--nproc {gpus} --device cpu` for CPU ranks"
+                )
+            dev, nproc = Device.CUDA, gpus
+        if dev is Device.AUTO:
+            dev = Device.CUDA if available > 0 else Device.CPU
+        if dev is Device.CUDA and available == 0:
+            raise SpecError(
+                "--device cuda asked for, but no CUDA device is visible; "
+                "use --device cpu (or auto) for CPU ranks"
+            )
+        if nproc is None:
+            nproc = available if dev is Device.CUDA else 2
+        if dev is Device.CUDA and nproc > available * nodes:
+            raise SpecError(
+                f"--nproc {nproc} CUDA ranks need {nproc} GPUs but {available} are visible; "
+                f"use --nproc {available} or --device cpu"
+            )
+        if zero_stage is not None and strat is not Strategy.DEEPSPEED:
+            raise SpecError("--zero-stage applies only to --strategy deepspeed")
+        path = Path(config).expanduser() if config is not None else None
+        if path is not None and not path.is_file():
+            raise SpecError(f"--config {str(config)!r} does not exist; give a path to a JSON file")
+        return cls(
+            nproc=nproc,
+            device=dev,
+            strategy=strat,
+            zero_stage=zero_stage,
+            offload=off,
+            precision=prec,
+            launcher=launcher,
+            nodes=nodes,
+            timeout=timeout,
+            config=path,
+        )
+
+    def pool_key(self) -> tuple[int, Device, str, int]:
+        """The fields whose change needs new rank processes."""
+        return (self.nproc, self.device, self.launcher, self.nodes)
+
+    def with_changes(self, **changes: object) -> LaunchSpec:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def describe(self) -> str:
+        kind = "GPU" if self.device is Device.CUDA else "CPU"
+        return f"{self.nproc} {kind} rank{'s' if self.nproc != 1 else ''} · {self.strategy.value}"

@@ -1,0 +1,54 @@
+"""Strategy registry: how ``shard.prepare`` wraps a model, and how backward and step run.
+
+Built-ins register by name; third-party strategies register through the
+``jupyter_shard.strategies`` entry-point group or :func:`register_strategy`. Imports are lazy so
+that the kernel never imports torch through this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib import import_module
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jupyter_shard.strategies.base import StrategyBase
+
+__all__ = ["available_strategies", "create_strategy", "register_strategy"]
+
+ENTRY_POINT_GROUP = "jupyter_shard.strategies"
+
+_BUILTIN: dict[str, str] = {
+    "none": "jupyter_shard.strategies.base:NoStrategy",
+    "ddp": "jupyter_shard.strategies.ddp:DDPStrategy",
+}
+_registered: dict[str, tuple[Callable[..., StrategyBase], dict[str, Any]]] = {}
+
+
+def register_strategy(name: str, cls: Callable[..., StrategyBase], **defaults: Any) -> None:
+    """Make ``--strategy name`` build ``cls(**defaults, **options)`` on every rank."""
+    _registered[name] = (cls, defaults)
+
+
+def _entry_points() -> dict[str, str]:
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def available_strategies() -> list[str]:
+    return sorted({*_BUILTIN, *_entry_points(), *_registered})
+
+
+def create_strategy(name: str, **options: Any) -> StrategyBase:
+    if name in _registered:
+        cls, defaults = _registered[name]
+        return cls(**{**defaults, **options})
+    target = _BUILTIN.get(name) or _entry_points().get(name)
+    if target is None:
+        raise ValueError(
+            f"strategy {name!r} is not installed in this version of jupyter_shard; "
+            f"available: {', '.join(available_strategies())}"
+        )
+    module, _, attr = target.partition(":")
+    factory: Callable[..., StrategyBase] = getattr(import_module(module), attr)
+    return factory(**options)

@@ -1,0 +1,1 @@
+"""What the notebook shows: rank output now; the dashboard and strategy picker build on it."""

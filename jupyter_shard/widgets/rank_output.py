@@ -1,0 +1,217 @@
+"""Rank output in the kernel: complete lines labelled ``[rank k]``, progress bars as one live line.
+
+Ranks send output in coalesced chunks. A :class:`LineAssembler` per rank and stream turns chunks
+into whole lines and a "live" partial line (text after a ``\\r``, as tqdm writes). A sink then shows
+them: :class:`ConsoleSink` writes to this process's stdout/stderr (scripts, tests);
+:class:`NotebookSink` writes lines to the cell's streams and shows each live line as one display
+that is updated in place (at most 10 times a second), so a progress bar is one line, not thousands.
+"""
+
+from __future__ import annotations
+
+import html
+import sys
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+LIVE_INTERVAL = 0.1
+MAX_LINES_SHOWN = 5000
+MAX_BYTES_SHOWN = 2 * 1024 * 1024
+
+
+def visible_text(segment: str) -> str:
+    """What a terminal shows for a line written with carriage returns."""
+    parts = [p for p in segment.split("\r") if p]
+    return parts[-1] if parts else ""
+
+
+@dataclass
+class LineAssembler:
+    partial: str = ""
+
+    def feed(self, text: str) -> tuple[list[tuple[str, bool]], str | None]:
+        """Complete lines as ``(visible text, was a live line)``, and the live text if any."""
+        data = self.partial + text
+        *complete, self.partial = data.split("\n")
+        lines = [(visible_text(line), "\r" in line) for line in complete]
+        live = visible_text(self.partial) if "\r" in self.partial else None
+        return lines, live
+
+    def finish(self) -> list[tuple[str, bool]]:
+        if not self.partial:
+            return []
+        line, self.partial = self.partial, ""
+        return [(visible_text(line), "\r" in line)]
+
+
+@dataclass
+class _Budget:
+    lines: int = 0
+    size: int = 0
+    exhausted: bool = False
+
+
+class RankSink(ABC):
+    """Shows rank output; subclasses say where. Caps what is shown per cell (the log keeps all)."""
+
+    def __init__(self) -> None:
+        self._assemblers: dict[tuple[int, str], LineAssembler] = {}
+        self._budgets: dict[int, _Budget] = {}
+        self.log_paths: dict[int, str] = {}
+
+    def begin_cell(self) -> None:
+        self._assemblers.clear()
+        self._budgets.clear()
+
+    def stream(self, rank: int, name: str, text: str) -> None:
+        assembler = self._assemblers.setdefault((rank, name), LineAssembler())
+        lines, live = assembler.feed(text)
+        self._emit(rank, name, lines)
+        if live is not None:
+            self.live_line(rank, name, live, final=False)
+
+    def end_cell(self) -> None:
+        for (rank, name), assembler in self._assemblers.items():
+            self._emit(rank, name, assembler.finish())
+        self.flush()
+
+    def _emit(self, rank: int, name: str, lines: list[tuple[str, bool]]) -> None:
+        budget = self._budgets.setdefault(rank, _Budget())
+        plain: list[str] = []
+        for text, was_live in lines:
+            if was_live:
+                self._write_lines(rank, name, plain)
+                plain = []
+                self.live_line(rank, name, text, final=True)
+                continue
+            if budget.exhausted:
+                continue
+            budget.lines += 1
+            budget.size += len(text)
+            if budget.lines > MAX_LINES_SHOWN or budget.size > MAX_BYTES_SHOWN:
+                budget.exhausted = True
+                where = self.log_paths.get(rank, "the rank's log file")
+                plain.append(f"… more output not shown here; the full log is in {where}")
+                continue
+            plain.append(text)
+        self._write_lines(rank, name, plain)
+
+    def _write_lines(self, rank: int, name: str, lines: list[str]) -> None:
+        if lines:
+            self.write(name, "".join(f"[rank {rank}] {line}\n" for line in lines))
+
+    @abstractmethod
+    def write(self, name: str, text: str) -> None:
+        """Show it."""
+
+    @abstractmethod
+    def live_line(self, rank: int, name: str, text: str, final: bool) -> None:
+        """Show it."""
+
+    @abstractmethod
+    def display(self, rank: int, data: dict[str, Any], metadata: dict[str, Any]) -> None:
+        """Show it."""
+
+    def notice(self, text: str) -> None:
+        self.write("stderr", text.rstrip("\n") + "\n")
+
+    def flush(self) -> None:
+        pass
+
+
+class ConsoleSink(RankSink):
+    """For scripts and tests: labelled lines on this process's own streams."""
+
+    def __init__(self, stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
+        super().__init__()
+        self._out = stdout
+        self._err = stderr
+
+    def write(self, name: str, text: str) -> None:
+        target = (self._err or sys.stderr) if name == "stderr" else (self._out or sys.stdout)
+        target.write(text)
+
+    def live_line(self, rank: int, name: str, text: str, final: bool) -> None:
+        if final:
+            self.write(name, f"[rank {rank}] {text}\n")
+
+    def display(self, rank: int, data: dict[str, Any], metadata: dict[str, Any]) -> None:
+        self.write("stdout", f"[rank {rank}] {data.get('text/plain', '<display>')}\n")
+
+    def flush(self) -> None:
+        for stream in (self._out or sys.stdout, self._err or sys.stderr):
+            stream.flush()
+
+
+@dataclass
+class _Live:
+    handle: Any
+    text: str = ""
+    shown_at: float = 0.0
+    shown: str = field(default="")
+
+
+class NotebookSink(RankSink):
+    """Inside a Jupyter kernel: streams to the cell, live lines and rich output as displays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[tuple[int, str], _Live] = {}
+
+    def begin_cell(self) -> None:
+        super().begin_cell()
+        self._live.clear()
+
+    def write(self, name: str, text: str) -> None:
+        (sys.stderr if name == "stderr" else sys.stdout).write(text)
+
+    def live_line(self, rank: int, name: str, text: str, final: bool) -> None:
+        from IPython.display import DisplayHandle
+
+        key = (rank, name)
+        live = self._live.get(key)
+        label = f"[rank {rank}] {text}"
+        if live is None:
+            self.flush()
+            handle = DisplayHandle()
+            handle.display({"text/plain": label}, raw=True)
+            live = self._live[key] = _Live(handle=handle, text=label, shown_at=time.monotonic(), shown=label)
+        live.text = label
+        now = time.monotonic()
+        if (final or now - live.shown_at >= LIVE_INTERVAL) and live.shown != label:
+            live.handle.update({"text/plain": label}, raw=True)
+            live.shown_at, live.shown = now, label
+        if final:
+            del self._live[key]
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for live in self._live.values():
+            if live.shown != live.text:
+                live.handle.update({"text/plain": live.text}, raw=True)
+                live.shown, live.shown_at = live.text, time.monotonic()
+
+    def display(self, rank: int, data: dict[str, Any], metadata: dict[str, Any]) -> None:
+        from IPython.display import publish_display_data
+
+        self.flush()
+        publish_display_data(label_bundle(rank, data), {**metadata, "jupyter_shard": {"rank": rank}})
+
+
+def label_bundle(rank: int, data: dict[str, Any]) -> dict[str, Any]:
+    """Add the rank to a display bundle, keeping a plain-text fallback for saved notebooks."""
+    labelled = dict(data)
+    labelled["text/plain"] = f"[rank {rank}] {data.get('text/plain', '')}"
+    tag = f'<div class="jupyter-shard-rank" data-rank="{rank}"><small>[rank {rank}]</small>'
+    if "text/html" in data:
+        labelled["text/html"] = f"{tag}{data['text/html']}</div>"
+    else:
+        for mime in ("image/png", "image/jpeg"):
+            if mime in data:
+                src = html.escape(f"data:{mime};base64,{data[mime]}", quote=True)
+                labelled["text/html"] = f'{tag}<br><img src="{src}"></div>'
+                break
+    return labelled
