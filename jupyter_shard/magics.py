@@ -89,7 +89,7 @@ class DistributedMagics(Magics):
         except SpecError as exc:
             raise UsageError(str(exc)) from None
         pool = self._pool_for(spec)
-        return self._run(pool, cell, ranks, opts.timeout)
+        return self._run(f"%%distributed {line}".strip(), pool, cell, ranks, opts.timeout)
 
     @cell_magic
     def rank(self, line: str, cell: str) -> Any:
@@ -99,11 +99,16 @@ class DistributedMagics(Magics):
             ranks = parse_ranks(line.strip() or "0", pool.world_size)
         except SpecError as exc:
             raise UsageError(str(exc)) from None
-        return self._run(pool, cell, ranks, None)
+        return self._run(f"%%rank {line}".strip(), pool, cell, ranks, None)
 
-    def _run(self, pool: Pool, cell: str, ranks: tuple[int, ...] | None, timeout: float | None) -> Any:
+    def _run(
+        self, magic: str, pool: Pool, cell: str, ranks: tuple[int, ...] | None, timeout: float | None
+    ) -> Any:
         count = self.shell.execution_count if self.shell is not None else 0
-        result = pool.run(cell, ranks, timeout=timeout, exec_count=count)
+        # The magic line, as a comment, keeps traceback line numbers equal to the notebook's; a body that
+        # starts with a cell magic of its own (%%time) must keep it on its first line.
+        code = cell if cell.startswith("%%") else f"# {magic}\n{cell}"
+        result = pool.run(code, ranks, timeout=timeout, exec_count=count)
         lowest = min(result.ranks)
         value = result.ranks[lowest].result
         if value is None:
@@ -128,6 +133,8 @@ class DistributedMagics(Magics):
             }
             if "gpus" in given or "device" in given:
                 base.pop("nproc")
+            if "gpus" in given:
+                base.pop("device")
         return LaunchSpec.create(**{**base, **given})
 
     def _pool_for(self, spec: LaunchSpec) -> Pool:

@@ -14,6 +14,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import weakref
@@ -34,7 +35,9 @@ from jupyter_shard.protocol import (
     Message,
     ProtocolError,
     Wire,
+    io_identity,
     new_key,
+    parse_identity,
     rank_identity,
 )
 from jupyter_shard.results import DistributedError, PoolError, RankResult, RankState, RankStatus, RunResult
@@ -59,6 +62,9 @@ class _Rank:
         self.handle = handle
         self.rank = handle.rank
         self.identity = rank_identity(handle.rank).encode()
+        self.io_identity = io_identity(handle.rank).encode()
+        self.io_received = 0
+        self.pending_done: Message | None = None
         self.state = RankState.STARTING
         self.device = ""
         self.log_path = log_path
@@ -97,6 +103,8 @@ class Pool:
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LIMIT)
         self.log_dir: Path | None = None
         self.on_notice: Callable[[str], None] | None = None
+        self._io_lock = threading.RLock()  # the socket is shared by run() and e.g. stacks()
+        self._restart_reason: str | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -236,6 +244,7 @@ class Pool:
     def restart(self, spec: LaunchSpec | None = None) -> None:
         """New rank processes (rank state is lost), with the same or a new spec."""
         self.shutdown()
+        self._restart_reason = None
         if spec is not None:
             self.spec = spec
         self.start()
@@ -250,6 +259,9 @@ class Pool:
         exec_count: int = 0,
     ) -> RunResult:
         """Run ``code`` on ``ranks`` (default: all); raise :class:`DistributedError` if any fails."""
+        if self._restart_reason is not None:
+            self._notice(f"restarting the pool ({self._restart_reason}); rank state is lost")
+            self.restart()
         self.start()
         targets = self._targets(ranks)
         cell_id = uuid.uuid4().hex
@@ -297,8 +309,12 @@ class Pool:
                 pending = {k for k in pending if result.ranks[k].status == "pending"}
                 if not pending:
                     break
-                failed_at = [f.failed_at for f in result.ranks.values() if f.failed_at]
-                if failed_at and time.monotonic() - min(failed_at) > DESYNC_GRACE:
+                failed = [f for f in result.ranks.values() if f.failed_at]
+                dead = [f.rank for f in failed if f.status == "dead"]
+                if dead:
+                    self._stop(result, pending, f"stopped because rank {format_ranks(dead)} died")
+                    break
+                if failed and time.monotonic() - min(f.failed_at for f in failed) > DESYNC_GRACE:
                     self._stop(result, pending, "still running after another rank failed")
                     break
                 if timeout is not None and time.monotonic() - started > timeout:
@@ -344,20 +360,22 @@ class Pool:
             if all(result.ranks[k].status != "pending" for k in ranks):
                 return
         stuck = [k for k in ranks if result.ranks[k].status == "pending"]
+        stacks = self.stacks(timeout=1.0, ranks=stuck)
         for k in stuck:
             self._ranks[k].handle.kill_tree()
             self._check_exit(self._ranks[k], result)
-            result.ranks[k].traceback.insert(
-                0,
-                f"rank {k} did not stop within {INTERRUPT_GRACE:g} s of SIGINT (blocked in a collective or native code?)",
-            )
+            result.ranks[k].traceback[:0] = [
+                f"rank {k} did not stop within {INTERRUPT_GRACE:g} s of SIGINT "
+                "(blocked in a collective or native code?); its stack before it was killed:",
+                stacks[k],
+            ]
         note = (
             f"killed rank {format_ranks(stuck)} (no response to SIGINT within {INTERRUPT_GRACE:g} s); "
-            "restarting the pool: rank state is lost"
+            "the next cell restarts the pool: rank state is lost"
         )
         result.notes.append(note)
         self._notice(note)
-        self.restart()
+        self._restart_reason = f"rank {format_ranks(stuck)} was killed"
 
     # -- moving values ---------------------------------------------------------------------------
 
@@ -417,12 +435,14 @@ class Pool:
             )
         return rows
 
-    def stacks(self, timeout: float = 2.0) -> dict[int, str]:
-        """Every rank's current Python stacks (main thread first), even mid-cell."""
-        live = self._live()
+    def stacks(self, timeout: float = 2.0, ranks: Sequence[int] | None = None) -> dict[int, str]:
+        """Every rank's current Python stacks, even mid-cell (safe to call from another thread)."""
+        chosen = sorted(self._ranks) if ranks is None else sorted(ranks)
+        live = [r for r in self._live() if r.rank in chosen]
         replies = self._request("stacks", {}, live, timeout=timeout)
         out: dict[int, str] = {}
-        for k, r in sorted(self._ranks.items()):
+        for k in chosen:
+            r = self._ranks[k]
             if k in replies:
                 parts = [f"{s['thread']}:\n{s['stack']}" for s in replies[k].body["stacks"]]
                 out[k] = "\n".join(parts)
@@ -445,9 +465,10 @@ class Pool:
 
     def _send(self, r: _Rank, msg_type: str, body: dict[str, Any], buffers: Iterable[bytes] = ()) -> None:
         assert self._sock is not None and self._wire is not None
-        frames = [r.identity, *self._wire.encode(msg_type, body, list(buffers))]
+        identity = r.io_identity if msg_type in _IO_REQUESTS else r.identity
         try:
-            self._sock.send_multipart(frames, copy=False)
+            with self._io_lock:
+                self._sock.send_multipart([identity, *self._wire.encode(msg_type, body, list(buffers))])
         except zmq.ZMQError as exc:
             raise PoolError(f"rank {r.rank} is not connected ({exc}); run %dist_restart") from None
 
@@ -480,21 +501,28 @@ class Pool:
         if sock is None or wire is None:
             return
         wait_ms = int(timeout * 1000)
-        while sock.poll(wait_ms, zmq.POLLIN):
-            wait_ms = 0
-            frames = sock.recv_multipart(copy=True)
-            identity = frames[0].decode(errors="replace")
-            rank = _rank_of(identity)
-            if rank not in self._ranks:
-                continue
-            try:
-                msg = wire.decode(frames[1:], expect_sender=identity)
-            except ProtocolError as exc:
-                print(f"jupyter_shard: dropped a message on the pool socket: {exc}", file=sys.__stderr__)
-                continue
-            handler = _HANDLERS.get(msg.type)
-            if handler is not None:
-                handler(self, self._ranks[rank], msg)
+        with self._io_lock:
+            while sock.poll(wait_ms, zmq.POLLIN):
+                wait_ms = 0
+                self._dispatch(wire, sock.recv_multipart(copy=True))
+
+    def _dispatch(self, wire: Wire, frames: list[bytes]) -> None:
+        rank, is_io = parse_identity(frames[0])
+        r = self._ranks.get(rank)
+        if r is None:
+            return
+        try:
+            msg = wire.decode(frames[1:], expect_sender=frames[0].decode())
+        except ProtocolError as exc:
+            print(f"jupyter_shard: dropped a message on the pool socket: {exc}", file=sys.__stderr__)
+            return
+        handler = _HANDLERS.get(msg.type)
+        if handler is not None:
+            handler(self, r, msg)
+        if is_io:
+            r.io_received += 1
+            if r.pending_done is not None and r.io_received >= r.pending_done.body["io_count"]:
+                self._finish(r, r.pending_done)
 
     def _notice(self, text: str) -> None:
         if self.on_notice is not None:
@@ -528,6 +556,13 @@ class Pool:
             self._run.ranks[r.rank].result = dict(msg.body["data"])
 
     def _on_done(self, r: _Rank, msg: Message) -> None:
+        if r.io_received < int(msg.body["io_count"]):
+            r.pending_done = msg  # its output is still in flight on the I/O socket
+            return
+        self._finish(r, msg)
+
+    def _finish(self, r: _Rank, msg: Message) -> None:
+        r.pending_done = None
         body = msg.body
         ok = body["status"] == "ok"
         r.state, r.cell = (RankState.IDLE if ok else RankState.FAILED), ""
@@ -553,6 +588,8 @@ class Pool:
             bucket[r.rank] = msg
 
 
+_IO_REQUESTS = frozenset({"stacks", "status"})
+
 _HANDLERS: dict[str, Callable[[Pool, _Rank, Message], None]] = {
     "ready": Pool._on_ready,
     "startup_failed": Pool._on_startup_failed,
@@ -566,11 +603,6 @@ _HANDLERS: dict[str, Callable[[Pool, _Rank, Message], None]] = {
     "stacks_reply": Pool._on_reply,
     "status_reply": Pool._on_reply,
 }
-
-
-def _rank_of(identity: str) -> int:
-    prefix, _, number = identity.partition("-")
-    return int(number) if prefix == "rank" and number.isdigit() else -1
 
 
 def _head(code: str) -> str:

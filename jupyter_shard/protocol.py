@@ -202,4 +202,20 @@ class Wire:
 
 
 def rank_identity(rank: int) -> str:
+    """The socket identity of a rank's main thread."""
     return f"rank-{rank}"
+
+
+def io_identity(rank: int) -> str:
+    """The socket identity of a rank's I/O thread."""
+    return f"rank-{rank}.io"
+
+
+def parse_identity(identity: bytes) -> tuple[int, bool]:
+    """``(rank, is_io)`` for a socket identity, or ``(-1, False)`` if it is not a rank's."""
+    text = identity.decode("ascii", errors="replace")
+    base, io = (text[:-3], True) if text.endswith(".io") else (text, False)
+    prefix, _, number = base.partition("-")
+    if prefix != "rank" or not number.isdigit() or len(number) > 6:
+        return -1, False
+    return int(number), io

@@ -115,6 +115,8 @@ def _summary(failure: RankResult) -> str:
 def _headline(failures: list[RankResult]) -> str:
     if not failures:
         return "the cell failed"
+    if all(f.status == "interrupted" for f in failures):
+        return f"interrupted: KeyboardInterrupt on rank {format_ranks([f.rank for f in failures])}"
     first = failures[0]
     others = [f.rank for f in failures[1:]]
     also = f" (also failed: rank {format_ranks(others)})" if others else ""

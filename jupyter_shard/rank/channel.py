@@ -1,13 +1,19 @@
-"""The rank's one link to the kernel: a DEALER socket owned by an I/O thread.
+"""A rank's two links to the kernel, one per thread, so that a no-op cell costs one wake-up each way.
 
-The main thread runs user code, so everything that must happen while a cell runs lives here:
-flushing buffered output on a timer, answering stack and status requests, and watching the
-lifeline (when the kernel dies, the rank and its process group go with it). Only this thread
-encodes and sends, so every message leaves in ``seq`` order.
+- :class:`ShellSocket` (identity ``rank-k``) belongs to the main thread: it receives cells, pushes
+  and pulls and sends their replies directly, with no thread hand-off on the hot path.
+- :class:`Channel` (identity ``rank-k.io``) belongs to an I/O thread: it sends output (flushed on a
+  timer, so a cell blocked in native code still streams), metrics, and answers stack and status
+  requests while a cell runs.
+
+Each socket signs with its own :class:`Wire`, so each has its own growing ``seq``. ``done`` carries
+how many messages the I/O thread had been given (``io_count``), and the kernel waits for those
+before it finishes the cell: output is never reported after the cell it belongs to.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import select
@@ -27,19 +33,51 @@ FLUSH_INTERVAL = 0.05
 Handler = Callable[[Message], None]
 
 
+def _connect(ctx: zmq.Context[zmq.Socket[bytes]], address: str, identity: str) -> zmq.Socket[bytes]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity.encode())
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+    sock.connect(address)
+    return sock
+
+
+def _decode(wire: Wire, frames: list[bytes]) -> Message | None:
+    try:
+        return wire.decode(frames, expect_sender=KERNEL)
+    except ProtocolError as exc:
+        print(f"jupyter_shard: dropped a message from the kernel: {exc}", file=sys.__stderr__)
+        return None
+
+
+class ShellSocket:
+    """Main-thread requests and replies."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, key: bytes, identity: str) -> None:
+        self.wire = Wire(key, identity)
+        self._sock = _connect(ctx, address, identity)
+
+    def recv(self) -> Message:
+        while True:
+            msg = _decode(self.wire, self._sock.recv_multipart())
+            if msg is not None:
+                return msg
+
+    def send(self, msg_type: str, body: dict[str, Any], buffers: list[bytes] | None = None) -> None:
+        self._sock.send_multipart(self.wire.encode(msg_type, body, buffers or []), copy=False)
+
+
 class Channel:
-    def __init__(self, address: str, wire: Wire) -> None:
-        self.wire = wire
-        self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+    """The I/O thread's socket, its outbox, and request handlers that run on that thread."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, key: bytes, identity: str) -> None:
+        self.wire = Wire(key, identity)
         self._outbox: queue.SimpleQueue[tuple[str, dict[str, Any], list[bytes]]] = queue.SimpleQueue()
+        self._count = 0
+        self._count_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IDENTITY, wire.sender.encode())
-        self._sock.setsockopt(zmq.LINGER, 2000)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
-        self._sock.connect(address)
+        self._sock = _connect(ctx, address, identity)
         self.io_handlers: dict[str, Handler] = {}
         self.flushers: list[Callable[[], None]] = []
         self._stopped = threading.Event()
@@ -48,26 +86,35 @@ class Channel:
     def start(self) -> None:
         self._thread.start()
 
-    def send(self, msg_type: str, body: dict[str, Any], buffers: list[bytes] | None = None) -> None:
-        """Queue a message; output written before this call is sent before it."""
+    @property
+    def count(self) -> int:
+        """How many messages have been queued so far (the kernel counts what it receives)."""
+        return self._count
+
+    def flush(self) -> int:
+        """Queue all buffered output; returns :attr:`count` after it."""
         for flush in self.flushers:
             flush()
+        return self._count
+
+    def send(self, msg_type: str, body: dict[str, Any], buffers: list[bytes] | None = None) -> None:
+        """Queue a message after any output written before this call."""
+        self.flush()
         self.enqueue(msg_type, body, buffers or [])
 
     def enqueue(self, msg_type: str, body: dict[str, Any], buffers: list[bytes]) -> None:
-        self._outbox.put((msg_type, body, buffers))
+        with self._count_lock:
+            self._count += 1
+            self._outbox.put((msg_type, body, buffers))
         self._wake()
 
     def _wake(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass
 
     def close(self, timeout: float = 2.0) -> None:
         """Send what is queued, then stop the I/O thread."""
-        for flush in self.flushers:
-            flush()
+        self.flush()
         self._stopped.set()
         self._wake()
         self._thread.join(timeout)
@@ -99,19 +146,13 @@ class Channel:
     def _receive(self) -> None:
         while True:
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                msg = self.wire.decode(frames, expect_sender=KERNEL)
-            except ProtocolError as exc:
-                print(f"jupyter_shard: dropped a message from the kernel: {exc}", file=sys.__stderr__)
-                continue
-            handler = self.io_handlers.get(msg.type)
-            if handler is not None:
+            msg = _decode(self.wire, frames)
+            handler = self.io_handlers.get(msg.type) if msg is not None else None
+            if msg is not None and handler is not None:
                 handler(msg)
-            else:
-                self.inbox.put(msg)
 
 
 def watch_lifeline(fd: int, parent_pid: int) -> None:

@@ -20,8 +20,10 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any
 
-from jupyter_shard.protocol import KEY_ENV, MAX_FRAME, Message, Wire, rank_identity
-from jupyter_shard.rank.channel import Channel, watch_lifeline
+import zmq
+
+from jupyter_shard.protocol import KEY_ENV, MAX_FRAME, Message, io_identity, rank_identity
+from jupyter_shard.rank.channel import Channel, ShellSocket, watch_lifeline
 from jupyter_shard.rank.output import RankStream
 
 ENV_PREFIX = "JUPYTER_SHARD_"
@@ -55,8 +57,9 @@ def _env(name: str) -> str:
 def main() -> None:
     key = bytes.fromhex(os.environ.pop(KEY_ENV))
     rank = int(os.environ["RANK"])
-    wire = Wire(key, rank_identity(rank))
-    channel = Channel(_env("ADDRESS"), wire)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    channel = Channel(ctx, _env("ADDRESS"), key, io_identity(rank))
+    shell_sock = ShellSocket(ctx, _env("ADDRESS"), key, rank_identity(rank))
     watch_lifeline(int(_env("LIFELINE_FD")), int(_env("PARENT_PID")))
     state = RankState()
     log = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="replace")
@@ -69,17 +72,18 @@ def main() -> None:
     channel.start()
     sys.argv = [""]
     try:
-        runner = _start_up(rank, channel, state)
+        runner = _start_up(rank, channel, shell_sock, state)
     except BaseException:
         tb = traceback.format_exc()
         print(tb, file=sys.stderr)
-        channel.send("startup_failed", {"rank": rank, "traceback": tb})
         channel.close()
+        shell_sock.send("startup_failed", {"rank": rank, "traceback": tb})
+        time.sleep(0.2)
         os._exit(1)
     runner.loop()
 
 
-def _start_up(rank: int, channel: Channel, state: RankState) -> _Runner:
+def _start_up(rank: int, channel: Channel, shell_sock: ShellSocket, state: RankState) -> _Runner:
     import torch
     import torch.distributed as dist
 
@@ -108,7 +112,7 @@ def _start_up(rank: int, channel: Channel, state: RankState) -> _Runner:
     shard_module.set_current(helper)
     channel.flushers.append(helper.flush_metrics)
     shell = RankShell.create(channel, {"shard": helper, "__name__": "__main__"})
-    channel.send(
+    shell_sock.send(
         "ready",
         {
             "rank": rank,
@@ -118,15 +122,16 @@ def _start_up(rank: int, channel: Channel, state: RankState) -> _Runner:
             "log_path": _env("LOG"),
         },
     )
-    return _Runner(rank, channel, state, shell)
+    return _Runner(rank, channel, shell_sock, state, shell)
 
 
 class _Runner:
     """The main thread's loop: one handler per message type, an unknown type is logged."""
 
-    def __init__(self, rank: int, channel: Channel, state: RankState, shell: Any) -> None:
+    def __init__(self, rank: int, channel: Channel, sock: ShellSocket, state: RankState, shell: Any) -> None:
         self.rank = rank
         self.channel = channel
+        self.sock = sock
         self.state = state
         self.shell = shell
         self.handlers = {
@@ -135,15 +140,11 @@ class _Runner:
             "pull": self.pull,
             "shutdown": self.shutdown,
         }
-        signal.signal(signal.SIGINT, self._on_sigint)
-
-    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
-        if self.state.executing:
-            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, _ignore)
 
     def loop(self) -> None:
         while True:
-            msg = self.channel.inbox.get()
+            msg = self.sock.recv()
             handler = self.handlers.get(msg.type)
             if handler is None:
                 print(f"jupyter_shard: rank {self.rank} ignored a {msg.type!r} message", file=sys.__stderr__)
@@ -156,15 +157,19 @@ class _Runner:
         started = time.perf_counter()
         self.state.begin(cell_id, code)
         try:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             error = self.shell.run(code, cell_id, int(body.get("exec_count", 0)))
+            signal.signal(signal.SIGINT, _ignore)
         except KeyboardInterrupt:
             error = ("KeyboardInterrupt", "", ["KeyboardInterrupt"])
         finally:
+            signal.signal(signal.SIGINT, _ignore)
             self.state.end()
         name, value, tb = error or ("", "", [])
-        self.channel.send(
+        self.sock.send(
             "done",
             {
+                "io_count": self.channel.flush(),
                 "cell_id": cell_id,
                 "status": "error" if error else "ok",
                 "ename": name,
@@ -184,7 +189,7 @@ class _Runner:
             reply: dict[str, Any] = {"req_id": msg.body["req_id"], "ok": True, "error": ""}
         except Exception as exc:
             reply = {"req_id": msg.body["req_id"], "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        self.channel.send("push_reply", reply)
+        self.sock.send("push_reply", reply)
 
     def pull(self, msg: Message) -> None:
         import cloudpickle
@@ -206,11 +211,15 @@ class _Runner:
                     reply["ok"], buffers = True, [data]
             except Exception as exc:
                 reply["error"] = f"{name!r} could not be pickled: {type(exc).__name__}: {exc}"
-        self.channel.send("pull_reply", reply, buffers)
+        self.sock.send("pull_reply", reply, buffers)
 
     def shutdown(self, msg: Message) -> None:
         self.channel.close()
         os._exit(0)
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """SIGINT between cells: nothing to interrupt (a no-op handler, not SIG_IGN, which children inherit)."""
 
 
 def _reply_stacks(channel: Channel, msg: Message) -> None:

@@ -35,6 +35,7 @@ class LineAssembler:
         """Complete lines as ``(visible text, was a live line)``, and the live text if any."""
         data = self.partial + text
         *complete, self.partial = data.split("\n")
+        complete = [line.removesuffix("\r") for line in complete]  # CRLF, as from a pty (`!cmd`)
         lines = [(visible_text(line), "\r" in line) for line in complete]
         live = visible_text(self.partial) if "\r" in self.partial else None
         return lines, live

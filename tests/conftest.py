@@ -1,0 +1,130 @@
+"""Shared fixtures: a real IPython kernel driven through jupyter_client, with its output collected.
+
+Every kernel started here is shut down (and, if needed, killed) by the fixture's finaliser, and each
+test gets its own log directory so rank logs can be inspected.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jupyter_client.manager import KernelManager
+
+
+@dataclass
+class CellRun:
+    reply: dict[str, Any]
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    elapsed: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.reply["content"]["status"] == "ok")
+
+    def stream(self, name: str = "stdout") -> str:
+        return "".join(o["text"] for o in self.outputs if o["type"] == "stream" and o["name"] == name)
+
+    @property
+    def error(self) -> dict[str, Any]:
+        errors = [o for o in self.outputs if o["type"] == "error"]
+        assert errors, f"no error output; outputs: {self.outputs}"
+        return errors[0]
+
+    def error_text(self) -> str:
+        return "\n".join(self.error["traceback"])
+
+    def data(self, kind: str = "display_data") -> list[dict[str, Any]]:
+        return [o["data"] for o in self.outputs if o["type"] == kind]
+
+
+class Kernel:
+    """A kernel subprocess running this interpreter, plus a blocking client."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.km = KernelManager(kernel_name="python3")
+        self.km.kernel_cmd = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+        env = {**os.environ, "JUPYTER_SHARD_LOG_DIR": str(log_dir), "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+        self.km.start_kernel(env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    @property
+    def pid(self) -> int:
+        provisioner = self.km.provisioner
+        assert provisioner is not None
+        return int(provisioner.process.pid)  # type: ignore[attr-defined]
+
+    def execute(self, code: str, timeout: float = 120.0, on_output: Any = None) -> CellRun:
+        started = time.monotonic()
+        msg_id = self.kc.execute(code)
+        run = CellRun(reply={})
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=timeout)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind = msg["msg_type"]
+            content = msg["content"]
+            if kind == "status" and content["execution_state"] == "idle":
+                break
+            if kind in ("stream", "display_data", "execute_result", "error", "update_display_data"):
+                run.outputs.append({"type": kind, **content})
+                if on_output is not None:
+                    on_output(run.outputs[-1])
+        run.reply = self.kc.get_shell_msg(timeout=timeout)
+        while run.reply["parent_header"].get("msg_id") != msg_id:
+            run.reply = self.kc.get_shell_msg(timeout=timeout)
+        run.elapsed = time.monotonic() - started
+        return run
+
+    def shutdown(self) -> None:
+        try:
+            self.kc.stop_channels()
+            self.km.shutdown_kernel(now=False)
+        finally:
+            if self.km.has_kernel:
+                self.km.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def log_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "logs"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def kernel_factory(log_dir: Path) -> Iterator[Any]:
+    kernels: list[Kernel] = []
+
+    def make() -> Kernel:
+        k = Kernel(log_dir)
+        kernels.append(k)
+        return k
+
+    yield make
+    for k in kernels:
+        k.shutdown()
+
+
+@pytest.fixture
+def kernel(kernel_factory: Any) -> Kernel:
+    k: Kernel = kernel_factory()
+    return k
+
+
+@pytest.fixture(scope="module")
+def shared_kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kernel]:
+    """One kernel with a 2-rank pool for a module of tests that only read or add rank state."""
+    k = Kernel(tmp_path_factory.mktemp("logs"))
+    run = k.execute("%load_ext jupyter_shard")
+    assert run.ok, run.outputs
+    yield k
+    k.shutdown()

@@ -1,0 +1,230 @@
+"""``%%distributed`` and friends through a real kernel (jupyter_client) with 2 CPU ranks on gloo.
+
+One kernel and one pool serve the whole module, in order: each test adds to the rank state the
+next one may rely on, as a notebook would.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def nb(shared_kernel: Any) -> Any:
+    run = shared_kernel.execute("%%distributed --nproc 2 --device cpu\nimport os, sys\nstate = 'kept'")
+    assert run.ok, run.outputs
+    return shared_kernel
+
+
+def test_hello_all_reduce_labels_each_rank(nb: Any) -> None:
+    run = nb.execute(
+        "%%distributed\n"
+        "import torch, torch.distributed as dist\n"
+        "t = torch.ones(1) * (shard.rank + 1)\n"
+        "dist.all_reduce(t)\n"
+        "print('rank', shard.rank, 'of', shard.world_size, 'sum', t.item())\n"
+    )
+    assert run.ok, run.outputs
+    lines = sorted(run.stream("stdout").splitlines())
+    assert lines == ["[rank 0] rank 0 of 2 sum 3.0", "[rank 1] rank 1 of 2 sum 3.0"]
+
+
+def test_state_lives_between_cells_and_last_value_comes_from_rank_0(nb: Any) -> None:
+    nb.execute("%%distributed\nvalue = 10 * (shard.rank + 1)")
+    run = nb.execute("%%distributed\n(state, value)")
+    assert run.ok, run.outputs
+    assert run.data("execute_result") == [{"text/plain": "('kept', 10)"}]
+
+
+def test_torch_launcher_environment_is_set(nb: Any) -> None:
+    run = nb.execute(
+        "%%distributed\n"
+        "import torch.distributed as dist\n"
+        "keys = ['RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT']\n"
+        "print({k: os.environ[k] for k in keys[:5]}, os.environ['MASTER_PORT'].isdigit(), "
+        "dist.is_initialized(), dist.get_backend(), 'JUPYTER_SHARD_KEY' in os.environ)\n"
+    )
+    out = run.stream()
+    for k in (0, 1):
+        assert (
+            f"[rank {k}] {{'RANK': '{k}', 'LOCAL_RANK': '{k}', 'WORLD_SIZE': '2', 'LOCAL_WORLD_SIZE': '2', "
+            f"'MASTER_ADDR': '127.0.0.1'}} True True gloo False"
+        ) in out
+
+
+def test_rank_magic_and_ranks_option_select_ranks(nb: Any) -> None:
+    run = nb.execute("%%rank 1\nprint('here', shard.rank)")
+    assert run.stream() == "[rank 1] here 1\n"
+    run = nb.execute("%%distributed --ranks 0\nprint('here', shard.rank)")
+    assert run.stream() == "[rank 0] here 0\n"
+    run = nb.execute("%%rank 1\nshard.rank")
+    assert run.data("execute_result") == [{"text/plain": "[rank 1] 1"}]
+
+
+def test_push_and_pull_values(nb: Any) -> None:
+    run = nb.execute(
+        "import torch\n"
+        "class Point:\n"
+        "    def __init__(self, x): self.x = x\n"
+        "pt = Point(3); weights = torch.arange(4.0); cfg = {'lr': 0.1, 'layers': [1, 2]}\n"
+        "%dist_push pt weights cfg"
+    )
+    assert run.ok, run.outputs
+    run = nb.execute("%%distributed\nmine = (pt.x + shard.rank, float(weights.sum()), cfg['layers'])")
+    assert run.ok, run.outputs
+    run = nb.execute("%dist_pull mine --all\nmine")
+    assert run.data("execute_result") == [{"text/plain": "{0: (3, 6.0, [1, 2]), 1: (4, 6.0, [1, 2])}"}]
+    run = nb.execute("%dist_pull mine --rank 1\nmine")
+    assert run.data("execute_result") == [{"text/plain": "(4, 6.0, [1, 2])"}]
+    run = nb.execute("%%distributed\nt = torch.full((2,), float(shard.rank))")
+    run = nb.execute("%dist_pull t --rank 1\nt")
+    assert run.data("execute_result") == [{"text/plain": "tensor([1., 1.])"}]
+
+
+def test_pull_of_missing_name_is_one_clear_error(nb: Any) -> None:
+    run = nb.execute("%dist_pull nothing_here")
+    assert not run.ok
+    assert "name 'nothing_here' is not defined on rank 0" in run.error_text()
+
+
+def test_stderr_warnings_logging_kept_apart_from_stdout(nb: Any) -> None:
+    run = nb.execute(
+        "%%distributed\n"
+        "import logging, warnings\n"
+        "print('to out')\n"
+        "print('to err', file=sys.stderr)\n"
+        "warnings.warn('careful now')\n"
+        "logging.getLogger('demo').warning('logged line')\n"
+    )
+    out, err = run.stream("stdout"), run.stream("stderr")
+    for k in (0, 1):
+        assert f"[rank {k}] to out\n" in out
+        assert f"[rank {k}] to err\n" in err
+        assert re.search(rf"\[rank {k}\] .*UserWarning: careful now", err)
+        assert f"[rank {k}] logged line\n" in err
+    assert "to err" not in out and "to out" not in err
+
+
+def test_ipython_magics_and_shell_commands_work_on_ranks(nb: Any) -> None:
+    run = nb.execute("%%distributed\n%time y = 1\n!echo shell says $RANK")
+    assert run.ok, run.outputs
+    out = run.stream()
+    for k in (0, 1):
+        assert f"[rank {k}] Wall time:" in out
+        assert f"[rank {k}] shell says {k}\n" in out
+
+
+def test_rich_display_is_labelled_by_rank(nb: Any) -> None:
+    run = nb.execute("%%distributed\nfrom IPython.display import HTML, display\ndisplay(HTML('<b>hi</b>'))")
+    shown = sorted(run.data(), key=lambda d: d["text/plain"])
+    assert [d["text/plain"] for d in shown] == [
+        "[rank 0] <IPython.core.display.HTML object>",
+        "[rank 1] <IPython.core.display.HTML object>",
+    ]
+    assert 'data-rank="1"' in shown[1]["text/html"] and "<b>hi</b>" in shown[1]["text/html"]
+
+
+def test_images_from_ranks_keep_png_and_a_text_fallback(nb: Any) -> None:
+    run = nb.execute(
+        "%%rank 0\n"
+        "import matplotlib.pyplot as plt\n"
+        "plt.plot([1, 2, 3])\n"
+    )
+    assert run.ok, run.outputs
+    (shown,) = run.data()
+    assert "image/png" in shown
+    assert shown["text/plain"].startswith("[rank 0] <Figure")
+
+
+def test_progress_bar_is_one_live_line_per_rank(nb: Any) -> None:
+    run = nb.execute(
+        "%%distributed\n"
+        "from tqdm import tqdm\nimport time\n"
+        "for _ in tqdm(range(40), mininterval=0): time.sleep(0.01)\n"
+    )
+    assert run.ok, run.outputs
+    assert "it/s" not in run.stream("stderr"), "progress bar updates leaked into the stream"
+    finals = {}
+    for o in run.outputs:
+        if o["type"] in ("display_data", "update_display_data") and o["data"]["text/plain"].startswith("[rank"):
+            rank = o["data"]["text/plain"][:8]
+            finals[rank] = o["data"]["text/plain"]
+    assert set(finals) == {"[rank 0]", "[rank 1]"}
+    assert all("40/40" in text for text in finals.values()), finals
+    creates = [o for o in run.outputs if o["type"] == "display_data"]
+    assert len(creates) == 2, "one display per rank, updated in place"
+    updates = [o for o in run.outputs if o["type"] == "update_display_data"]
+    assert len(updates) <= 2 * (1 + 40 * 0.01 / 0.1 + 2) * 2
+
+
+def test_error_names_rank_and_points_at_cell_lines(nb: Any) -> None:
+    run = nb.execute("%%distributed\nx = 1\nif shard.rank == 1:\n    raise ValueError('bad shard')\n")
+    assert not run.ok
+    err = run.error
+    assert err["ename"] == "DistributedError"
+    text = run.error_text()
+    assert text.splitlines()[0] == "rank 1 failed first: ValueError: bad shard"
+    assert "----> 4     raise ValueError('bad shard')" in text
+    assert "pool.py" not in text and "magics.py" not in text and "runtime.py" not in text
+    run = nb.execute("%%distributed\nprint('still here', state)")
+    assert run.ok and "[rank 0] still here kept" in run.stream()
+
+
+def test_status_table_and_log_files(nb: Any) -> None:
+    run = nb.execute("%dist_status")
+    (table,) = run.data("execute_result")
+    text = table["text/plain"]
+    assert "2 CPU ranks" in text
+    rows = [ln.split() for ln in text.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["0", "1"]
+    assert all(r[3] == "cpu" and r[4] == "idle" for r in rows)
+    assert all(r[5].isdigit() and r[6] == "MiB" for r in rows)
+    for k, row in enumerate(rows):
+        log = Path(row[-1])
+        assert log.name == f"rank-{k}.log"
+        assert "to err" in log.read_text() and "to out" in log.read_text()
+
+
+def test_changing_rank_count_restarts_and_says_so(nb: Any) -> None:
+    run = nb.execute("%%distributed --nproc 3\nshard.world_size")
+    assert run.ok, run.outputs
+    assert "restarting pool 2 → 3 ranks; rank state is lost" in run.stream("stderr")
+    assert run.data("execute_result") == [{"text/plain": "3"}]
+    run = nb.execute("%%distributed\n'state' in dir()")
+    assert run.data("execute_result") == [{"text/plain": "False"}]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("--nproc 0", "--nproc 0 is not valid; a pool needs at least 1 rank"),
+        ("--strategy bogus", "--strategy 'bogus' is not valid; choose one of: none, ddp, fsdp, deepspeed"),
+        ("--gpus 4", "run `--nproc 4 --device cpu` for CPU ranks"),
+        ("--ranks 7", "rank 7 does not exist: the pool has 3 ranks (0-2)"),
+        ("--bogus", "unknown option '--bogus'"),
+    ],
+)
+def test_bad_options_give_one_line_and_leave_the_pool(nb: Any, line: str, message: str) -> None:
+    nb.execute("%%distributed\nmarker = 'untouched'")
+    run = nb.execute(f"%%distributed {line}\nmarker = 'changed'")
+    assert not run.ok
+    err = run.stream("stderr")
+    assert message in err
+    assert len(err.strip().splitlines()) == 1
+    run = nb.execute("%%distributed\nmarker")
+    assert run.data("execute_result") == [{"text/plain": "'untouched'"}]
+
+
+def test_shutdown_then_a_new_cell_starts_a_fresh_pool(nb: Any) -> None:
+    run = nb.execute("%dist_shutdown")
+    assert "pool shut down" in run.stream()
+    run = nb.execute("%dist_status")
+    assert "no pool is running" in run.stream()
+    run = nb.execute("%%distributed --nproc 2\nshard.world_size")
+    assert run.data("execute_result") == [{"text/plain": "2"}]
