@@ -1,0 +1,288 @@
+"""jupyter_shard.magics without rank processes: option errors are one UsageError line, no pool is made.
+
+``Pool`` is replaced by a tripwire for every test here, so a bug that reached pool creation fails the
+test instead of starting ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
+
+from jupyter_shard import magics as magics_mod
+from jupyter_shard import spec as spec_mod
+from jupyter_shard.magics import DistributedMagics, StatusTable
+from jupyter_shard.results import RankState, RankStatus
+from jupyter_shard.spec import LaunchSpec
+
+
+@pytest.fixture(scope="module")
+def shell(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InteractiveShell]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("IPYTHONDIR", str(tmp_path_factory.mktemp("ipython")))
+        config = Config()
+        config.HistoryManager.hist_file = ":memory:"
+        sh = InteractiveShell.instance(config=config)
+        sh.run_line_magic("load_ext", "jupyter_shard")
+        yield sh
+        sh.run_line_magic("unload_ext", "jupyter_shard")
+
+
+class _Tripwire:
+    created: ClassVar[list[Any]] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _Tripwire.created.append((args, kwargs))
+        raise AssertionError(f"a Pool was created: {args} {kwargs}")
+
+
+class _FakePool:
+    """A started pool that records anything done to it."""
+
+    def __init__(self, nproc: int = 2) -> None:
+        self.spec = LaunchSpec.create(nproc=nproc, device="cpu", gpu_count=0)
+        self.started = True
+        self.world_size = nproc
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def record(*args: Any, **kwargs: Any) -> None:
+            self.calls.append(name)
+            raise AssertionError(f"pool.{name} called")
+
+        return record
+
+
+@pytest.fixture
+def magics(shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch) -> Iterator[DistributedMagics]:
+    m = shell.magics_manager.registry["DistributedMagics"]
+    assert isinstance(m, DistributedMagics)
+    monkeypatch.setattr(magics_mod, "Pool", _Tripwire)
+    monkeypatch.setattr(spec_mod, "visible_gpus", lambda: 0)
+    _Tripwire.created.clear()
+    m.pool = None
+    yield m
+    m.pool = None
+    assert _Tripwire.created == [], "no pool may be created by these tests"
+
+
+def _usage_error(shell: InteractiveShell, magic: str, line: str, cell: str | None = "x = 1") -> str:
+    with pytest.raises(UsageError) as info:
+        if cell is None:
+            shell.run_line_magic(magic, line)
+        else:
+            shell.run_cell_magic(magic, line, cell)
+    msg = str(info.value)
+    assert "\n" not in msg, f"one line, got: {msg!r}"
+    return msg
+
+
+def test_extension_registers_the_magics(shell: InteractiveShell, magics: DistributedMagics) -> None:
+    cell_magics = shell.magics_manager.magics["cell"]
+    line_magics = shell.magics_manager.magics["line"]
+    assert {"distributed", "rank"} <= set(cell_magics)
+    assert {"dist_push", "dist_pull", "dist_status", "dist_stacks", "dist_interrupt"} <= set(line_magics)
+    assert {"dist_restart", "dist_shutdown"} <= set(line_magics)
+
+
+BAD_DISTRIBUTED = [
+    ("--nproc 0", "--nproc 0 is not valid; a pool needs at least 1 rank"),
+    ("--strategy bogus", "--strategy 'bogus' is not valid; choose one of: none, ddp, fsdp, deepspeed"),
+    ("--gpus 4", "0 CUDA device(s) are visible; run `--nproc 4 --device cpu` for CPU ranks"),
+    ("--ranks 7", "rank 7 does not exist: the pool has 2 ranks (0-1)"),
+    ("--ranks 3-1", "rank range '3-1' runs backwards; write it as 1-3"),
+    ("--ranks x", "rank list 'x' is not valid"),
+    ("--bogus", "%%distributed: unknown option '--bogus'; see %%distributed? for the options"),
+    ("--nproc 2 --bogus 3", "unknown option '--bogus'"),
+    ("--nproc abc", "%%distributed: argument --nproc: invalid int value: 'abc'"),
+    ("--nproc", "%%distributed: argument --nproc: expected one argument"),
+    ('--config "unterminated', "%%distributed: No closing quotation"),
+    ("--config /nonexistent/ds.json", "--config '/nonexistent/ds.json' does not exist"),
+    ("--device tpu", "--device 'tpu' is not valid; choose one of: auto, cpu, cuda"),
+    ("--device cuda", "no CUDA device is visible"),
+    ("--zero-stage 2", "--zero-stage applies only to --strategy deepspeed"),
+    ("--strategy deepspeed --zero-stage 5", "--zero-stage 5 is not valid; choose 0, 1, 2 or 3"),
+    ("--gpus 2 --device cpu", "--gpus 2 needs CUDA but --device is cpu"),
+    ("--nodes 0", "--nodes 0 is not valid"),
+]
+
+
+@pytest.mark.parametrize(("line", "phrase"), BAD_DISTRIBUTED, ids=[b[0] for b in BAD_DISTRIBUTED])
+def test_bad_distributed_options_give_one_usage_line_and_no_pool(
+    shell: InteractiveShell, magics: DistributedMagics, line: str, phrase: str
+) -> None:
+    assert phrase in _usage_error(shell, "distributed", line)
+    assert magics.pool is None
+
+
+@pytest.mark.parametrize(("line", "phrase"), BAD_DISTRIBUTED[:6], ids=[b[0] for b in BAD_DISTRIBUTED[:6]])
+def test_bad_options_leave_a_running_pool_untouched(
+    shell: InteractiveShell, magics: DistributedMagics, line: str, phrase: str
+) -> None:
+    pool = _FakePool()
+    magics.pool = pool  # type: ignore[assignment]
+    assert phrase in _usage_error(shell, "distributed", line)
+    assert magics.pool is pool
+    assert pool.calls == []
+
+
+def test_ranks_are_checked_against_the_running_pool(
+    shell: InteractiveShell, magics: DistributedMagics
+) -> None:
+    pool = _FakePool(nproc=4)
+    magics.pool = pool  # type: ignore[assignment]
+    msg = _usage_error(shell, "distributed", "--ranks 4")
+    assert msg == "rank 4 does not exist: the pool has 4 ranks (0-3)"
+    assert pool.calls == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="BUG: %%distributed never validates --timeout (_resolve drops it before LaunchSpec.create), "
+    "so `--timeout 0` / `--timeout -1` go on to create and start a pool instead of a UsageError",
+)
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_bad_timeout_is_a_usage_error(shell: InteractiveShell, magics: DistributedMagics, value: str) -> None:
+    try:
+        msg = _usage_error(shell, "distributed", f"--timeout {value}")
+        assert f"--timeout {value} is not valid" in msg
+        assert magics.pool is None
+    finally:
+        _Tripwire.created.clear()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: SpecError subclasses ValueError, so _parse's `except (ValueError, ArgumentError)` catches "
+    "argparse's error() first and prefixes it twice: '%%distributed: %%distributed: ambiguous option ...'",
+)
+def test_parser_errors_are_prefixed_once(shell: InteractiveShell, magics: DistributedMagics) -> None:
+    msg = _usage_error(shell, "distributed", "--n 2")
+    assert msg.startswith("%%distributed: ambiguous option: --n could match --nproc, --nodes")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: %dist_pull is a line magic but its errors say '%%dist_pull: ...; see %%dist_pull?'",
+)
+def test_dist_pull_errors_name_the_line_magic(shell: InteractiveShell, magics: DistributedMagics) -> None:
+    msg = _usage_error(shell, "dist_pull", "x --bogus", cell=None)
+    assert msg.startswith("%dist_pull: unknown option '--bogus'")
+
+
+def test_rank_magic_checks_ranks_against_the_pool(shell: InteractiveShell, magics: DistributedMagics) -> None:
+    pool = _FakePool(nproc=2)
+    magics.pool = pool  # type: ignore[assignment]
+    assert _usage_error(shell, "rank", "7") == "rank 7 does not exist: the pool has 2 ranks (0-1)"
+    assert "runs backwards" in _usage_error(shell, "rank", "1-0")
+    assert pool.calls == []
+
+
+@pytest.mark.parametrize(
+    ("kind", "magic", "line"),
+    [
+        ("cell", "rank", "0"),
+        ("line", "dist_stacks", ""),
+        ("line", "dist_interrupt", ""),
+        ("line", "dist_pull", "x"),
+    ],
+)
+def test_magics_that_need_a_pool_say_how_to_start_one(
+    shell: InteractiveShell, magics: DistributedMagics, kind: str, magic: str, line: str
+) -> None:
+    msg = _usage_error(shell, magic, line, cell="pass" if kind == "cell" else None)
+    assert msg == "no pool is running; start one with a %%distributed cell"
+
+
+def test_dist_restart_without_pool(shell: InteractiveShell, magics: DistributedMagics) -> None:
+    assert _usage_error(shell, "dist_restart", "", cell=None) == (
+        "no pool to restart; start one with a %%distributed cell"
+    )
+
+
+def test_dist_shutdown_without_pool_is_quiet(
+    shell: InteractiveShell, magics: DistributedMagics, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shell.run_line_magic("dist_shutdown", "")
+    assert capsys.readouterr().out == ""
+    assert magics.pool is None
+
+
+def test_dist_push_undefined_name(shell: InteractiveShell, magics: DistributedMagics) -> None:
+    shell.user_ns["defined_here"] = 1
+    shell.user_ns.pop("surely_undefined", None)
+    msg = _usage_error(shell, "dist_push", "defined_here surely_undefined", cell=None)
+    assert msg == "%dist_push: 'surely_undefined' is not defined in the notebook"
+
+
+def test_dist_push_needs_names(shell: InteractiveShell, magics: DistributedMagics) -> None:
+    assert "%dist_push needs variable names" in _usage_error(shell, "dist_push", "  ", cell=None)
+
+
+def test_dist_push_with_defined_names_but_no_pool(shell: InteractiveShell, magics: DistributedMagics) -> None:
+    shell.user_ns["lr"] = 0.1
+    assert "no pool is running" in _usage_error(shell, "dist_push", "lr", cell=None)
+
+
+@pytest.mark.parametrize(
+    ("line", "phrase"),
+    [
+        ("", "the following arguments are required: name"),
+        ("x --rank 1 --all", "argument --all: not allowed with argument --rank"),
+        ("x --rank abc", "argument --rank: invalid int value: 'abc'"),
+        ("x --bogus", "unknown option '--bogus'"),
+    ],
+)
+def test_dist_pull_bad_options(
+    shell: InteractiveShell, magics: DistributedMagics, line: str, phrase: str
+) -> None:
+    assert phrase in _usage_error(shell, "dist_pull", line, cell=None)
+
+
+def test_dist_pull_rank_outside_the_pool(shell: InteractiveShell, magics: DistributedMagics) -> None:
+    pool = _FakePool(nproc=2)
+    magics.pool = pool  # type: ignore[assignment]
+    msg = _usage_error(shell, "dist_pull", "x --rank 5", cell=None)
+    assert msg == "%dist_pull: rank 5 does not exist; the pool has ranks 0-1"
+    assert pool.calls == []
+
+
+def test_dist_status_without_pool_prints_the_hint(
+    shell: InteractiveShell, magics: DistributedMagics, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert shell.run_line_magic("dist_status", "") is None
+    assert capsys.readouterr().out == "no pool is running; start one with a %%distributed cell\n"
+    assert magics.pool is None
+
+
+def test_status_table_text_and_html() -> None:
+    rows = [
+        RankStatus(0, 101, "host-a", "cpu", RankState.IDLE, {"rss": 200 * 2**20}, "", "/logs/rank-0.log"),
+        RankStatus(
+            1,
+            102,
+            "host-a",
+            "cuda:1",
+            RankState.DEAD,
+            {"rss": 0, "cuda_allocated": 3 * 2**20},
+            "c<1>",
+            "/logs/rank-1.log",
+            exit="exited with code 3",
+        ),
+    ]
+    table = StatusTable("2 CPU ranks · none", rows)
+    text = repr(table).splitlines()
+    assert text[0] == "2 CPU ranks · none"
+    assert text[1].split() == ["rank", "pid", "host", "device", "state", "memory", "cell", "log"]
+    assert text[2].split() == ["0", "101", "host-a", "cpu", "idle", "200", "MiB", "-", "/logs/rank-0.log"]
+    assert "dead (exited with code 3)" in text[3]
+    assert "- · cuda 3 MiB" in text[3]
+    html = table._repr_html_()
+    assert "<th>rank</th>" in html and "<td>/logs/rank-0.log</td>" in html
+    assert "c&lt;1&gt;" in html and "c<1>" not in html

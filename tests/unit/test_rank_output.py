@@ -1,0 +1,273 @@
+"""jupyter_shard.widgets.rank_output: line assembly, progress lines, labelling, the per-cell cap."""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jupyter_shard.widgets import rank_output
+from jupyter_shard.widgets.rank_output import ConsoleSink, LineAssembler, RankSink, label_bundle, visible_text
+
+# -- visible_text / LineAssembler --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("segment", "shown"),
+    [("plain", "plain"), ("\r 10%", " 10%"), ("\r 10%\r 50%", " 50%"), ("a\r", "a"), ("\r", ""), ("", "")],
+)
+def test_visible_text(segment: str, shown: str) -> None:
+    assert visible_text(segment) == shown
+
+
+def test_whole_lines_in_one_chunk() -> None:
+    a = LineAssembler()
+    assert a.feed("one\ntwo\n") == ([("one", False), ("two", False)], None)
+    assert a.partial == ""
+    assert a.finish() == []
+
+
+def test_lines_split_across_chunk_boundaries() -> None:
+    a = LineAssembler()
+    assert a.feed("hel") == ([], None)
+    assert a.feed("lo wo") == ([], None)
+    assert a.feed("rld\nsec") == ([("hello world", False)], None)
+    assert a.feed("ond\n\nthi") == ([("second", False), ("", False)], None)
+    assert a.finish() == [("thi", False)]
+    assert a.finish() == []
+
+
+def test_newline_alone_and_empty_chunks() -> None:
+    a = LineAssembler()
+    assert a.feed("") == ([], None)
+    assert a.feed("\n") == ([("", False)], None)
+    assert a.feed("x") == ([], None)
+    assert a.feed("\n") == ([("x", False)], None)
+
+
+def test_tqdm_like_progress_gives_live_texts_then_one_final_live_line() -> None:
+    a = LineAssembler()
+    assert a.feed("\r 10%") == ([], " 10%")
+    assert a.feed("\r 50%") == ([], " 50%")
+    assert a.feed("\r100%\n") == ([("100%", True)], None)
+    assert a.finish() == []
+
+
+def test_progress_then_ordinary_lines() -> None:
+    a = LineAssembler()
+    lines, live = a.feed("start\n\r1/3\r2/3")
+    assert lines == [("start", False)] and live == "2/3"
+    lines, live = a.feed("\r3/3\ndone\n")
+    assert lines == [("3/3", True), ("done", False)] and live is None
+
+
+def test_unterminated_progress_line_is_flushed_at_finish_as_live() -> None:
+    a = LineAssembler()
+    a.feed("\r 10%\r 90%")
+    assert a.finish() == [(" 90%", True)]
+
+
+@settings(max_examples=60, database=None)
+@given(st.lists(st.text(alphabet="ab\n ", max_size=12), max_size=12))
+def test_chunking_does_not_change_the_lines(chunks: list[str]) -> None:
+    a = LineAssembler()
+    got: list[tuple[str, bool]] = []
+    for chunk in chunks:
+        got += a.feed(chunk)[0]
+    got += a.finish()
+    whole = "".join(chunks)
+    expected = [(line, False) for line in whole.split("\n")]
+    if expected[-1][0] == "":
+        expected.pop()
+    assert got == expected
+
+
+# -- ConsoleSink --------------------------------------------------------------------------------------
+
+
+def _sink() -> tuple[ConsoleSink, io.StringIO, io.StringIO]:
+    out, err = io.StringIO(), io.StringIO()
+    return ConsoleSink(stdout=out, stderr=err), out, err
+
+
+def test_console_sink_labels_every_line_and_keeps_streams_apart() -> None:
+    sink, out, err = _sink()
+    sink.begin_cell()
+    sink.stream(0, "stdout", "a\nb")
+    sink.stream(1, "stdout", "x\n")
+    sink.stream(1, "stderr", "warn: ")
+    sink.stream(0, "stdout", "c\n")
+    sink.stream(1, "stderr", "careful\n")
+    sink.stream(0, "stderr", "oops")
+    sink.end_cell()
+    assert out.getvalue() == "[rank 0] a\n[rank 1] x\n[rank 0] bc\n"
+    assert err.getvalue() == "[rank 1] warn: careful\n[rank 0] oops\n"
+
+
+def test_console_sink_progress_bar_shows_one_final_line() -> None:
+    sink, out, err = _sink()
+    sink.begin_cell()
+    for chunk in ("\r 10%", "\r 50%", "\r100%\n"):
+        sink.stream(2, "stderr", chunk)
+    sink.stream(2, "stderr", "after\n")
+    sink.end_cell()
+    assert err.getvalue() == "[rank 2] 100%\n[rank 2] after\n"
+    assert out.getvalue() == ""
+
+
+def test_console_sink_notice_and_display() -> None:
+    sink, out, err = _sink()
+    sink.notice("jupyter_shard: restarting\n")
+    sink.display(3, {"text/plain": "<Figure>", "image/png": "AAA"}, {})
+    sink.display(1, {"image/png": "AAA"}, {})
+    assert err.getvalue() == "jupyter_shard: restarting\n"
+    assert out.getvalue() == "[rank 3] <Figure>\n[rank 1] <display>\n"
+
+
+class _Recorder(RankSink):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[tuple[str, str]] = []
+        self.live: list[tuple[int, str, str, bool]] = []
+
+    def write(self, name: str, text: str) -> None:
+        self.writes.append((name, text))
+
+    def live_line(self, rank: int, name: str, text: str, final: bool) -> None:
+        self.live.append((rank, name, text, final))
+
+    def display(self, rank: int, data: dict[str, Any], metadata: dict[str, Any]) -> None:
+        raise AssertionError("not used")
+
+
+def test_sink_reports_intermediate_live_texts_and_the_final_one() -> None:
+    sink = _Recorder()
+    sink.begin_cell()
+    for chunk in ("\r 10%", "\r 50%", "\r100%\n"):
+        sink.stream(0, "stderr", chunk)
+    sink.end_cell()
+    assert sink.live == [
+        (0, "stderr", " 10%", False),
+        (0, "stderr", " 50%", False),
+        (0, "stderr", "100%", True),
+    ]
+    assert sink.writes == []
+
+
+def test_live_line_keeps_order_with_plain_lines_in_one_chunk() -> None:
+    sink = _Recorder()
+    sink.begin_cell()
+    sink.stream(0, "stdout", "before\n\rbar 100%\nafter\n")
+    assert sink.writes == [("stdout", "[rank 0] before\n"), ("stdout", "[rank 0] after\n")]
+    assert sink.live == [(0, "stdout", "bar 100%", True)]
+
+
+# -- the per-cell cap ---------------------------------------------------------------------------------
+
+
+def test_cap_prints_one_notice_naming_the_log(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rank_output, "MAX_LINES_SHOWN", 3)
+    sink, out, _ = _sink()
+    sink.log_paths[0] = "/tmp/logs/rank-0.log"
+    sink.begin_cell()
+    for i in range(10):
+        sink.stream(0, "stdout", f"line {i}\n")
+    sink.stream(0, "stdout", "".join(f"more {i}\n" for i in range(10)))
+    sink.end_cell()
+    lines = out.getvalue().splitlines()
+    assert lines[:3] == ["[rank 0] line 0", "[rank 0] line 1", "[rank 0] line 2"]
+    assert len(lines) == 4
+    assert lines[3] == "[rank 0] … more output not shown here; the full log is in /tmp/logs/rank-0.log"
+    assert out.getvalue().count("more output not shown") == 1
+
+
+def test_cap_is_per_rank_and_per_cell(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rank_output, "MAX_LINES_SHOWN", 2)
+    sink, out, _ = _sink()
+    sink.begin_cell()
+    sink.stream(0, "stdout", "a\nb\nc\nd\n")
+    sink.stream(1, "stdout", "p\nq\n")
+    sink.end_cell()
+    text = out.getvalue()
+    assert "[rank 1] p\n[rank 1] q\n" in text
+    assert text.count("more output not shown") == 1
+    assert "the full log is in the rank's log file" in text  # no log path known for rank 0
+    out.truncate(0)
+    out.seek(0)
+    sink.begin_cell()
+    sink.stream(0, "stdout", "e\n")
+    sink.end_cell()
+    assert out.getvalue() == "[rank 0] e\n"
+
+
+def test_cap_on_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rank_output, "MAX_BYTES_SHOWN", 10)
+    sink, out, _ = _sink()
+    sink.log_paths[1] = "r1.log"
+    sink.begin_cell()
+    sink.stream(1, "stdout", "12345\n67890\nabc\n")
+    sink.end_cell()
+    assert out.getvalue() == (
+        "[rank 1] 12345\n[rank 1] 67890\n[rank 1] … more output not shown here; the full log is in r1.log\n"
+    )
+
+
+def test_crlf_lines_are_plain_lines() -> None:
+    """Output from a pty (``!cmd``) ends lines with CRLF: those are ordinary lines, not live ones."""
+    assert LineAssembler().feed("one\r\ntwo\r\n") == ([("one", False), ("two", False)], None)
+
+
+def test_crlf_lines_count_towards_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rank_output, "MAX_LINES_SHOWN", 2)
+    sink = _Recorder()
+    sink.begin_cell()
+    sink.stream(0, "stdout", "".join(f"{i}\r\n" for i in range(5)))
+    assert sink.live == []
+    assert "".join(t for _, t in sink.writes).count("\n") == 3
+
+
+def test_progress_line_ended_by_crlf_is_still_live() -> None:
+    assert LineAssembler().feed("\r 50%\r100%\r\n") == ([("100%", True)], None)
+
+
+# -- label_bundle ------------------------------------------------------------------------------------
+
+
+def test_label_bundle_keeps_plain_text_fallback() -> None:
+    data = {"text/plain": "42"}
+    out = label_bundle(3, data)
+    assert out == {"text/plain": "[rank 3] 42"}
+    assert data == {"text/plain": "42"}, "the input bundle is not modified"
+
+
+def test_label_bundle_without_plain_text_still_gets_a_fallback() -> None:
+    assert label_bundle(0, {"application/json": {"a": 1}})["text/plain"] == "[rank 0] "
+
+
+def test_label_bundle_wraps_html() -> None:
+    out = label_bundle(1, {"text/plain": "<DataFrame>", "text/html": "<table>t</table>"})
+    assert out["text/plain"] == "[rank 1] <DataFrame>"
+    assert out["text/html"].startswith(
+        '<div class="jupyter-shard-rank" data-rank="1"><small>[rank 1]</small>'
+    )
+    assert out["text/html"].endswith("<table>t</table></div>")
+
+
+@pytest.mark.parametrize("mime", ["image/png", "image/jpeg"])
+def test_label_bundle_wraps_images(mime: str) -> None:
+    b64 = base64.b64encode(b"\x89PNG fake").decode()
+    out = label_bundle(2, {"text/plain": "<Figure size 640x480>", mime: b64})
+    assert out[mime] == b64, "the image itself is kept for nbconvert / GitHub"
+    assert out["text/plain"] == "[rank 2] <Figure size 640x480>"
+    assert '<small>[rank 2]</small><br><img src="' in out["text/html"]
+    assert f"data:{mime};base64,{b64}" in out["text/html"]
+
+
+def test_label_bundle_escapes_image_data_in_the_src_attribute() -> None:
+    out = label_bundle(0, {"image/png": 'x" onerror="alert(1)'})
+    assert 'onerror="alert' not in out["text/html"]
+    assert "&quot;" in out["text/html"]

@@ -1,0 +1,381 @@
+"""jupyter_shard.spec: option resolution, every SpecError, rank lists, GPU counting."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jupyter_shard import spec
+from jupyter_shard.spec import (
+    Device,
+    LaunchSpec,
+    Offload,
+    Precision,
+    SpecError,
+    Strategy,
+    format_ranks,
+    parse_ranks,
+    visible_gpus,
+)
+
+# -- LaunchSpec.create: resolution -------------------------------------------------------------------
+
+
+def test_auto_device_without_gpus_is_cpu_with_two_ranks() -> None:
+    s = LaunchSpec.create(gpu_count=0)
+    assert s.device is Device.CPU
+    assert s.nproc == 2
+    assert s.strategy is Strategy.NONE
+    assert s.offload is Offload.NONE
+    assert s.precision is Precision.FP32
+    assert s.config is None
+    assert s.describe() == "2 CPU ranks · none"
+
+
+def test_auto_device_with_gpus_is_cuda_with_one_rank_per_gpu() -> None:
+    s = LaunchSpec.create(gpu_count=4)
+    assert s.device is Device.CUDA
+    assert s.nproc == 4
+    assert s.describe() == "4 GPU ranks · none"
+
+
+def test_explicit_cpu_with_gpus_present_keeps_default_two_ranks() -> None:
+    s = LaunchSpec.create(device="cpu", gpu_count=8)
+    assert (s.device, s.nproc) == (Device.CPU, 2)
+
+
+def test_gpus_option_sets_cuda_and_rank_count() -> None:
+    s = LaunchSpec.create(gpus=2, gpu_count=4, strategy="ddp")
+    assert (s.device, s.nproc, s.strategy) == (Device.CUDA, 2, Strategy.DDP)
+    assert s.describe() == "2 GPU ranks · ddp"
+
+
+def test_gpus_equal_to_nproc_is_accepted() -> None:
+    assert LaunchSpec.create(gpus=2, nproc=2, gpu_count=2).nproc == 2
+
+
+def test_explicit_nproc_on_cpu() -> None:
+    s = LaunchSpec.create(nproc=1, gpu_count=0)
+    assert s.nproc == 1
+    assert s.describe() == "1 CPU rank · none"
+
+
+def test_enum_members_are_accepted_as_well_as_strings() -> None:
+    s = LaunchSpec.create(
+        device=Device.CPU,
+        strategy=Strategy.DEEPSPEED,
+        zero_stage=3,
+        offload=Offload.NVME,
+        precision=Precision.BF16_MIXED,
+        gpu_count=0,
+    )
+    assert s.strategy is Strategy.DEEPSPEED and s.zero_stage == 3
+    assert s.offload is Offload.NVME and s.precision is Precision.BF16_MIXED
+    s2 = LaunchSpec.create(precision="16-mixed", offload="cpu", gpu_count=0)
+    assert s2.precision is Precision.FP16_MIXED and s2.offload is Offload.CPU
+
+
+def test_uses_visible_gpus_when_gpu_count_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spec, "visible_gpus", lambda: 3)
+    s = LaunchSpec.create()
+    assert (s.device, s.nproc) == (Device.CUDA, 3)
+    monkeypatch.setattr(spec, "visible_gpus", lambda: 0)
+    s = LaunchSpec.create()
+    assert (s.device, s.nproc) == (Device.CPU, 2)
+
+
+def test_existing_config_file_is_kept(tmp_path: Path) -> None:
+    cfg = tmp_path / "ds.json"
+    cfg.write_text("{}")
+    s = LaunchSpec.create(config=str(cfg), strategy="deepspeed", zero_stage=2, gpu_count=0)
+    assert s.config == cfg
+
+
+def test_pool_key_ignores_strategy_and_timeout() -> None:
+    a = LaunchSpec.create(gpu_count=0)
+    b = LaunchSpec.create(gpu_count=0, strategy="ddp", timeout=5)
+    c = LaunchSpec.create(gpu_count=0, nproc=3)
+    assert a.pool_key() == b.pool_key()
+    assert a.pool_key() != c.pool_key()
+    assert a.with_changes(nproc=3) == c
+
+
+def test_spec_is_frozen() -> None:
+    s = LaunchSpec.create(gpu_count=0)
+    with pytest.raises(AttributeError):
+        s.nproc = 5  # type: ignore[misc]
+
+
+# -- LaunchSpec.create: every SpecError -------------------------------------------------------------
+
+
+def _err(**kwargs: object) -> str:
+    kwargs.setdefault("gpu_count", 0)
+    with pytest.raises(SpecError) as info:
+        LaunchSpec.create(**kwargs)  # type: ignore[arg-type]
+    msg = str(info.value)
+    assert "\n" not in msg, "a SpecError is one line"
+    return msg
+
+
+def test_spec_error_is_a_value_error() -> None:
+    assert issubclass(SpecError, ValueError)
+
+
+@pytest.mark.parametrize("n", [0, -1])
+def test_nproc_below_one(n: int) -> None:
+    assert _err(nproc=n) == f"--nproc {n} is not valid; a pool needs at least 1 rank"
+
+
+def test_gpus_without_gpus_suggests_cpu_ranks() -> None:
+    msg = _err(gpus=4)
+    assert "--gpus 4" in msg
+    assert "0 CUDA device(s) are visible" in msg
+    assert "`--nproc 4 --device cpu`" in msg
+
+
+def test_gpus_more_than_visible() -> None:
+    msg = _err(gpus=8, gpu_count=4)
+    assert "--gpus 8 asked for, but 4 CUDA device(s) are visible" in msg
+
+
+def test_gpus_zero() -> None:
+    assert _err(gpus=0, gpu_count=4) == "--gpus 0 is not valid; use 1 or more"
+
+
+def test_gpus_with_device_cpu() -> None:
+    msg = _err(gpus=2, device="cpu", gpu_count=4)
+    assert msg == "--gpus 2 needs CUDA but --device is cpu; use --nproc 2"
+
+
+def test_gpus_and_nproc_disagree() -> None:
+    msg = _err(gpus=2, nproc=3, gpu_count=4)
+    assert msg == "--gpus 2 and --nproc 3 disagree; give only one of them"
+
+
+def test_strategy_bogus_lists_the_allowed_ones() -> None:
+    msg = _err(strategy="bogus")
+    assert msg == "--strategy 'bogus' is not valid; choose one of: none, ddp, fsdp, deepspeed"
+
+
+def test_device_bogus() -> None:
+    assert _err(device="tpu") == "--device 'tpu' is not valid; choose one of: auto, cpu, cuda"
+
+
+def test_offload_and_precision_bogus() -> None:
+    assert _err(offload="disk") == "--offload 'disk' is not valid; choose one of: none, cpu, nvme"
+    msg = _err(precision="fp8")
+    assert msg == "--precision 'fp8' is not valid; choose one of: 32, bf16-mixed, 16-mixed"
+
+
+@pytest.mark.parametrize("stage", [-1, 4, 99])
+def test_zero_stage_out_of_range(stage: int) -> None:
+    assert _err(strategy="deepspeed", zero_stage=stage) == (
+        f"--zero-stage {stage} is not valid; choose 0, 1, 2 or 3"
+    )
+
+
+@pytest.mark.parametrize("strategy", ["none", "ddp", "fsdp"])
+def test_zero_stage_without_deepspeed(strategy: str) -> None:
+    assert _err(strategy=strategy, zero_stage=2) == "--zero-stage applies only to --strategy deepspeed"
+
+
+def test_zero_stage_zero_is_not_mistaken_for_unset() -> None:
+    assert _err(strategy="ddp", zero_stage=0) == "--zero-stage applies only to --strategy deepspeed"
+
+
+def test_device_cuda_without_gpus() -> None:
+    msg = _err(device="cuda")
+    assert msg.startswith("--device cuda asked for, but no CUDA device is visible")
+    assert "--device cpu" in msg
+
+
+def test_nproc_more_than_gpus_on_cuda() -> None:
+    msg = _err(nproc=8, device="cuda", gpu_count=4)
+    assert msg == "--nproc 8 CUDA ranks need 8 GPUs but 4 are visible; use --nproc 4 or --device cpu"
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.json"
+    msg = _err(config=str(missing))
+    assert msg == f"--config {str(missing)!r} does not exist; give a path to a JSON file"
+
+
+def test_config_that_is_a_directory(tmp_path: Path) -> None:
+    assert "does not exist" in _err(config=tmp_path)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, -0.5])
+def test_timeout_not_positive(timeout: float) -> None:
+    assert _err(timeout=timeout) == f"--timeout {timeout:g} is not valid; give seconds above 0"
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: timeout=nan passes the `timeout <= 0` check")
+def test_timeout_nan_is_rejected() -> None:
+    assert "--timeout nan is not valid" in _err(timeout=float("nan"))
+
+
+def test_nodes_below_one_on_cpu() -> None:
+    assert _err(nodes=0) == "--nodes 0 is not valid; use 1 or more"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: with GPUs, nodes=0 hits the `nproc > available * nodes` check first and says "
+    "'--nproc 4 CUDA ranks need 4 GPUs but 4 are visible; use --nproc 4' (self-contradictory)",
+)
+def test_nodes_below_one_on_cuda_names_nodes() -> None:
+    assert _err(nodes=0, gpu_count=4) == "--nodes 0 is not valid; use 1 or more"
+
+
+def test_constructor_refuses_unresolved_auto() -> None:
+    with pytest.raises(SpecError, match=r"resolve device 'auto' with LaunchSpec\.create"):
+        LaunchSpec(device=Device.AUTO)
+
+
+# -- parse_ranks / format_ranks ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0", (0,)),
+        ("0,2", (0, 2)),
+        ("1-3", (1, 2, 3)),
+        (" 1 - 3", (1, 2, 3)),
+        ("0, 2", (0, 2)),
+        ("2,0", (0, 2)),
+        ("2,2,0,2", (0, 2)),
+        ("1-3,2-4", (1, 2, 3, 4)),
+        ("3-3", (3,)),
+        ("0-1,5", (0, 1, 5)),
+    ],
+)
+def test_parse_ranks(text: str, expected: tuple[int, ...]) -> None:
+    assert parse_ranks(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", ",", "a", "-1", "1-", "-", "0,,2", "1-2-3", "1.5", "0;1", "0x1"])
+def test_parse_ranks_rejects_malformed(text: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_ranks(text)
+    assert str(info.value) == f"rank list {text!r} is not valid; write ranks like 0, 0,2 or 1-3"
+
+
+def test_parse_ranks_backwards_range() -> None:
+    with pytest.raises(SpecError) as info:
+        parse_ranks("3-1")
+    assert str(info.value) == "rank range '3-1' runs backwards; write it as 1-3"
+
+
+def test_parse_ranks_out_of_range_names_rank_and_valid_range() -> None:
+    with pytest.raises(SpecError) as info:
+        parse_ranks("7", world_size=2)
+    assert str(info.value) == "rank 7 does not exist: the pool has 2 ranks (0-1)"
+
+
+def test_parse_ranks_out_of_range_names_the_lowest_missing_rank() -> None:
+    with pytest.raises(SpecError, match=r"^rank 4 does not exist: the pool has 4 ranks \(0-3\)$"):
+        parse_ranks("0,9,4-5", world_size=4)
+
+
+def test_parse_ranks_inside_world_size() -> None:
+    assert parse_ranks("0-3", world_size=4) == (0, 1, 2, 3)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: parse_ranks materialises range(lo, hi+1) before the world_size check, so "
+    "`%%rank 0-10000000000` on a 2-rank pool tries to build a 10**10-element set (hang / OOM)",
+)
+def test_parse_ranks_huge_range_is_refused_without_enumerating_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_range = range
+
+    def guarded_range(*args: int) -> range:
+        r = real_range(*args)
+        if len(r) > 1_000_000:
+            raise AssertionError(f"parse_ranks enumerated {len(r)} ranks")
+        return r
+
+    monkeypatch.setattr(spec, "range", guarded_range, raising=False)
+    with pytest.raises(SpecError, match="does not exist"):
+        parse_ranks("0-10000000000", world_size=2)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "text"),
+    [([], ""), ([3], "3"), ([0, 1, 2, 5], "0-2,5"), ([5, 0, 2, 1, 1], "0-2,5"), ([0, 2, 4], "0,2,4")],
+)
+def test_format_ranks(ranks: list[int], text: str) -> None:
+    assert format_ranks(ranks) == text
+
+
+@settings(max_examples=60, database=None)
+@given(st.lists(st.integers(min_value=0, max_value=300), min_size=1, max_size=40))
+def test_format_then_parse_round_trips(ranks: list[int]) -> None:
+    assert parse_ranks(format_ranks(ranks)) == tuple(sorted(set(ranks)))
+
+
+@settings(max_examples=60, database=None)
+@given(st.lists(st.integers(min_value=0, max_value=300), min_size=1, max_size=40))
+def test_parse_then_format_is_canonical(ranks: list[int]) -> None:
+    text = ",".join(map(str, ranks))
+    assert format_ranks(parse_ranks(text)) == format_ranks(ranks)
+
+
+# -- visible_gpus -----------------------------------------------------------------------------------------
+
+
+def test_visible_gpus_counts_nvidia_device_nodes(fake_dev: list[str]) -> None:
+    fake_dev += ["nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-modeset", "null", "nvme0"]
+    assert visible_gpus() == 2
+
+
+def test_visible_gpus_without_devices(fake_dev: list[str]) -> None:
+    fake_dev += ["null", "tty0"]
+    assert visible_gpus() == 0
+
+
+def test_visible_gpus_unreadable_dev(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(path: str = ".") -> list[str]:
+        raise PermissionError(path)
+
+    monkeypatch.setattr(os, "listdir", broken)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_gpus() == 0
+
+
+@pytest.mark.parametrize(
+    ("cvd", "expected"),
+    [("0", 1), ("1,3", 2), ("0, 1", 2), ("", 0), ("-1", 0), ("GPU-1234abcd,GPU-5678ef00", 2), ("2,", 1)],
+)
+def test_visible_gpus_honours_cuda_visible_devices(
+    fake_dev: list[str], monkeypatch: pytest.MonkeyPatch, cvd: str, expected: int
+) -> None:
+    fake_dev += ["nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", cvd)
+    assert visible_gpus() == expected
+
+
+def test_cuda_visible_devices_without_any_gpu_is_zero(
+    fake_dev: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert visible_gpus() == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: CUDA ignores every index after an invalid one (-1), so '0,-1,1' exposes 1 device; "
+    "visible_gpus drops only the '-1' entry and counts 2",
+)
+def test_cuda_visible_devices_stops_at_invalid_index(
+    fake_dev: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_dev += ["nvidia0", "nvidia1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,-1,1")
+    assert visible_gpus() == 1

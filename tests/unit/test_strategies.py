@@ -1,0 +1,127 @@
+"""jupyter_shard.strategies: registry, lookup errors, option checking."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from jupyter_shard import strategies
+from jupyter_shard.strategies import available_strategies, create_strategy, register_strategy
+from jupyter_shard.strategies.base import NoStrategy, StrategyBase
+from jupyter_shard.strategies.ddp import DDPStrategy
+
+
+@pytest.fixture(autouse=True)
+def clean_registry() -> Iterator[None]:
+    saved = dict(strategies._registered)
+    yield
+    strategies._registered.clear()
+    strategies._registered.update(saved)
+
+
+def test_builtins_are_listed() -> None:
+    names = available_strategies()
+    assert {"none", "ddp"} <= set(names)
+    assert names == sorted(names)
+
+
+def test_create_builtins() -> None:
+    assert isinstance(create_strategy("none"), NoStrategy)
+    ddp = create_strategy("ddp", find_unused_parameters=True)
+    assert isinstance(ddp, DDPStrategy)
+    assert ddp.options == {"find_unused_parameters": True}
+
+
+def test_unknown_strategy_lists_the_available_ones() -> None:
+    with pytest.raises(ValueError) as info:
+        create_strategy("megatron")
+    msg = str(info.value)
+    assert msg.startswith(
+        "strategy 'megatron' is not installed in this version of jupyter_shard; available: "
+    )
+    assert msg.endswith(", ".join(available_strategies()))
+    assert "ddp" in msg and "none" in msg
+
+
+class _Custom(StrategyBase):
+    name = "custom"
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+
+def test_register_strategy_with_defaults_and_overrides() -> None:
+    register_strategy("custom", _Custom, bucket_mb=25, overlap=True)
+    assert "custom" in available_strategies()
+    s = create_strategy("custom", bucket_mb=50)
+    assert isinstance(s, _Custom)
+    assert s.options == {"bucket_mb": 50, "overlap": True}
+
+
+def test_registered_strategy_can_override_a_builtin_name() -> None:
+    register_strategy("ddp", _Custom)
+    assert isinstance(create_strategy("ddp"), _Custom)
+    assert available_strategies().count("ddp") == 1
+
+
+def test_ddp_rejects_unknown_options() -> None:
+    with pytest.raises(ValueError) as info:
+        DDPStrategy(find_unused_parameters=True, bucket_cap=1, zzz=2)
+    assert str(info.value) == (
+        "unknown ddp option(s) bucket_cap, zzz; allowed: broadcast_buffers, find_unused_parameters, "
+        "gradient_as_bucket_view, static_graph"
+    )
+    with pytest.raises(ValueError, match="unknown ddp option"):
+        create_strategy("ddp", bogus=True)
+
+
+def test_ddp_accepts_every_documented_option() -> None:
+    opts = {
+        "find_unused_parameters": True,
+        "static_graph": False,
+        "gradient_as_bucket_view": True,
+        "broadcast_buffers": False,
+    }
+    assert DDPStrategy(**opts).options == opts
+
+
+def test_none_strategy_takes_no_options() -> None:
+    with pytest.raises(ValueError, match=r"^strategy 'none' takes no options, got: lr$"):
+        create_strategy("none", lr=0.1)
+
+
+class _Optimizer:
+    """Stands in for torch.optim (whose first import costs seconds)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def step(self) -> None:
+        self.calls.append(("step", None))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.calls.append(("zero_grad", set_to_none))
+
+
+def test_none_strategy_wraps_backwards_and_steps() -> None:
+    import torch
+
+    s = create_strategy("none")
+    model = s.wrap(torch.nn.Linear(2, 1), torch.device("cpu"))
+    assert s.unwrap(model) is model
+    assert model.weight.grad is None
+    s.backward(model(torch.ones(4, 2)).sum())
+    assert model.weight.grad is not None
+    assert torch.equal(model.weight.grad, torch.full((1, 2), 4.0))
+    opt = _Optimizer()
+    s.step(opt)  # type: ignore[arg-type]
+    assert opt.calls == [("step", None), ("zero_grad", True)]
+
+
+def test_ddp_unwrap_of_a_plain_module_is_identity() -> None:
+    import torch
+
+    m = torch.nn.Linear(1, 1)
+    assert DDPStrategy().unwrap(m) is m
