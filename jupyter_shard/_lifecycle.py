@@ -30,6 +30,16 @@ def _start_time(pid: int) -> float | None:
         return None
 
 
+def runtime_root() -> Path:
+    """Where private pool directories go: $JUPYTER_SHARD_RUNTIME_DIR, else the temp directory."""
+    return Path(os.environ.get("JUPYTER_SHARD_RUNTIME_DIR") or tempfile.gettempdir())
+
+
+def new_pool_dir() -> Path:
+    """A fresh private (0700) directory for one pool's socket, store and record."""
+    return Path(tempfile.mkdtemp(prefix=DIR_PREFIX, dir=runtime_root()))
+
+
 def record_pool(directory: Path, rank_pids: list[int]) -> None:
     record = {
         "kernel": [os.getpid(), _start_time(os.getpid())],
@@ -42,7 +52,7 @@ def record_pool(directory: Path, rank_pids: list[int]) -> None:
 
 def clean_stale_pools(base: Path | None = None) -> list[Path]:
     """Remove pool directories left by kernels that died; returns what was removed."""
-    root = base or Path(tempfile.gettempdir())
+    root = base or runtime_root()
     removed = []
     for directory in root.glob(DIR_PREFIX + "*"):
         try:

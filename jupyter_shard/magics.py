@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import math
 import shlex
 import sys
 from typing import Any, NoReturn
@@ -23,12 +24,18 @@ from jupyter_shard.spec import LaunchSpec, SpecError, parse_ranks
 
 
 class _Parser(argparse.ArgumentParser):
+    """argparse that raises one :class:`SpecError` line instead of printing usage and exiting."""
+
+    def __init__(self, prog: str, sigil: str) -> None:
+        super().__init__(prog=prog, add_help=False, exit_on_error=False)
+        self.magic = f"{sigil}{prog}"
+
     def error(self, message: str) -> NoReturn:
-        raise SpecError(f"%%{self.prog}: {message}")
+        raise SpecError(f"{self.magic}: {message}")
 
 
 def _distributed_parser() -> _Parser:
-    p = _Parser(prog="distributed", add_help=False, exit_on_error=False)
+    p = _Parser("distributed", "%%")
     p.add_argument("--nproc", type=int)
     p.add_argument("--gpus", type=int)
     p.add_argument("--device")
@@ -46,16 +53,16 @@ def _distributed_parser() -> _Parser:
 
 def _parse(parser: _Parser, line: str) -> argparse.Namespace:
     try:
-        args = shlex.split(line)
-        namespace, extra = parser.parse_known_args(args)
-    except (ValueError, argparse.ArgumentError) as exc:
-        raise UsageError(f"%%{parser.prog}: {exc}") from None
+        namespace, extra = parser.parse_known_args(shlex.split(line))
     except SpecError as exc:
         raise UsageError(str(exc)) from None
+    except (ValueError, argparse.ArgumentError) as exc:
+        raise UsageError(f"{parser.magic}: {exc}") from None
     if extra:
-        raise UsageError(
-            f"%%{parser.prog}: unknown option {extra[0]!r}; see %%{parser.prog}? for the options"
-        )
+        raise UsageError(f"{parser.magic}: unknown option {extra[0]!r}; see {parser.magic}? for the options")
+    timeout = getattr(namespace, "timeout", None)
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise UsageError(f"{parser.magic}: --timeout {timeout:g} is not valid; give seconds above 0")
     return namespace
 
 
@@ -175,7 +182,7 @@ class DistributedMagics(Magics):
     @line_magic
     def dist_pull(self, line: str) -> None:
         """Bring a rank variable into the kernel: %dist_pull name [--rank K | --all]"""
-        parser = _Parser(prog="dist_pull", add_help=False, exit_on_error=False)
+        parser = _Parser("dist_pull", "%")
         parser.add_argument("name")
         group = parser.add_mutually_exclusive_group()
         group.add_argument("--rank", type=int, default=0)

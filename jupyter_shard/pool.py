@@ -13,7 +13,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -105,6 +104,7 @@ class Pool:
         self.on_notice: Callable[[str], None] | None = None
         self._io_lock = threading.RLock()  # the socket is shared by run() and e.g. stacks()
         self._restart_reason: str | None = None
+        self.dropped = 0  # frames rejected on the pool socket (unknown peer, bad signature, replay)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -131,7 +131,7 @@ class Pool:
         launcher = get_launcher(self.spec.launcher)
         key = new_key()
         self._wire = Wire(key, KERNEL)
-        self._dir = Path(tempfile.mkdtemp(prefix="jupyter_shard-"))
+        self._dir = _lifecycle.new_pool_dir()
         self.log_dir = _lifecycle.new_log_dir(self._log_root)
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
@@ -509,11 +509,12 @@ class Pool:
     def _dispatch(self, wire: Wire, frames: list[bytes]) -> None:
         rank, is_io = parse_identity(frames[0])
         r = self._ranks.get(rank)
-        if r is None:
-            return
         try:
+            if r is None:
+                raise ProtocolError(f"message from an unknown peer {frames[0][:40]!r}")
             msg = wire.decode(frames[1:], expect_sender=frames[0].decode())
         except ProtocolError as exc:
+            self.dropped += 1
             print(f"jupyter_shard: dropped a message on the pool socket: {exc}", file=sys.__stderr__)
             return
         handler = _HANDLERS.get(msg.type)

@@ -182,12 +182,19 @@ class Wire:
         try:
             header = json.loads(header_raw)
             body = json.loads(body_raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ProtocolError(f"signed message is not JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, huge ints, deep nesting
+            raise ProtocolError(
+                f"signed message is not JSON, or not JSON we accept: {type(exc).__name__}"
+            ) from None
         if not isinstance(header, dict) or not isinstance(body, dict):
             raise ProtocolError("signed message header and body must be JSON objects")
         msg_type, sender, seq = header.get("type"), header.get("sender"), header.get("seq")
-        if msg_type not in MSG_TYPES or not isinstance(sender, str) or type(seq) is not int:
+        if (
+            not isinstance(msg_type, str)
+            or msg_type not in MSG_TYPES
+            or not isinstance(sender, str)
+            or type(seq) is not int
+        ):
             raise ProtocolError(f"signed message has an unknown type or bad header: {msg_type!r}")
         if expect_sender is not None and sender != expect_sender:
             raise ProtocolError(f"message claims sender {sender!r} on the socket of {expect_sender!r}")

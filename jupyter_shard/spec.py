@@ -7,6 +7,7 @@ this module starts a process or imports torch.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT = 60.0
+MAX_RANKS = 1 << 16
 
 
 class SpecError(ValueError):
@@ -70,7 +72,11 @@ def visible_gpus() -> int:
     """Count CUDA devices without importing torch or creating a CUDA context in the kernel."""
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
     if cvd is not None:
-        entries = [e for e in cvd.split(",") if e.strip() and e.strip() != "-1"]
+        entries = []
+        for entry in (e.strip() for e in cvd.split(",")):
+            if not entry or entry.startswith("-"):
+                break  # CUDA ignores every device after an invalid one
+            entries.append(entry)
         return len(entries) if _nvidia_devices() else 0
     return _nvidia_devices()
 
@@ -88,7 +94,7 @@ _RANK_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 def parse_ranks(text: str, world_size: int | None = None) -> tuple[int, ...]:
     """Parse ``0``, ``0,2`` or ``1-3`` into sorted unique ranks, checked against ``world_size``."""
-    ranks: set[int] = set()
+    spans: list[tuple[int, int]] = []
     for item in text.replace(" ", "").split(","):
         match = _RANK_ITEM.match(item)
         if not match:
@@ -97,14 +103,12 @@ def parse_ranks(text: str, world_size: int | None = None) -> tuple[int, ...]:
         hi = int(match.group(2)) if match.group(2) is not None else lo
         if hi < lo:
             raise SpecError(f"rank range {item!r} runs backwards; write it as {hi}-{lo}")
-        ranks.update(range(lo, hi + 1))
-    if world_size is not None:
-        outside = sorted(r for r in ranks if r >= world_size)
-        if outside:
-            raise SpecError(
-                f"rank {outside[0]} does not exist: the pool has {world_size} ranks (0-{world_size - 1})"
-            )
-    return tuple(sorted(ranks))
+        spans.append((lo, hi))
+    limit = world_size if world_size is not None else MAX_RANKS
+    outside = [max(lo, limit) for lo, hi in spans if hi >= limit]
+    if outside:
+        raise SpecError(f"rank {min(outside)} does not exist: the pool has {limit} ranks (0-{limit - 1})")
+    return tuple(sorted({rank for lo, hi in spans for rank in range(lo, hi + 1)}))
 
 
 def format_ranks(ranks: Sequence[int]) -> str:
@@ -144,7 +148,7 @@ class LaunchSpec:
             raise SpecError(f"--nodes {self.nodes} is not valid; use 1 or more")
         if self.zero_stage is not None and not 0 <= self.zero_stage <= 3:
             raise SpecError(f"--zero-stage {self.zero_stage} is not valid; choose 0, 1, 2 or 3")
-        if self.timeout <= 0:
+        if not math.isfinite(self.timeout) or self.timeout <= 0:
             raise SpecError(f"--timeout {self.timeout:g} is not valid; give seconds above 0")
         if self.device is Device.AUTO:
             raise SpecError("resolve device 'auto' with LaunchSpec.create before building a spec")
@@ -166,6 +170,8 @@ class LaunchSpec:
         gpu_count: int | None = None,
     ) -> LaunchSpec:
         """Resolve user options (``auto`` device, default rank count) into a checked spec."""
+        if nodes < 1:
+            raise SpecError(f"--nodes {nodes} is not valid; use 1 or more")
         available = visible_gpus() if gpu_count is None else gpu_count
         dev = Device(_choice(Device, str(getattr(device, "value", device)), "--device"))
         strat = Strategy(_choice(Strategy, str(getattr(strategy, "value", strategy)), "--strategy"))
@@ -198,6 +204,9 @@ class LaunchSpec:
                 f"--nproc {nproc} CUDA ranks need {nproc} GPUs but {available} are visible; "
                 f"use --nproc {available} or --device cpu"
             )
+        from jupyter_shard.launchers import get_launcher
+
+        get_launcher(launcher)  # an unknown launcher is a SpecError naming the installed ones
         if zero_stage is not None and strat is not Strategy.DEEPSPEED:
             raise SpecError("--zero-stage applies only to --strategy deepspeed")
         path = Path(config).expanduser() if config is not None else None

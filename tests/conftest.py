@@ -55,6 +55,7 @@ class Kernel:
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
+        self.closed = False
 
     @property
     def pid(self) -> int:
@@ -85,9 +86,14 @@ class Kernel:
         return run
 
     def shutdown(self) -> None:
+        """Ask the kernel to shut down as Jupyter does; kill it if it does not. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             self.kc.stop_channels()
-            self.km.shutdown_kernel(now=False)
+            if self.km.has_kernel:
+                self.km.shutdown_kernel(now=False)
         finally:
             if self.km.has_kernel:
                 self.km.shutdown_kernel(now=True)

@@ -141,12 +141,6 @@ def test_ranks_are_checked_against_the_running_pool(
     assert pool.calls == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: %%distributed never validates --timeout (_resolve drops it before LaunchSpec.create), "
-    "so `--timeout 0` / `--timeout -1` go on to create and start a pool instead of a UsageError",
-)
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_bad_timeout_is_a_usage_error(shell: InteractiveShell, magics: DistributedMagics, value: str) -> None:
     try:
@@ -157,20 +151,11 @@ def test_bad_timeout_is_a_usage_error(shell: InteractiveShell, magics: Distribut
         _Tripwire.created.clear()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: SpecError subclasses ValueError, so _parse's `except (ValueError, ArgumentError)` catches "
-    "argparse's error() first and prefixes it twice: '%%distributed: %%distributed: ambiguous option ...'",
-)
 def test_parser_errors_are_prefixed_once(shell: InteractiveShell, magics: DistributedMagics) -> None:
     msg = _usage_error(shell, "distributed", "--n 2")
     assert msg.startswith("%%distributed: ambiguous option: --n could match --nproc, --nodes")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: %dist_pull is a line magic but its errors say '%%dist_pull: ...; see %%dist_pull?'",
-)
 def test_dist_pull_errors_name_the_line_magic(shell: InteractiveShell, magics: DistributedMagics) -> None:
     msg = _usage_error(shell, "dist_pull", "x --bogus", cell=None)
     assert msg.startswith("%dist_pull: unknown option '--bogus'")

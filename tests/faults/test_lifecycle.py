@@ -1,0 +1,89 @@
+"""F7, F8, F17: no rank or grandchild outlives its kernel; start/stop cycles leak nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.faults.conftest import alive, rank_pids, wait_gone
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _start_with_grandchildren(kernel: Any) -> list[int]:
+    assert kernel.execute("%load_ext jupyter_shard").ok
+    assert kernel.execute("%%distributed --nproc 2 --device cpu\nimport torch").ok
+    pids = rank_pids(kernel)
+    run = kernel.execute(
+        "%%distributed\n"
+        "import subprocess, torch\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "sleeper = subprocess.Popen(['sleep', '1000'])\n"
+        "loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, num_workers=1, "
+        "persistent_workers=True)\n"
+        "batches = iter(loader); next(batches)\n"
+        "print('children', len(__import__('psutil').Process().children(recursive=True)))\n"
+    )
+    assert run.ok, run.outputs
+    family = list(pids)
+    for pid in pids:
+        family += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    assert len(family) >= 6, f"expected ranks + sleep + DataLoader worker each: {family}"
+    return family
+
+
+def test_kernel_sigkill_takes_ranks_and_grandchildren_within_2s(kernel: Any) -> None:
+    family = _start_with_grandchildren(kernel)
+    os.kill(kernel.pid, signal.SIGKILL)
+    took = wait_gone(family, within=2.0)
+    assert took < 2.0
+
+
+def test_kernel_restart_removes_ranks_before_new_kernel_runs(kernel: Any) -> None:
+    family = _start_with_grandchildren(kernel)
+    kernel.km.restart_kernel(now=False)
+    kernel.kc.wait_for_ready(timeout=60)
+    run = kernel.execute("1 + 1")
+    assert run.ok
+    assert alive(family) == []
+
+
+def test_kernel_shutdown_removes_ranks(kernel: Any) -> None:
+    family = _start_with_grandchildren(kernel)
+    kernel.shutdown()
+    wait_gone(family, within=2.0)
+
+
+def _snapshot(runtime: Path) -> tuple[set[int], int, set[str], set[str]]:
+    me = psutil.Process()
+    children = {c.pid for c in me.children(recursive=True)}
+    fds = len(os.listdir("/proc/self/fd"))
+    tmp = {p.name for p in runtime.iterdir()}
+    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    return children, fds, tmp, shm
+
+
+def test_start_stop_cycles_leak_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from jupyter_shard import Pool
+
+    runtime = Path(tempfile.mkdtemp(prefix="jsrt-"))
+    monkeypatch.setenv("JUPYTER_SHARD_RUNTIME_DIR", str(runtime))
+
+    with Pool(nproc=2, device="cpu", log_dir=tmp_path) as pool:
+        pool.run("x = 1")
+    before = _snapshot(runtime)
+    cycles = int(os.environ.get("JUPYTER_SHARD_CYCLES", "5"))
+    for _ in range(cycles):
+        with Pool(nproc=2, device="cpu", log_dir=tmp_path) as pool:
+            pool.run("import torch.distributed as dist; dist.barrier()")
+    after = _snapshot(runtime)
+    assert after[0] == before[0], "leaked child processes"
+    assert after[1] <= before[1], f"leaked fds: {before[1]} -> {after[1]}"
+    assert after[2] == before[2] == set(), "leaked pool directories"
+    assert after[3] == before[3], "leaked /dev/shm entries"
