@@ -290,10 +290,7 @@ class StatusTable:
 def _show_error(
     shell: InteractiveShell, etype: type, evalue: BaseException, tb: object, tb_offset: int | None = None
 ) -> None:
-    if isinstance(evalue, DistributedError):
-        stb = evalue.render()
-    else:
-        stb = [f"{etype.__name__}: {evalue}"]
+    stb = evalue.render() if isinstance(evalue, DistributedError) else [f"{etype.__name__}: {evalue}"]
     shell._showtraceback(etype, evalue, stb)
 
 

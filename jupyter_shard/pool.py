@@ -389,7 +389,8 @@ class Pool:
         too_big = [n for n, b in zip(names, buffers, strict=True) if len(b) > MAX_FRAME]
         if too_big:
             raise PoolError(
-                f"{too_big[0]!r} is over the {MAX_FRAME // 2**20} MiB message limit; save it to a file and load it on the ranks"
+                f"{too_big[0]!r} is over the {MAX_FRAME // 2**20} MiB message limit; "
+                "save it to a file and load it on the ranks"
             )
         replies = self._request("push", {"names": names}, self._targets(ranks), buffers=buffers, timeout=60.0)
         errors = [f"rank {k}: {m.body['error']}" for k, m in sorted(replies.items()) if not m.body["ok"]]

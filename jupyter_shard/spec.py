@@ -64,7 +64,7 @@ def _choice(enum: type[Enum], value: str, option: str) -> Enum:
     try:
         return enum(value)
     except ValueError:
-        allowed = ", ".join(str(m.value) for m in enum)  # type: ignore[var-annotated]
+        allowed = ", ".join(str(m.value) for m in enum)
         raise SpecError(f"{option} {value!r} is not valid; choose one of: {allowed}") from None
 
 

@@ -8,6 +8,7 @@ can fill up and stall a rank.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -36,10 +37,8 @@ class LocalRank(RankHandle):
     def kill_tree(self) -> None:
         # The rank leads its own process group (start_new_session), so its pid is the group id.
         # Linux does not reuse a pid while a group with that id still has members.
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         self.send_signal(signal.SIGKILL)
         self.wait(5.0)
 
@@ -83,7 +82,5 @@ class LocalLauncher(Launcher):
 
 def kill_recorded(pid: int) -> None:
     """SIGKILL the process group of a rank recorded by an earlier pool (checked by the caller)."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass

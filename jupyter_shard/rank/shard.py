@@ -77,8 +77,8 @@ class Shard:
         return (wrapped, new_optimizer, *loaders)
 
     def _distribute(self, loader: DataLoader[Any]) -> DataLoader[Any]:
-        sampler = DistributedSampler(
-            loader.dataset,  # type: ignore[arg-type]
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            loader.dataset,
             num_replicas=self.world_size,
             rank=self.rank,
             shuffle=isinstance(loader.sampler, RandomSampler),
@@ -192,7 +192,7 @@ def _rebuild_optimizer(
         params = []
         for p in group["params"]:
             name = by_id.get(id(p))
-            params.append(new_params[name] if name in new_params else p)
+            params.append(new_params.get(name, p))
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
     return type(optimizer)(groups, **optimizer.defaults)
 

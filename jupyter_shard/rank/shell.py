@@ -31,7 +31,7 @@ class _RankDisplayHook(DisplayHook):
 
 
 class _RankDisplayPublisher(DisplayPublisher):
-    def publish(  # type: ignore[override]
+    def publish(
         self,
         data: dict[str, Any],
         metadata: dict[str, Any] | None = None,
@@ -85,7 +85,7 @@ class RankShell(InteractiveShell):
         self.last_error = None
         if exec_count > 0:
             self.execution_count = exec_count
-        result = self.run_cell(code, store_history=True)
+        result = self.run_cell(code, store_history=True)  # type: ignore[no-untyped-call]
         if self.last_error is None and not result.success:
             exc = result.error_in_exec or result.error_before_exec
             if exc is not None:

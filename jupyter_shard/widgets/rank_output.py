@@ -118,8 +118,9 @@ class RankSink(ABC):
     def notice(self, text: str) -> None:
         self.write("stderr", text.rstrip("\n") + "\n")
 
+    @abstractmethod
     def flush(self) -> None:
-        pass
+        """Push out anything held back (called at the end of a cell and before displays)."""
 
 
 class ConsoleSink(RankSink):

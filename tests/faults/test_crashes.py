@@ -34,7 +34,7 @@ def test_crash_fails_cell_fast_and_restart_recovers(kernel: Any, crash: str, mes
     assert run.elapsed < 2.5 + 0.3, f"cell took {run.elapsed:.1f} s"
 
     status = kernel.execute("%dist_status").data("execute_result")[0]["text/plain"]
-    row = [ln for ln in status.splitlines() if ln.startswith("1 ")][0]
+    row = next(ln for ln in status.splitlines() if ln.startswith("1 "))
     assert "dead" in row and message.split("rank 1 ")[1][:20] in row
 
     refused = kernel.execute("%%distributed\n1")
