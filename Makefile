@@ -1,0 +1,68 @@
+# Entry points: `make quickstart`, `make quickstart-headless`, `make test` (see README.md).
+# Everything runs from the project virtual environment in .venv, which `setup` creates.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.setup-stamp
+# torch is pinned and installed first: an unpinned torch pulls a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+QUICKSTART := notebooks/00_quickstart.ipynb
+LINT_PATHS := jupyter_shard tests benchmarks notebooks/run_headless.py
+# Collected after tests/unit; each must exist and hold tests, so none is skipped silently.
+SUITES := tests/integration tests/faults tests/notebooks
+PIP_FLAGS := $(if $(CI),--progress-bar off,)
+# JupyterLab refuses to run as root (containers, CI) without this flag.
+LAB_FLAGS := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
+.PHONY: setup quickstart quickstart-headless lint test
+
+setup: $(STAMP)
+
+# Re-runs only when pyproject.toml changes (or the venv is missing).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(PIP_FLAGS) $(TORCH)
+	$(PY) -m pip install $(PIP_FLAGS) -e '.[test,dev,bench,lab]'
+	$(PY) -c "import jupyter_shard, torch, nbval; print('setup ok: torch', torch.__version__)"
+	touch $@
+
+quickstart: setup
+	$(VENV)/bin/jupyter lab $(LAB_FLAGS) $(QUICKSTART)
+
+quickstart-headless: setup
+	$(PY) notebooks/run_headless.py $(QUICKSTART)
+
+# Shell commands of `lint`: every check runs; $status ends up 1 if any failed.
+LINT_SH = status=0; \
+	echo "+ ruff check $(LINT_PATHS)"; $(VENV)/bin/ruff check $(LINT_PATHS) || status=1; \
+	echo "+ ruff format --check $(LINT_PATHS)"; $(VENV)/bin/ruff format --check $(LINT_PATHS) || status=1; \
+	echo "+ mypy (strict, jupyter_shard)"; $(VENV)/bin/mypy || status=1; \
+	echo "+ mypy --strict notebooks/run_headless.py"; \
+	$(VENV)/bin/mypy --strict notebooks/run_headless.py || status=1
+
+lint: setup
+	@$(LINT_SH); exit $$status
+
+# lint, then tests/unit (fast), then the real-process suites and the notebooks (nbval compares the
+# stored outputs). Every stage runs; the target fails if any stage failed. pytest's exit code 5
+# (no tests collected) counts as a failure.
+test: setup
+	@failed=""; \
+	run_pytest() { \
+		name=$$1; shift; \
+		echo "+ pytest $$*"; $(PY) -m pytest "$$@"; rc=$$?; \
+		if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests in: $$*"; fi; \
+		if [ $$rc -ne 0 ]; then failed="$$failed $$name(exit $$rc)"; fi; \
+	}; \
+	$(LINT_SH); [ $$status -eq 0 ] || failed="$$failed lint"; \
+	run_pytest unit tests/unit; \
+	for suite in $(SUITES); do \
+		if ! find $$suite \( -name 'test_*.py' -o -name '*_test.py' \) 2>/dev/null | grep -q .; then \
+			echo "error: $$suite has no test files"; failed="$$failed $$suite(missing)"; \
+		fi; \
+	done; \
+	run_pytest integration+faults+notebooks $(foreach s,$(SUITES),$(wildcard $(s))) notebooks \
+		--nbval --nbval-current-env; \
+	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed"; exit 1; fi; \
+	echo "make test: all stages passed"
