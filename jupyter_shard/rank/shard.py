@@ -192,7 +192,7 @@ def _rebuild_optimizer(
         params = []
         for p in group["params"]:
             name = by_id.get(id(p))
-            params.append(new_params.get(name, p))
+            params.append(new_params[name] if name is not None and name in new_params else p)
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
     return type(optimizer)(groups, **optimizer.defaults)
 

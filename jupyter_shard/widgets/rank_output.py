@@ -118,8 +118,7 @@ class RankSink(ABC):
     def notice(self, text: str) -> None:
         self.write("stderr", text.rstrip("\n") + "\n")
 
-    @abstractmethod
-    def flush(self) -> None:
+    def flush(self) -> None:  # noqa: B027 - a hook: sinks that hold nothing back need not override it
         """Push out anything held back (called at the end of a cell and before displays)."""
 
 
