@@ -1,0 +1,94 @@
+"""The Python API (``jupyter_shard.Pool``) with real ranks: the same machinery as the magics."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jupyter_shard import DistributedError, Pool, PoolError
+from jupyter_shard.widgets.rank_output import ConsoleSink
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    out, err = io.StringIO(), io.StringIO()
+    with Pool(
+        nproc=2,
+        device="cpu",
+        strategy="ddp",
+        log_dir=tmp_path_factory.mktemp("logs"),
+        sink=ConsoleSink(out, err),
+    ) as p:
+        yield p
+
+
+def test_run_returns_per_rank_results(pool: Pool) -> None:
+    result = pool.run("print('hello from', shard.rank)\nshard.rank * 10")
+    assert result.ok
+    assert result.ranks[0].stdout == "hello from 0\n" and result.ranks[1].stdout == "hello from 1\n"
+    assert result.value == {"text/plain": "0"}
+    assert result.ranks[1].result == {"text/plain": "10"}
+
+
+def test_distributed_error_carries_every_traceback_root_cause_first(pool: Pool) -> None:
+    with pytest.raises(DistributedError) as caught:
+        pool.run("import time\nif shard.rank == 0:\n    time.sleep(0.3)\nraise KeyError(shard.rank)")
+    err = caught.value
+    assert err.rank == 1
+    assert sorted(err.tracebacks) == [0, 1]
+    assert "KeyError: 1" in "\n".join(err.tracebacks[1])
+    assert str(err).startswith("rank 1 failed first: KeyError: 1 (also failed: rank 0)")
+
+
+def test_stacks_mid_cell_from_another_thread(pool: Pool) -> None:
+    seen: dict[int, str] = {}
+
+    def ask() -> None:
+        time.sleep(1.0)
+        seen.update(pool.stacks())
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    pool.run("import time\ndef deep_in_training():\n    time.sleep(2.5)\ndeep_in_training()")
+    asker.join()
+    assert sorted(seen) == [0, 1]
+    for text in seen.values():
+        assert text.startswith("MainThread:")
+        assert "in deep_in_training" in text and "time.sleep(2.5)" in text
+
+
+def test_status_while_idle(pool: Pool) -> None:
+    rows = pool.status()
+    assert [r.rank for r in rows] == [0, 1]
+    assert all(r.state.value == "idle" and r.memory["rss"] > 50 * 2**20 for r in rows)
+    assert all(Path(r.log_path).is_file() for r in rows)
+
+
+def test_push_pull_and_missing_ranks(pool: Pool) -> None:
+    pool.push(scale=3)
+    pool.run("scaled = scale * (shard.rank + 1)")
+    assert pool.pull_all("scaled") == {0: 3, 1: 6}
+    assert pool.pull("scaled", rank=1) == 6
+    with pytest.raises(PoolError, match="rank 5 does not exist: the pool has 2 ranks"):
+        pool.run("1", ranks=[5])
+
+
+def test_interrupt_from_another_thread_reaches_running_ranks(pool: Pool) -> None:
+    def later() -> None:
+        time.sleep(1.0)
+        pool.interrupt()
+
+    threading.Thread(target=later).start()
+    started = time.monotonic()
+    with pytest.raises(DistributedError) as caught:
+        pool.run("import time\nwhile True:\n    time.sleep(0.01)")
+    assert time.monotonic() - started < 3.0
+    assert caught.value.headline == "interrupted: KeyboardInterrupt on rank 0-1"
+    assert pool.run("'alive'").value == {"text/plain": "'alive'"}

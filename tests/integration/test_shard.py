@@ -1,0 +1,107 @@
+"""``shard`` inside ranks: DDP training keeps replicas equal, the optimizer is rebuilt, metrics reach
+the kernel, dataloaders are split, checkpoints are atomic and restore state."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jupyter_shard import Pool
+from jupyter_shard.widgets.rank_output import ConsoleSink
+
+pytestmark = pytest.mark.timeout(180)
+
+TRAIN = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
+model, opt, loader = shard.prepare(model, opt, loader)
+torch.manual_seed(100 + shard.rank)   # different data order per rank from here on
+for epoch in range(2):
+    loader.sampler.set_epoch(epoch)
+    for x, y in loader:
+        loss = nn.functional.mse_loss(model(x), y)
+        shard.backward(loss)
+        shard.step()
+        shard.log(loss=loss)
+"""
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    sink = ConsoleSink(io.StringIO(), io.StringIO())
+    with Pool(nproc=2, device="cpu", strategy="ddp", log_dir=tmp_path_factory.mktemp("logs"), sink=sink) as p:
+        p.run(TRAIN)
+        yield p
+
+
+def test_prepare_wraps_in_ddp_and_rebuilds_the_optimizer(pool: Pool) -> None:
+    result = pool.run(
+        "(type(model).__name__, type(opt).__name__, opt.defaults['lr'], opt.defaults['momentum'],"
+        " all(p is q for p, q in zip(opt.param_groups[0]['params'], model.parameters())),"
+        " type(loader.sampler).__name__, len(loader))"
+    )
+    assert result.value == {
+        "text/plain": "('DistributedDataParallel', 'SGD', 0.05, 0.9, True, 'DistributedSampler', 4)"
+    }
+
+
+def test_replicas_stay_identical_after_training(pool: Pool) -> None:
+    pool.run("checksum = float(sum(p.detach().double().sum() for p in model.parameters()))")
+    sums = pool.pull_all("checksum")
+    assert sums[0] == sums[1]
+    moved = pool.run("first = next(iter(loader)); first[0].sum().item()")
+    per_rank = {k: r.result for k, r in moved.ranks.items()}
+    assert per_rank[0] != per_rank[1], "each rank should see its own shard of the data"
+
+
+def test_metrics_reach_the_kernel(pool: Pool) -> None:
+    records = [r for r in pool.history if "loss" in r["values"]]
+    assert {r["rank"] for r in records} == {0, 1}
+    assert len([r for r in records if r["rank"] == 0]) == 8
+    assert all(isinstance(r["values"]["loss"], float) for r in records)
+    steps = [r["step"] for r in records if r["rank"] == 1]
+    assert steps == list(range(1, 9))
+
+
+def test_helpers_print0_memory_barrier(pool: Pool) -> None:
+    result = pool.run("shard.print0('only rank 0'); shard.barrier(); m = shard.memory(); sorted(m)")
+    assert result.ranks[0].stdout == "only rank 0\n" and result.ranks[1].stdout == ""
+    assert result.value == {"text/plain": "['rss']"}
+
+
+def test_save_is_atomic_and_load_restores(pool: Pool, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt" / "model.pt"
+    pool.run(f"shard.save({str(path)!r}); saved = [p.detach().clone() for p in model.parameters()]")
+    assert path.is_file()
+    assert [p.name for p in path.parent.iterdir()] == ["model.pt"], "no temporary files left behind"
+    pool.run("with torch.no_grad():\n    for p in model.parameters(): p.add_(1.0)")
+    pool.run(
+        f"shard.load({str(path)!r})\nrestored = all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))"
+    )
+    assert pool.pull_all("restored") == {0: True, 1: True}
+
+
+def test_unknown_strategy_lists_the_available_ones(tmp_path: Path) -> None:
+    from jupyter_shard import DistributedError
+
+    with Pool(
+        nproc=1,
+        device="cpu",
+        strategy="fsdp",
+        log_dir=tmp_path,
+        sink=ConsoleSink(io.StringIO(), io.StringIO()),
+    ) as p:
+        with pytest.raises(DistributedError) as caught:
+            p.run("import torch\nshard.prepare(torch.nn.Linear(2, 2))")
+        assert (
+            "strategy 'fsdp' is not installed in this version of jupyter_shard; available: ddp, none"
+            in str(caught.value)
+        )
