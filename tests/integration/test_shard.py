@@ -84,7 +84,8 @@ def test_save_is_atomic_and_load_restores(pool: Pool, tmp_path: Path) -> None:
     assert [p.name for p in path.parent.iterdir()] == ["model.pt"], "no temporary files left behind"
     pool.run("with torch.no_grad():\n    for p in model.parameters(): p.add_(1.0)")
     pool.run(
-        f"shard.load({str(path)!r})\nrestored = all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))"
+        f"shard.load({str(path)!r})\n"
+        "restored = all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))"
     )
     assert pool.pull_all("restored") == {0: True, 1: True}
 
