@@ -18,7 +18,7 @@ import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ __all__ = ["Pool"]
 START_TIMEOUT = float(os.environ.get("JUPYTER_SHARD_START_TIMEOUT", "180"))
 INTERRUPT_GRACE = 2.0
 DESYNC_GRACE = 3.0
+OUTPUT_WAIT = 2.0
 HISTORY_LIMIT = 1_000_000
 CAPTURE_LIMIT = 4 * 1024 * 1024
 
@@ -64,6 +65,7 @@ class _Rank:
         self.io_identity = io_identity(handle.rank).encode()
         self.io_received = 0
         self.pending_done: Message | None = None
+        self.pending_since = 0.0
         self.state = RankState.STARTING
         self.device = ""
         self.log_path = log_path
@@ -216,8 +218,7 @@ class Pool:
     def shutdown(self) -> None:
         """Stop every rank (and its children) and release the socket, key and private directory."""
         if self._sock is not None and self._wire is not None:
-            for r in self._live():
-                self._send(r, "shutdown", {})
+            self._send(self._live(), "shutdown", {})
         deadline = time.monotonic() + 1.0
         for r in self._ranks.values():
             r.handle.wait(max(0.0, deadline - time.monotonic()))
@@ -270,8 +271,8 @@ class Pool:
         self.sink.begin_cell()
         started = time.monotonic()
         body = {"cell_id": cell_id, "code": code, "exec_count": exec_count}
+        self._send(targets, "execute", body)
         for r in targets:
-            self._send(r, "execute", body)
             r.state, r.cell = RankState.RUNNING, _head(code)
         try:
             self._gather(result, targets, started, timeout)
@@ -306,6 +307,8 @@ class Pool:
                 for r in targets:
                     if r.rank in pending and self._check_exit(r, result):
                         pending.discard(r.rank)
+                    if r.pending_done is not None and time.monotonic() - r.pending_since > OUTPUT_WAIT:
+                        self._finish(r, r.pending_done)  # output lost in transit must not hang the cell
                 pending = {k for k in pending if result.ranks[k].status == "pending"}
                 if not pending:
                     break
@@ -464,14 +467,19 @@ class Pool:
     def _live(self) -> list[_Rank]:
         return [r for r in self._ranks.values() if r.state is not RankState.DEAD and r.handle.poll() is None]
 
-    def _send(self, r: _Rank, msg_type: str, body: dict[str, Any], buffers: Iterable[bytes] = ()) -> None:
+    def _send(
+        self, targets: Sequence[_Rank], msg_type: str, body: dict[str, Any], buffers: Sequence[bytes] = ()
+    ) -> None:
+        """Sign once, send to every target: each rank checks ``seq`` against its own history."""
         assert self._sock is not None and self._wire is not None
-        identity = r.io_identity if msg_type in _IO_REQUESTS else r.identity
-        try:
-            with self._io_lock:
-                self._sock.send_multipart([identity, *self._wire.encode(msg_type, body, list(buffers))])
-        except zmq.ZMQError as exc:
-            raise PoolError(f"rank {r.rank} is not connected ({exc}); run %dist_restart") from None
+        frames = self._wire.encode(msg_type, body, buffers)
+        io = msg_type in _IO_REQUESTS
+        with self._io_lock:
+            for r in targets:
+                try:
+                    self._sock.send_multipart([r.io_identity if io else r.identity, *frames])
+                except zmq.ZMQError as exc:
+                    raise PoolError(f"rank {r.rank} is not connected ({exc}); run %dist_restart") from None
 
     def _request(
         self,
@@ -485,8 +493,7 @@ class Pool:
         req_id = uuid.uuid4().hex
         self._replies[req_id] = {}
         try:
-            for r in targets:
-                self._send(r, msg_type, {**body, "req_id": req_id}, buffers)
+            self._send(targets, msg_type, {**body, "req_id": req_id}, buffers)
             deadline = time.monotonic() + timeout
             while len(self._replies[req_id]) < len(targets) and time.monotonic() < deadline:
                 self._pump(0.02)
@@ -560,6 +567,7 @@ class Pool:
     def _on_done(self, r: _Rank, msg: Message) -> None:
         if r.io_received < int(msg.body["io_count"]):
             r.pending_done = msg  # its output is still in flight on the I/O socket
+            r.pending_since = time.monotonic()
             return
         self._finish(r, msg)
 

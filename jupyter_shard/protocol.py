@@ -20,7 +20,6 @@ import json
 import os
 import secrets
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
@@ -148,7 +147,6 @@ class Wire:
         header = {
             "v": 1,
             "type": msg_type,
-            "id": uuid.uuid4().hex,
             "seq": next(self._seq),
             "sender": self.sender,
             "ts": time.time(),
