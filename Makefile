@@ -10,7 +10,7 @@ TORCH  := torch==2.13.0
 QUICKSTART := notebooks/00_quickstart.ipynb
 LINT_PATHS := jupyter_shard tests benchmarks notebooks/run_headless.py
 # Collected after tests/unit; each must exist and hold tests, so none is skipped silently.
-SUITES := tests/integration tests/faults tests/notebooks
+SUITES := tests/integration tests/faults tests/notebooks tests/gpu
 PIP_FLAGS := $(if $(CI),--progress-bar off,)
 # JupyterLab refuses to run as root (containers, CI) without this flag.
 LAB_FLAGS := $(if $(filter 0,$(shell id -u)),--allow-root,)

@@ -111,7 +111,8 @@ class DistributedMagics(Magics):
     def _run(
         self, magic: str, pool: Pool, cell: str, ranks: tuple[int, ...] | None, timeout: float | None
     ) -> Any:
-        count = self.shell.execution_count if self.shell is not None else 0
+        # IPython counts the running cell before executing it, so the running cell is count - 1.
+        count = max(self.shell.execution_count - 1, 0) if self.shell is not None else 0
         # The magic line, as a comment, keeps traceback line numbers equal to the notebook's; a body that
         # starts with a cell magic of its own (%%time) must keep it on its first line.
         code = cell if cell.startswith("%%") else f"# {magic}\n{cell}"

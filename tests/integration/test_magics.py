@@ -169,6 +169,7 @@ def test_error_names_rank_and_points_at_cell_lines(nb: Any) -> None:
     text = run.error_text()
     assert text.splitlines()[0] == "rank 1 failed first: ValueError: bad shard"
     assert "----> 4     raise ValueError('bad shard')" in text
+    assert f"Cell In[{run.reply['content']['execution_count']}], line 4" in text
     assert "pool.py" not in text and "magics.py" not in text and "runtime.py" not in text
     run = nb.execute("%%distributed\nprint('still here', state)")
     assert run.ok and "[rank 0] still here kept" in run.stream()
