@@ -7,6 +7,7 @@ from typing import Any
 
 from IPython.core.displayhook import DisplayHook
 from IPython.core.displaypub import DisplayPublisher
+from IPython.core.inputtransformer2 import TransformerManager
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
@@ -56,6 +57,23 @@ class _RankDisplayPublisher(DisplayPublisher):
         pass
 
 
+_DEFAULT_TRANSFORMS = TransformerManager()
+_SPECIAL_CHARS = frozenset("%!?")
+_SPECIAL_STARTS = (",", ";", "/", ">>>", "...", "In [")
+
+
+def _plain_python(cell: str) -> bool:
+    """True when IPython's static input transforms would return the cell unchanged.
+
+    Those transforms act only on magics (``%``), shell escapes (``!``), help (``?``), escaped
+    autocalls (``,`` ``;`` ``/`` at a line start), pasted prompts (``>>>``, ``...``, ``In [n]:``),
+    and leading blank lines or indentation; a cell with none of them is plain Python.
+    """
+    if not cell or cell[0].isspace() or not _SPECIAL_CHARS.isdisjoint(cell):
+        return False
+    return not any(line.lstrip().startswith(_SPECIAL_STARTS) for line in cell.splitlines())
+
+
 class RankShell(InteractiveShell):
     """One per rank process; ``channel`` and ``cell_id`` are set by the runtime."""
 
@@ -75,6 +93,41 @@ class RankShell(InteractiveShell):
         shell = cls.instance(config=config, user_ns=user_ns)
         shell.channel = channel
         return shell
+
+    def transform_cell(self, raw_cell: str) -> str:
+        """IPython's transform, skipping the tokenizer pass for plain Python (a third of a no-op cell)."""
+        if not _plain_python(raw_cell) or self._transforms_customised():
+            return str(super().transform_cell(raw_cell))  # type: ignore[no-untyped-call]
+        cell = raw_cell if raw_cell.endswith("\n") else raw_cell + "\n"
+        if len(cell.splitlines()) == 1:
+            assert self.prefilter_manager is not None
+            with self.builtin_trap:
+                cell = self.prefilter_manager.prefilter_lines(cell) + "\n"
+        lines = cell.splitlines(keepends=True)
+        for transform in self.input_transformers_post:
+            lines = transform(lines)
+        return "".join(lines)
+
+    def _transforms_customised(self) -> bool:
+        manager = self.input_transformer_manager
+        return bool(
+            manager.cleanup_transforms != _DEFAULT_TRANSFORMS.cleanup_transforms
+            or manager.line_transforms != _DEFAULT_TRANSFORMS.line_transforms
+            or manager.token_transformers != _DEFAULT_TRANSFORMS.token_transformers
+        )
+
+    def should_run_async(
+        self, raw_cell: str, *, transformed_cell: str | None = None, preprocessing_exc_tuple: Any = None
+    ) -> bool:
+        """Top-level ``await`` needs the word ``await`` or ``async``; skip the trial compile without it."""
+        code = transformed_cell if transformed_cell is not None else raw_cell
+        if "await" not in code and "async" not in code:
+            return False
+        return bool(
+            super().should_run_async(
+                raw_cell, transformed_cell=transformed_cell, preprocessing_exc_tuple=preprocessing_exc_tuple
+            )
+        )
 
     def _showtraceback(self, etype: type[BaseException], evalue: BaseException, stb: list[str]) -> None:
         self.last_error = (etype.__name__, str(evalue), list(stb))

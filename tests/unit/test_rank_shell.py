@@ -1,0 +1,87 @@
+"""The rank shell's shortcut past IPython's tokenizer must give exactly IPython's own transform."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from IPython.core.interactiveshell import InteractiveShell
+
+from jupyter_shard.rank.shell import RankShell, _plain_python
+
+
+class _NoChannel:
+    def send(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("nothing should be sent while transforming")
+
+
+@pytest.fixture(scope="module")
+def shell() -> Iterator[RankShell]:
+    sh = RankShell.create(_NoChannel(), {})  # type: ignore[arg-type]
+    yield sh
+    RankShell.clear_instance()
+
+
+CELLS = [
+    "pass",
+    "x = 1\ny = 2",
+    "for i in range(3):\n    print(i)\n",
+    "total = (values\n    .sum()\n    .item())",
+    "def f():\n    return 1\n",
+    "print('50%')",
+    "x = 10 % 3",
+    "%time x = 1",
+    "%%time\nx = 1",
+    "!ls",
+    "files = !ls",
+    "out = %pwd",
+    "x?",
+    "len??",
+    "\n\nx = 1",
+    "    x = 1\n    y = 2",
+    ">>> x = 1\n>>> y = 2",
+    "In [1]: x = 1",
+    "   ...: y = 2",
+    ",print a b",
+    ";print a b",
+    "/print 1",
+    "ls",
+    "time",
+    "cd",
+    "",
+    "x = 'a ! b'",
+    "async def f():\n    await g()",
+]
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_same_as_ipython(shell: RankShell, cell: str) -> None:
+    assert shell.transform_cell(cell) == InteractiveShell.transform_cell(shell, cell)
+
+
+def test_plain_python_detection() -> None:
+    assert _plain_python("x = 1\nprint(x)")
+    assert not _plain_python("%time x")
+    assert not _plain_python(" x = 1")
+    assert not _plain_python("a = b ? c")
+    assert not _plain_python("x = 1\n/print 1")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("ab =()\n\t.:,;/%!?>In[1]'\"#0")), max_size=40))
+def test_same_as_ipython_on_random_text(shell: RankShell, cell: str) -> None:
+    try:
+        expected = InteractiveShell.transform_cell(shell, cell)
+    except Exception as exc:  # IPython itself rejects some inputs; the rank shell must do the same
+        with pytest.raises(type(exc)):
+            shell.transform_cell(cell)
+        return
+    assert shell.transform_cell(cell) == expected
+
+
+def test_top_level_await_still_detected(shell: RankShell) -> None:
+    assert shell.should_run_async("await x", transformed_cell="await x\n")
+    assert not shell.should_run_async("x = 1", transformed_cell="x = 1\n")
