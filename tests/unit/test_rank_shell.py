@@ -20,9 +20,14 @@ class _NoChannel:
 
 @pytest.fixture(scope="module")
 def shell() -> Iterator[RankShell]:
+    had = InteractiveShell.initialized()
+    previous = InteractiveShell._instance if had else None
+    InteractiveShell.clear_instance()
     sh = RankShell.create(_NoChannel(), {})  # type: ignore[arg-type]
     yield sh
     RankShell.clear_instance()
+    if previous is not None:  # give other test modules back the shell they made
+        InteractiveShell._instance = previous
 
 
 CELLS = [
