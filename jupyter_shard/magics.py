@@ -48,6 +48,8 @@ def _distributed_parser() -> _Parser:
     p.add_argument("--launcher")
     p.add_argument("--nodes", type=int)
     p.add_argument("--config")
+    p.add_argument("--accumulate", type=int)
+    p.add_argument("--clip-grad-norm", type=float, dest="clip_grad_norm")
     return p
 
 

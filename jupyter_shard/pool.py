@@ -9,6 +9,7 @@ messages until every target rank reports ``done``, a rank dies, or the user inte
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import signal
@@ -188,6 +189,7 @@ class Pool:
                 "JUPYTER_SHARD_PARENT_PID": str(os.getpid()),
                 "JUPYTER_SHARD_DEVICE": self.spec.device.value,
                 "JUPYTER_SHARD_STRATEGY": self.spec.strategy.value,
+                "JUPYTER_SHARD_OPTIONS": json.dumps(self.spec.rank_options()),
                 "JUPYTER_SHARD_TIMEOUT": str(self.spec.timeout),
                 "JUPYTER_SHARD_LOG": str(self.log_dir / f"rank-{rank}.log"),
             }

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "Device",
@@ -139,6 +140,8 @@ class LaunchSpec:
     nodes: int = 1
     timeout: float = DEFAULT_TIMEOUT
     config: Path | None = None
+    accumulate: int = 1
+    clip_grad_norm: float | None = None
     env: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -150,6 +153,14 @@ class LaunchSpec:
             raise SpecError(f"--zero-stage {self.zero_stage} is not valid; choose 0, 1, 2 or 3")
         if not math.isfinite(self.timeout) or self.timeout <= 0:
             raise SpecError(f"--timeout {self.timeout:g} is not valid; give seconds above 0")
+        if self.accumulate < 1:
+            raise SpecError(
+                f"--accumulate {self.accumulate} is not valid; use 1 or more micro-steps per step"
+            )
+        if self.clip_grad_norm is not None and not (
+            math.isfinite(self.clip_grad_norm) and self.clip_grad_norm > 0
+        ):
+            raise SpecError(f"--clip-grad-norm {self.clip_grad_norm:g} is not valid; give a norm above 0")
         if self.device is Device.AUTO:
             raise SpecError("resolve device 'auto' with LaunchSpec.create before building a spec")
 
@@ -167,6 +178,8 @@ class LaunchSpec:
         nodes: int = 1,
         timeout: float = DEFAULT_TIMEOUT,
         config: str | Path | None = None,
+        accumulate: int = 1,
+        clip_grad_norm: float | None = None,
         gpu_count: int | None = None,
     ) -> LaunchSpec:
         """Resolve user options (``auto`` device, default rank count) into a checked spec."""
@@ -223,6 +236,8 @@ class LaunchSpec:
             nodes=nodes,
             timeout=timeout,
             config=path,
+            accumulate=accumulate,
+            clip_grad_norm=clip_grad_norm,
         )
 
     def pool_key(self) -> tuple[int, Device, str, int]:
@@ -231,6 +246,17 @@ class LaunchSpec:
 
     def with_changes(self, **changes: object) -> LaunchSpec:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+    def rank_options(self) -> dict[str, Any]:
+        """What every rank's ``shard`` needs to build the strategy (travels as JSON)."""
+        return {
+            "precision": self.precision.value,
+            "accumulate": self.accumulate,
+            "clip_grad_norm": self.clip_grad_norm,
+            "zero_stage": self.zero_stage,
+            "offload": self.offload.value,
+            "config": str(self.config) if self.config is not None else None,
+        }
 
     def describe(self) -> str:
         kind = "GPU" if self.device is Device.CUDA else "CPU"

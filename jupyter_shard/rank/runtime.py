@@ -9,6 +9,7 @@ reported with its traceback and the process exits, so a pool start never waits o
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import socket
@@ -108,7 +109,10 @@ def _start_up(rank: int, channel: Channel, shell_sock: ShellSocket, state: RankS
         world_size=world_size,
         timeout=timedelta(seconds=float(_env("TIMEOUT"))),
     )
-    helper = shard_module.Shard(rank, local_rank, world_size, device, _env("STRATEGY"), channel.enqueue)
+    options = json.loads(os.environ.get(ENV_PREFIX + "OPTIONS", "{}"))
+    helper = shard_module.Shard(
+        rank, local_rank, world_size, device, _env("STRATEGY"), channel.enqueue, options
+    )
     shard_module.set_current(helper)
     channel.flushers.append(helper.flush_metrics)
     shell = RankShell.create(channel, {"shard": helper, "__name__": "__main__"})

@@ -7,6 +7,8 @@ parameters and gives dataloaders a DistributedSampler; ``log`` sends scalars to 
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import random
 import threading
@@ -20,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from jupyter_shard.strategies import create_strategy
-from jupyter_shard.strategies.base import StrategyBase
+from jupyter_shard.strategies import create_strategy, strategy_class
+from jupyter_shard.strategies.base import StrategyBase, StrategyContext
 
 Sender = Callable[[str, dict[str, Any], list[bytes]], None]
 
@@ -35,6 +37,7 @@ class Shard:
         device: torch.device,
         strategy: str,
         send: Sender,
+        options: dict[str, Any] | None = None,
     ) -> None:
         self.rank = rank
         self.local_rank = local_rank
@@ -43,10 +46,13 @@ class Shard:
         self.strategy = strategy
         self.is_main = rank == 0
         self._send = send
+        self._options = dict(options or {})
         self._impl: StrategyBase | None = None
         self._model: nn.Module | None = None
+        self._template: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._step = 0
+        self._micro = 0
         self._log_count = 0
         self._metrics: list[dict[str, Any]] = []
         self._metrics_lock = threading.Lock()
@@ -59,18 +65,65 @@ class Shard:
 
     @property
     def impl(self) -> StrategyBase:
+        """The strategy object (built on first use from the pool's options)."""
         if self._impl is None:
-            self._impl = create_strategy(self.strategy)
+            self._impl = self._build_strategy({})
         return self._impl
 
+    def _build_strategy(self, overrides: dict[str, Any]) -> StrategyBase:
+        common: dict[str, Any] = {"precision": "32", "accumulate": 1, "clip_grad_norm": None}
+        settings = {**common, **{k: self._options[k] for k in common if self._options.get(k) is not None}}
+        settings.update({k: v for k, v in overrides.items() if v is not None})
+        accumulate = int(settings["accumulate"])
+        if accumulate < 1:
+            raise ValueError(f"accumulate={accumulate} is not valid; use 1 or more micro-steps per step")
+        clip = settings["clip_grad_norm"]
+        impl = create_strategy(self.strategy, **self._strategy_options())
+        extra = {k: v for k, v in self._options.items() if k not in common and k != "strategy_options"}
+        impl.setup(
+            StrategyContext(
+                rank=self.rank,
+                local_rank=self.local_rank,
+                world_size=self.world_size,
+                device=self.device,
+                precision=str(settings["precision"]),
+                accumulate=accumulate,
+                clip_grad_norm=float(clip) if clip is not None else None,
+                extra=extra,
+            )
+        )
+        return impl
+
+    def _strategy_options(self) -> dict[str, Any]:
+        """Strategy-specific options from ``--config FILE`` (JSON), for strategies that take them so."""
+        config = self._options.get("config")
+        if not config or not strategy_class(self.strategy).config_is_options:
+            return {}
+        with open(config) as fh:
+            loaded = json.load(fh)
+        if not isinstance(loaded, dict):
+            raise ValueError(f"--config {config}: expected a JSON object of {self.strategy} options")
+        return loaded
+
     def prepare(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *dataloaders: DataLoader[Any]
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *dataloaders: DataLoader[Any],
+        accumulate: int | None = None,
+        clip_grad_norm: float | None = None,
     ) -> Any:
-        """Wrap ``model`` for the strategy; returns ``model`` or ``(model, optimizer, *loaders)``."""
-        wrapped = self.impl.wrap(model, self.device)
-        self._model = wrapped
-        new_optimizer = _rebuild_optimizer(optimizer, model, self.impl.unwrap(wrapped)) if optimizer else None
-        self._optimizer = new_optimizer
+        """Wrap ``model`` for the strategy; returns ``model`` or ``(model, optimizer, *loaders)``.
+
+        ``optimizer`` is built by the user on the unwrapped model; it is rebuilt over the wrapped
+        parameters with the same class and hyperparameters. ``accumulate`` and ``clip_grad_norm``
+        override the pool's options of the same names.
+        """
+        self._impl = self._build_strategy({"accumulate": accumulate, "clip_grad_norm": clip_grad_norm})
+        self._template = _meta_copy(model)
+        wrapped, new_optimizer = self._impl.prepare(model, optimizer)
+        self._model, self._optimizer = wrapped, new_optimizer
+        self._micro = 0
         loaders = [self._distribute(loader) for loader in dataloaders]
         if optimizer is None and not loaders:
             return wrapped
@@ -94,15 +147,35 @@ class Shard:
             persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
         )
 
+    @property
+    def at_boundary(self) -> bool:
+        """True when the next ``step()`` updates the weights (the last micro-step of an accumulation)."""
+        return (self._micro + 1) % self.impl.ctx.accumulate == 0
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken (accumulated micro-steps count once)."""
+        return self._step
+
     def backward(self, loss: torch.Tensor) -> None:
-        self.impl.backward(loss)
+        """Backward pass; gradients are synchronised only on the last micro-step of an accumulation."""
+        model = self._require_model("backward")
+        if self.at_boundary:
+            self.impl.backward(loss, model)
+        else:
+            with self.impl.no_sync(model):
+                self.impl.backward(loss, model)
 
     def step(self) -> None:
-        """Optimizer step and zero_grad on the prepared optimizer."""
+        """Optimizer step (clipping, loss scaling) at accumulation boundaries, then zero_grad."""
+        model = self._require_model("step")
         if self._optimizer is None:
             raise RuntimeError("shard.step() needs an optimizer: call shard.prepare(model, optimizer) first")
-        self.impl.step(self._optimizer)
-        self._step += 1
+        boundary = self.at_boundary
+        self._micro += 1
+        if boundary:
+            self.impl.step(self._optimizer, model)
+            self._step += 1
 
     def log(self, step: int | None = None, **scalars: float | torch.Tensor) -> None:
         """Send scalars (numbers or one-element tensors) to the kernel's dashboard and history."""
@@ -110,9 +183,7 @@ class Shard:
         for name, value in scalars.items():
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
-                    raise ValueError(
-                        f"shard.log({name}=...) needs a scalar, got a tensor of shape {tuple(value.shape)}"
-                    )
+                    raise ValueError(f"shard.log({name}=...) needs a scalar, got shape {tuple(value.shape)}")
                 values[name] = float(value.detach().item())
             else:
                 values[name] = float(value)
@@ -129,8 +200,11 @@ class Shard:
         self._send("metrics", {"rank": self.rank, "records": records}, [])
 
     def memory(self) -> dict[str, int]:
-        """Bytes: ``rss`` always; ``cuda_allocated``/``cuda_reserved``/``cuda_peak`` on a GPU."""
-        return memory_report(self.device)
+        """Bytes: ``rss``; ``parameters``/``gradients``/``optimizer`` as this rank holds them; CUDA on GPU."""
+        report = memory_report(self.device)
+        if self._model is not None:
+            report.update(self.impl.memory(self._model, self._optimizer))
+        return report
 
     def barrier(self) -> None:
         dist.barrier()
@@ -140,33 +214,22 @@ class Shard:
             print(*args, **kwargs)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Save model, optimizer, step and every rank's RNG state to one file, atomically."""
+        """Save model, optimizer, step and every rank's RNG state (sharded where the strategy shards)."""
         model = self._require_model("save")
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         all_rng: list[Any] = [None] * self.world_size
         dist.all_gather_object(all_rng, rng)
-        if self.is_main:
-            state = {
-                "model": self.impl.unwrap(model).state_dict(),
-                "optimizer": self._optimizer.state_dict() if self._optimizer else None,
-                "step": self._step,
-                "rng": all_rng,
-                "world_size": self.world_size,
-                "strategy": self.strategy,
-            }
-            _atomic_save(state, Path(path))
-        dist.barrier()
+        extra = {"step": self._step, "rng": all_rng, "world_size": self.world_size, "strategy": self.strategy}
+        self.impl.save(Path(path), model, self._optimizer, extra)
 
     def load(self, path: str | os.PathLike[str]) -> None:
+        """Restore what :meth:`save` wrote into the prepared model and optimizer."""
         model = self._require_model("load")
-        state = torch.load(Path(path), map_location=self.device, weights_only=False)
-        self.impl.unwrap(model).load_state_dict(state["model"])
-        if self._optimizer is not None and state.get("optimizer") is not None:
-            self._optimizer.load_state_dict(state["optimizer"])
-        self._step = int(state.get("step", 0))
-        rngs = state.get("rng") or []
+        extra = self.impl.load(Path(path), model, self._optimizer)
+        self._step = int(extra.get("step", 0))
+        rngs = extra.get("rng") or []
         if len(rngs) == self.world_size:
             mine = rngs[self.rank]
             torch.set_rng_state(mine["torch"].cpu())
@@ -175,39 +238,31 @@ class Shard:
                 torch.cuda.set_rng_state(mine["cuda"].cpu(), self.device)
         dist.barrier()
 
+    def full_model(self) -> nn.Module | None:
+        """A plain (unwrapped, unsharded) CPU copy of the prepared model on rank 0; None elsewhere.
+
+        Every rank must call it: sharded strategies gather collectively.
+        """
+        model = self._require_model("full_model")
+        state = self.impl.full_state_dict(model)
+        if state is None or self._template is None:
+            return None
+        plain = copy.deepcopy(self._template).to_empty(device="cpu")
+        plain.load_state_dict(state)
+        return plain
+
     def _require_model(self, what: str) -> nn.Module:
         if self._model is None:
             raise RuntimeError(f"shard.{what}() needs a prepared model: call shard.prepare(model, ...) first")
         return self._model
 
 
-def _rebuild_optimizer(
-    optimizer: torch.optim.Optimizer, original: nn.Module, wrapped: nn.Module
-) -> torch.optim.Optimizer:
-    """Same optimizer class and hyperparameters, over the wrapped model's parameters."""
-    by_id = {id(p): name for name, p in original.named_parameters()}
-    new_params = dict(wrapped.named_parameters())
-    groups = []
-    for group in optimizer.param_groups:
-        params = []
-        for p in group["params"]:
-            name = by_id.get(id(p))
-            params.append(new_params[name] if name is not None and name in new_params else p)
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    return type(optimizer)(groups, **optimizer.defaults)
-
-
-def _atomic_save(state: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def _meta_copy(model: nn.Module) -> nn.Module | None:
+    """The model's architecture without its data, to rebuild a plain module from a full state dict."""
     try:
-        with open(tmp, "wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        return copy.deepcopy(model).to("meta")
+    except Exception:
+        return None
 
 
 def memory_report(device: torch.device | None = None) -> dict[str, int]:

@@ -3,6 +3,7 @@ results as in a notebook, with results, displays and tracebacks sent to the kern
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 from IPython.core.displayhook import DisplayHook
@@ -98,7 +99,8 @@ class RankShell(InteractiveShell):
         """IPython's transform, skipping the tokenizer pass for plain Python (a third of a no-op cell)."""
         if not _plain_python(raw_cell) or self._transforms_customised():
             return str(super().transform_cell(raw_cell))  # type: ignore[no-untyped-call]
-        cell = raw_cell if raw_cell.endswith("\n") else raw_cell + "\n"
+        # IPython's leading_indent step also blanks whitespace-only lines (textwrap.dedent does that).
+        cell = textwrap.dedent(raw_cell if raw_cell.endswith("\n") else raw_cell + "\n")
         if len(cell.splitlines()) == 1:
             assert self.prefilter_manager is not None
             with self.builtin_trap:

@@ -7,7 +7,6 @@ that the kernel never imports torch through this module.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from importlib import import_module
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from jupyter_shard.strategies.base import StrategyBase
 
-__all__ = ["available_strategies", "create_strategy", "register_strategy"]
+__all__ = ["available_strategies", "create_strategy", "register_strategy", "strategy_class"]
 
 ENTRY_POINT_GROUP = "jupyter_shard.strategies"
 
@@ -23,10 +22,10 @@ _BUILTIN: dict[str, str] = {
     "none": "jupyter_shard.strategies.base:NoStrategy",
     "ddp": "jupyter_shard.strategies.ddp:DDPStrategy",
 }
-_registered: dict[str, tuple[Callable[..., StrategyBase], dict[str, Any]]] = {}
+_registered: dict[str, tuple[type[StrategyBase], dict[str, Any]]] = {}
 
 
-def register_strategy(name: str, cls: Callable[..., StrategyBase], **defaults: Any) -> None:
+def register_strategy(name: str, cls: type[StrategyBase], **defaults: Any) -> None:
     """Make ``--strategy name`` build ``cls(**defaults, **options)`` on every rank."""
     _registered[name] = (cls, defaults)
 
@@ -39,10 +38,10 @@ def available_strategies() -> list[str]:
     return sorted({*_BUILTIN, *_entry_points(), *_registered})
 
 
-def create_strategy(name: str, **options: Any) -> StrategyBase:
+def strategy_class(name: str) -> type[StrategyBase]:
+    """The class (or factory) registered for ``name``; a clear error listing what is installed."""
     if name in _registered:
-        cls, defaults = _registered[name]
-        return cls(**{**defaults, **options})
+        return _registered[name][0]
     target = _BUILTIN.get(name) or _entry_points().get(name)
     if target is None:
         raise ValueError(
@@ -50,5 +49,10 @@ def create_strategy(name: str, **options: Any) -> StrategyBase:
             f"available: {', '.join(available_strategies())}"
         )
     module, _, attr = target.partition(":")
-    factory: Callable[..., StrategyBase] = getattr(import_module(module), attr)
-    return factory(**options)
+    factory: type[StrategyBase] = getattr(import_module(module), attr)
+    return factory
+
+
+def create_strategy(name: str, **options: Any) -> StrategyBase:
+    defaults = _registered[name][1] if name in _registered else {}
+    return strategy_class(name)(**{**defaults, **options})

@@ -1,35 +1,239 @@
-"""The strategy interface and ``none``: plain single-process training on each rank."""
+"""The strategy interface, shared helpers, and ``none``: plain single-process training on each rank.
+
+A strategy decides how ``shard.prepare`` wraps a model and its optimizer, how ``backward`` and
+``step`` run, how a checkpoint is written and read, and what "the full model" and "the bytes this
+rank holds" mean. :class:`~jupyter_shard.rank.shard.Shard` owns what is common to every strategy:
+gradient accumulation boundaries, the step counter, RNG state and logging.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+PRECISIONS = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+@dataclass(frozen=True)
+class StrategyContext:
+    """Where the strategy runs and the options common to every strategy."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    precision: str = "32"
+    accumulate: int = 1
+    clip_grad_norm: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class StrategyBase:
-    """Wraps a model for one rank; subclasses change only what differs."""
+    """Wraps a model for one rank; subclasses override what differs."""
 
-    name = "none"
+    name: ClassVar[str] = "none"
+    #: strategy-specific option names this strategy accepts (``--config`` keys, register defaults)
+    accepts: ClassVar[frozenset[str]] = frozenset()
+    #: whether ``--config FILE`` holds this strategy's options as JSON (DeepSpeed reads its own format)
+    config_is_options: ClassVar[bool] = True
 
     def __init__(self, **options: Any) -> None:
-        if options:
-            raise ValueError(f"strategy {self.name!r} takes no options, got: {', '.join(options)}")
+        unknown = set(options) - self.accepts
+        if unknown:
+            allowed = ", ".join(sorted(self.accepts)) or "none"
+            raise ValueError(
+                f"unknown {self.name} option(s) {', '.join(sorted(unknown))}; allowed: {allowed}"
+            )
+        self.options = options
+        self._ctx: StrategyContext | None = None
+        self.scaler: torch.amp.GradScaler | None = None
 
-    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
-        return model.to(device)
+    @property
+    def ctx(self) -> StrategyContext:
+        if self._ctx is None:
+            raise RuntimeError(f"strategy {self.name!r} used before setup()")
+        return self._ctx
+
+    def setup(self, ctx: StrategyContext) -> None:
+        if ctx.precision not in PRECISIONS:
+            raise ValueError(
+                f"precision {ctx.precision!r} is not valid; choose one of: {', '.join(PRECISIONS)}"
+            )
+        self._ctx = ctx
+        if ctx.precision == "16-mixed":
+            self.scaler = torch.amp.GradScaler(ctx.device.type)
+
+    # -- preparing -----------------------------------------------------------------------------
+
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Wrap ``model``; rebuild ``optimizer`` over the wrapped parameters (same class, same settings)."""
+        wrapped = self.wrap(model)
+        new_optimizer = rebuild_optimizer(optimizer, model, self.unwrap(wrapped)) if optimizer else None
+        self.apply_autocast(wrapped)
+        return wrapped, new_optimizer
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model.to(self.ctx.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def apply_autocast(self, model: nn.Module) -> None:
+        """Run the model's forward under autocast for mixed precision (the instance's forward only)."""
+        dtype = PRECISIONS[self.ctx.precision]
+        if dtype is None:
+            return
+        forward = model.forward
+        device_type = self.ctx.device.type
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
+        @functools.wraps(forward)
+        def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(device_type, dtype=dtype):
+                return forward(*args, **kwargs)
+
+        model.forward = autocast_forward
+
+    # -- training ------------------------------------------------------------------------------
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Skip gradient synchronisation on micro-steps before an accumulation boundary."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, model: nn.Module) -> None:
+        loss = loss / self.ctx.accumulate if self.ctx.accumulate > 1 else loss
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        """Clip (if asked), step and zero the gradients; called at accumulation boundaries only."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        if self.ctx.clip_grad_norm is not None:
+            self.clip_gradients(model, self.ctx.clip_grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    def clip_gradients(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def save(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any]
+    ) -> None:
+        """One full checkpoint file written by rank 0, atomically (write, fsync, rename)."""
+        state = {
+            "model": self.unwrap(model).state_dict(),
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            **extra,
+        }
+        if self.ctx.rank == 0:
+            atomic_torch_save(state, path)
+        dist.barrier()
+
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        state: dict[str, Any] = torch.load(path, map_location=self.ctx.device, weights_only=False)
+        self.unwrap(model).load_state_dict(state.pop("model"))
+        optimizer_state = state.pop("optimizer", None)
+        if optimizer is not None and optimizer_state is not None:
+            optimizer.load_state_dict(optimizer_state)
+        return state
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """The whole model's state on rank 0 (CPU tensors); None on other ranks."""
+        if self.ctx.rank != 0:
+            return None
+        return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
+
+    def memory(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state."""
+        return local_bytes(model, optimizer)
 
 
 class NoStrategy(StrategyBase):
     name = "none"
+
+
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer, original: nn.Module, wrapped: nn.Module
+) -> torch.optim.Optimizer:
+    """Same optimizer class and hyperparameters, over the wrapped model's parameters.
+
+    Parameters are matched by name, so this works whether the wrapper kept the original parameter
+    objects (DDP) or replaced them with sharded ones (FSDP2).
+    """
+    by_id = {id(p): name for name, p in original.named_parameters()}
+    new_params = dict(wrapped.named_parameters())
+    groups = []
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            name = by_id.get(id(p))
+            params.append(new_params[name] if name is not None and name in new_params else p)
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    return type(optimizer)(groups, **optimizer.defaults)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local: Callable[[], torch.Tensor] | None = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def _nbytes(tensors: Iterator[torch.Tensor]) -> int:
+    total = 0
+    seen: set[int] = set()
+    for t in tensors:
+        local = _local(t)
+        if local.numel() == 0:
+            continue
+        key = local.untyped_storage().data_ptr() if local.device.type != "meta" else id(local)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += local.numel() * local.element_size()
+    return total
+
+
+def local_bytes(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """Parameter, gradient and optimizer-state bytes as held by this rank (shards, not full tensors)."""
+    params = list(model.parameters()) if model is not None else []
+    state_tensors: list[torch.Tensor] = []
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            state_tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return {
+        "parameters": _nbytes(iter(params)),
+        "gradients": _nbytes(p.grad for p in params if p.grad is not None),
+        "optimizer": _nbytes(iter(state_tensors)),
+    }
+
+
+def atomic_torch_save(state: Any, path: Path) -> None:
+    """Write to a temporary file beside ``path``, fsync, then rename: a crash leaves the old file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -74,7 +74,11 @@ def test_metrics_reach_the_kernel(pool: Pool) -> None:
 def test_helpers_print0_memory_barrier(pool: Pool) -> None:
     result = pool.run("shard.print0('only rank 0'); shard.barrier(); m = shard.memory(); sorted(m)")
     assert result.ranks[0].stdout == "only rank 0\n" and result.ranks[1].stdout == ""
-    assert result.value == {"text/plain": "['rss']"}
+    assert result.value == {"text/plain": "['gradients', 'optimizer', 'parameters', 'rss']"}
+    memory = pool.pull("m")
+    parameters = (4 * 8 + 8 + 8 * 1 + 1) * 4
+    assert memory["parameters"] == parameters
+    assert memory["optimizer"] == parameters, "SGD with momentum keeps one buffer per parameter"
 
 
 def test_save_is_atomic_and_load_restores(pool: Pool, tmp_path: Path) -> None:

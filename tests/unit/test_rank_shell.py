@@ -59,6 +59,8 @@ CELLS = [
     "",
     "x = 'a ! b'",
     "async def f():\n    await g()",
+    "0\n ",
+    "x = 1\n   \ny = 2\n\t\n",
 ]
 
 
@@ -75,7 +77,7 @@ def test_plain_python_detection() -> None:
     assert not _plain_python("x = 1\n/print 1")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=1000, deadline=None)
 @given(st.text(alphabet=st.sampled_from(list("ab =()\n\t.:,;/%!?>In[1]'\"#0")), max_size=40))
 def test_same_as_ipython_on_random_text(shell: RankShell, cell: str) -> None:
     try:

@@ -70,8 +70,8 @@ def test_ddp_rejects_unknown_options() -> None:
     with pytest.raises(ValueError) as info:
         DDPStrategy(find_unused_parameters=True, bucket_cap=1, zzz=2)
     assert str(info.value) == (
-        "unknown ddp option(s) bucket_cap, zzz; allowed: broadcast_buffers, find_unused_parameters, "
-        "gradient_as_bucket_view, static_graph"
+        "unknown ddp option(s) bucket_cap, zzz; allowed: broadcast_buffers, bucket_cap_mb, comm_hook, "
+        "find_unused_parameters, gradient_as_bucket_view, static_graph, sync_batchnorm"
     )
     with pytest.raises(ValueError, match="unknown ddp option"):
         create_strategy("ddp", bogus=True)
@@ -83,12 +83,15 @@ def test_ddp_accepts_every_documented_option() -> None:
         "static_graph": False,
         "gradient_as_bucket_view": True,
         "broadcast_buffers": False,
+        "bucket_cap_mb": 10,
+        "comm_hook": "bf16",
+        "sync_batchnorm": True,
     }
     assert DDPStrategy(**opts).options == opts
 
 
 def test_none_strategy_takes_no_options() -> None:
-    with pytest.raises(ValueError, match=r"^strategy 'none' takes no options, got: lr$"):
+    with pytest.raises(ValueError, match=r"^unknown none option\(s\) lr; allowed: none$"):
         create_strategy("none", lr=0.1)
 
 
@@ -105,19 +108,58 @@ class _Optimizer:
         self.calls.append(("zero_grad", set_to_none))
 
 
+def _setup(s: object, **ctx: object) -> None:
+    import torch
+
+    from jupyter_shard.strategies.base import StrategyContext
+
+    s.setup(StrategyContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), **ctx))  # type: ignore[attr-defined, arg-type]
+
+
 def test_none_strategy_wraps_backwards_and_steps() -> None:
     import torch
 
     s = create_strategy("none")
-    model = s.wrap(torch.nn.Linear(2, 1), torch.device("cpu"))
+    _setup(s)
+    model = s.wrap(torch.nn.Linear(2, 1))
     assert s.unwrap(model) is model
     assert model.weight.grad is None
-    s.backward(model(torch.ones(4, 2)).sum())
+    s.backward(model(torch.ones(4, 2)).sum(), model)
     assert model.weight.grad is not None
     assert torch.equal(model.weight.grad, torch.full((1, 2), 4.0))
     opt = _Optimizer()
-    s.step(opt)  # type: ignore[arg-type]
+    s.step(opt, model)  # type: ignore[arg-type]
     assert opt.calls == [("step", None), ("zero_grad", True)]
+
+
+def test_accumulation_scales_the_loss_and_clipping_bounds_the_norm() -> None:
+    import torch
+
+    s = create_strategy("none")
+    _setup(s, accumulate=4, clip_grad_norm=0.5)
+    model = s.wrap(torch.nn.Linear(2, 1))
+    s.backward(model(torch.ones(4, 2)).sum(), model)
+    assert torch.equal(model.weight.grad, torch.full((1, 2), 1.0))
+    norm = s.clip_gradients(model, 0.5)
+    assert float(norm) > 0.5
+    total = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert abs(float(total) - 0.5) < 1e-5
+
+
+def test_bf16_mixed_runs_forward_in_bf16_and_keeps_fp32_weights() -> None:
+    import torch
+
+    s = create_strategy("none")
+    _setup(s, precision="bf16-mixed")
+    model, _ = s.prepare(torch.nn.Linear(2, 1), None)
+    out = model(torch.ones(3, 2))
+    assert out.dtype == torch.bfloat16
+    assert model.weight.dtype == torch.float32
+
+
+def test_unknown_precision_is_refused() -> None:
+    with pytest.raises(ValueError, match="precision 'fp8' is not valid"):
+        _setup(create_strategy("none"), precision="fp8")
 
 
 def test_ddp_unwrap_of_a_plain_module_is_identity() -> None:
