@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
 
+    from jupyter_shard.checkpoint import consolidate
     from jupyter_shard.pool import Pool
     from jupyter_shard.rank.shard import Shard
     from jupyter_shard.results import DistributedError, PoolError, RunResult
@@ -31,6 +32,7 @@ __all__ = [
     "RunResult",
     "SpecError",
     "__version__",
+    "consolidate",
     "load_ipython_extension",
     "register_strategy",
     "shard",
@@ -45,6 +47,7 @@ _LAZY = {
     "LaunchSpec": "jupyter_shard.spec",
     "SpecError": "jupyter_shard.spec",
     "register_strategy": "jupyter_shard.strategies",
+    "consolidate": "jupyter_shard.checkpoint",
 }
 
 

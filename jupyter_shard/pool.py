@@ -402,20 +402,32 @@ class Pool:
         if errors:
             raise PoolError("push failed on " + "; ".join(errors))
 
-    def pull(self, name: str, rank: int = 0) -> Any:
-        """A copy of the rank's variable ``name``."""
+    def pull(self, name: str, rank: int = 0, *, gather: bool = False) -> Any:
+        """A copy of the rank's variable ``name``.
+
+        ``gather=True``: ``name`` is the model returned by ``shard.prepare``; every rank takes part
+        in gathering its shards and rank 0 returns it as a plain ``nn.Module`` on the CPU.
+        """
+        if gather:
+            return self.pull_all(name, gather=True)[0]
         return self.pull_all(name, ranks=[rank])[rank]
 
-    def pull_all(self, name: str, ranks: Sequence[int] | None = None) -> dict[int, Any]:
+    def pull_all(
+        self, name: str, ranks: Sequence[int] | None = None, *, gather: bool = False
+    ) -> dict[int, Any]:
         import cloudpickle
 
         self.start()
-        replies = self._request("pull", {"name": name}, self._targets(ranks), timeout=60.0)
+        body = {"name": name, "gather": gather}
+        replies = self._request("pull", body, self._targets(None if gather else ranks), timeout=600.0)
         out: dict[int, Any] = {}
         for k, msg in sorted(replies.items()):
             if not msg.body["ok"]:
                 raise PoolError(msg.body["error"])
             out[k] = cloudpickle.loads(msg.buffers[0])
+        missing = sorted(set(r.rank for r in self._targets(None if gather else ranks)) - set(out))
+        if missing:
+            raise PoolError(f"rank {format_ranks(missing)} did not answer the pull of {name!r}")
         return out
 
     # -- inspecting ------------------------------------------------------------------------------

@@ -205,7 +205,15 @@ class _Runner:
             reply["error"] = f"name {name!r} is not defined on rank {self.rank}"
         else:
             try:
-                data = cloudpickle.dumps(self.shell.user_ns[name])
+                value = self.shell.user_ns[name]
+                if msg.body.get("gather"):
+                    value = self._gathered(name, value)
+            except Exception as exc:
+                reply["error"] = f"rank {self.rank}: {exc}"
+                self.sock.send("pull_reply", reply, buffers)
+                return
+            try:
+                data = cloudpickle.dumps(value)
                 if len(data) > MAX_FRAME:
                     reply["error"] = (
                         f"{name!r} is {len(data) / 2**20:.0f} MiB pickled, over the "
@@ -216,6 +224,15 @@ class _Runner:
             except Exception as exc:
                 reply["error"] = f"{name!r} could not be pickled: {type(exc).__name__}: {exc}"
         self.sock.send("pull_reply", reply, buffers)
+
+    def _gathered(self, name: str, value: Any) -> Any:
+        """The plain, unsharded model behind ``value`` (a collective: every rank takes part)."""
+        from jupyter_shard.rank.shard import current
+
+        helper = current()
+        if helper is None or value is not helper.prepared_model:
+            raise ValueError(f"--gather applies to the model returned by shard.prepare; {name!r} is not it")
+        return helper.full_model()
 
     def shutdown(self, msg: Message) -> None:
         self.channel.close()

@@ -251,6 +251,11 @@ class Shard:
         plain.load_state_dict(state)
         return plain
 
+    @property
+    def prepared_model(self) -> nn.Module | None:
+        """The model returned by the last :meth:`prepare`."""
+        return self._model
+
     def _require_model(self, what: str) -> nn.Module:
         if self._model is None:
             raise RuntimeError(f"shard.{what}() needs a prepared model: call shard.prepare(model, ...) first")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_shard import Pool
+from jupyter_shard import Pool, PoolError
 from jupyter_shard.widgets.rank_output import ConsoleSink
 
 pytestmark = pytest.mark.timeout(180)
@@ -110,3 +110,28 @@ def test_unknown_strategy_lists_the_available_ones(tmp_path: Path) -> None:
             "strategy 'fsdp' is not installed in this version of jupyter_shard; available: ddp, none"
             in str(caught.value)
         )
+
+
+def test_gather_and_consolidate_give_a_plain_module(pool: Pool, tmp_path: Path) -> None:
+    import torch
+    from torch import nn
+
+    from jupyter_shard import consolidate
+
+    plain = pool.pull("model", gather=True)
+    assert isinstance(plain, nn.Sequential)
+    batch = torch.randn(5, 4)
+    pool.push(batch=batch)
+    expected = pool.run("model(batch).detach()").value
+    assert expected is not None
+    got = plain(batch).detach()
+    assert expected["text/plain"] == repr(got)
+
+    ckpt = tmp_path / "ddp.pt"
+    pool.run(f"shard.save({str(ckpt)!r})")
+    out = consolidate(ckpt, tmp_path / "full.pt")
+    fresh = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    fresh.load_state_dict(torch.load(out))
+    assert torch.equal(fresh(batch), got)
+    with pytest.raises(PoolError, match=r"--gather applies to the model returned by shard\.prepare"):
+        pool.pull("opt", gather=True)

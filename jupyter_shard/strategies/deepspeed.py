@@ -1,0 +1,223 @@
+"""``deepspeed``: the DeepSpeed engine with ZeRO stages 0–3, CPU/NVMe offload and its own checkpoints.
+
+The pool's options become a DeepSpeed config: ``--zero-stage`` (default 0: plain data parallel),
+``--offload cpu|nvme`` (optimizer state for stage ≥ 1, parameters too at stage 3), ``--precision``
+(``bf16-mixed`` → ``bf16``, ``16-mixed`` → ``fp16`` with dynamic loss scaling), ``accumulate``
+(``gradient_accumulation_steps``) and ``clip_grad_norm`` (``gradient_clipping``). ``--config ds.json``
+is merged under them; a value set on both sides that differs is an error naming both.
+
+The engine owns backward and the step: :meth:`backward` calls ``engine.backward`` (which divides by
+the accumulation count) on every micro-step and advances the engine's micro-step counter before an
+accumulation boundary, so the engine's boundaries are the ones ``shard.step()`` sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from jupyter_shard.strategies.base import StrategyBase, local_bytes, rebuild_optimizer
+from jupyter_shard.strategies.deepspeed_config import build_config
+
+_TORCH_ONLY = {"foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"}
+EXTENSIONS_DIR = Path.home() / ".cache" / "jupyter_shard" / "torch_extensions"
+
+
+def import_deepspeed(device: torch.device) -> Any:
+    """Import deepspeed for ``device``: CPU accelerator on CPU, a persistent build cache for its ops."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_DIR))
+    import deepspeed
+
+    return deepspeed
+
+
+class DeepSpeedStrategy(StrategyBase):
+    name = "deepspeed"
+    accepts: ClassVar[frozenset[str]] = frozenset(
+        {"reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients"}
+    )
+    config_is_options = False
+
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        ds = import_deepspeed(self.ctx.device)
+        ds.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+        extra = self.ctx.extra
+        self.config = build_config(
+            self.ctx,
+            zero_stage=extra.get("zero_stage"),
+            offload=str(extra.get("offload") or "none"),
+            config_path=extra.get("config"),
+            options=self.options,
+        )
+        if "activation_checkpointing" in self.config:
+            ds.checkpointing.configure(None, deepspeed_config=self.config)
+        model = model.to(self.ctx.device)
+        client_optimizer = _engine_optimizer(optimizer, model, self.config) if optimizer else None
+        engine, engine_optimizer, _, _ = ds.initialize(
+            model=model,
+            optimizer=client_optimizer,
+            model_parameters=None if client_optimizer else [p for p in model.parameters() if p.requires_grad],
+            config=self.config,
+            dist_init_required=False,
+        )
+        self._autocast(engine)
+        return engine, engine_optimizer
+
+    def _autocast(self, engine: nn.Module) -> None:
+        """bf16/fp16 weights need low-precision inputs: run forward under autocast of that dtype."""
+        for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            if self.config.get(name, {}).get("enabled", False):
+                forward = engine.forward
+                device_type = self.ctx.device.type
+
+                def autocast_forward(*args: Any, _dtype: torch.dtype = dtype, **kwargs: Any) -> Any:
+                    with torch.autocast(device_type, dtype=_dtype):
+                        return forward(*args, **kwargs)
+
+                engine.forward = autocast_forward  # type: ignore[method-assign]
+
+    @property
+    def stage(self) -> int:
+        return int(self.config.get("zero_optimization", {}).get("stage", 0))
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        module: nn.Module = getattr(model, "module", model)
+        return module
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # the engine decides when gradients are reduced
+
+    def backward(self, loss: torch.Tensor, model: nn.Module) -> None:
+        engine: Any = model
+        engine.backward(loss)
+        # shard.step() reaches step() only at boundaries; the engine must still count micro-steps.
+        if self.ctx.accumulate > 1 and not engine.is_gradient_accumulation_boundary():
+            engine.step()
+
+    def step(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        engine: Any = model
+        engine.step()  # clips, unscales, steps and zeroes gradients at the engine's boundary
+
+    def clip_gradients(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        raise RuntimeError(
+            "deepspeed clips inside engine.step(): set clip_grad_norm (gradient_clipping) instead"
+        )
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def save(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any]
+    ) -> None:
+        """DeepSpeed's sharded checkpoint in directory ``path``: a temporary tag, renamed, then ``latest``."""
+        engine: Any = model
+        tag = f"step{extra.get('step', 0)}"
+        tmp_tag = f".tmp-{tag}"
+        if self.ctx.rank == 0:
+            shutil.rmtree(path / tmp_tag, ignore_errors=True)
+        dist.barrier()
+        engine.save_checkpoint(str(path), tag=tmp_tag, client_state=dict(extra), save_latest=False)
+        dist.barrier()
+        if self.ctx.rank == 0:
+            final, old = path / tag, path / f".old-{tag}"
+            if final.exists():
+                final.rename(old)
+            (path / tmp_tag).rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+            latest_tmp = path / ".latest.tmp"
+            with open(latest_tmp, "w") as fh:
+                fh.write(tag)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(latest_tmp, path / "latest")
+        dist.barrier()
+
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        engine: Any = model
+        if not (path / "latest").is_file():
+            raise FileNotFoundError(f"{path} is not a deepspeed checkpoint directory (no 'latest' file)")
+        load_path, client_state = engine.load_checkpoint(
+            str(path), load_optimizer_states=optimizer is not None, load_lr_scheduler_states=True
+        )
+        if load_path is None:
+            raise RuntimeError(f"deepspeed could not load a checkpoint from {path}")
+        return dict(client_state or {})
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """fp32 weights on rank 0: the optimizer's master copies where ZeRO keeps them (collective)."""
+        ds = import_deepspeed(self.ctx.device)
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        module = self.unwrap(model)
+        master: dict[str, torch.Tensor] = {}
+        for name, p in module.named_parameters():
+            full = safe_get_full_fp32_param(p) if self.stage > 0 else None
+            if full is not None:
+                master[name] = full.detach().float().cpu().reshape(_full_shape(p))
+        params = list(module.parameters()) if self.stage == 3 else []
+        with ds.zero.GatheredParameters(params, modifier_rank=None):
+            state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        if self.ctx.rank != 0:
+            return None
+        for key, value in state.items():
+            state[key] = master.get(key, value.float() if value.is_floating_point() else value)
+        return state
+
+    def memory(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+        """Bytes held here: ZeRO-3 parameter partitions, ZeRO master copies and optimizer state."""
+        module = self.unwrap(model) if model is not None else None
+        report = local_bytes(module, None)
+        if module is not None and self.stage == 3:
+            report["parameters"] = sum(
+                p.ds_tensor.numel() * p.ds_tensor.element_size() for p in module.parameters()
+            )
+        inner = getattr(optimizer, "optimizer", optimizer) if self.stage > 0 else optimizer
+        state = local_bytes(None, inner)["optimizer"]
+        if self.stage > 0 and inner is not None:
+            # fp32 master partitions the ZeRO optimizer keeps beside the model's own parameters
+            masters = [p for group in inner.param_groups for p in group["params"]]
+            state += sum(p.numel() * p.element_size() for p in masters)
+            report["gradients"] += sum(
+                p.grad.numel() * p.grad.element_size() for p in masters if p.grad is not None
+            )
+        report["optimizer"] = state
+        return report
+
+
+def _full_shape(p: torch.Tensor) -> torch.Size:
+    shape: torch.Size = getattr(p, "ds_shape", p.shape)
+    return shape
+
+
+def _engine_optimizer(
+    optimizer: torch.optim.Optimizer, model: nn.Module, config: dict[str, Any]
+) -> torch.optim.Optimizer:
+    """The user's optimizer rebuilt over ``model``; Adam/AdamW become DeepSpeedCPUAdam when offloading."""
+    zero = config.get("zero_optimization", {})
+    offloaded = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
+    if offloaded and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        d = optimizer.defaults
+        adamw = type(optimizer) is torch.optim.AdamW
+        groups = [{k: v for k, v in g.items() if k not in _TORCH_ONLY} for g in optimizer.param_groups]
+        return DeepSpeedCPUAdam(  # type: ignore[no-any-return]
+            groups,
+            lr=float(d["lr"]),
+            betas=tuple(d["betas"]),
+            eps=d["eps"],
+            weight_decay=d["weight_decay"],
+            amsgrad=bool(d.get("amsgrad", False)),
+            adamw_mode=adamw,
+        )
+    return rebuild_optimizer(optimizer, model, model)
