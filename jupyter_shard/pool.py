@@ -160,6 +160,7 @@ class Pool:
         _live_pools.add(self)
         try:
             self._wait_ready()
+            self._share_registered_strategy()
         except BaseException:
             self.shutdown()
             raise
@@ -188,7 +189,7 @@ class Pool:
                 "JUPYTER_SHARD_LIFELINE_FD": str(lifeline_r),
                 "JUPYTER_SHARD_PARENT_PID": str(os.getpid()),
                 "JUPYTER_SHARD_DEVICE": self.spec.device.value,
-                "JUPYTER_SHARD_STRATEGY": self.spec.strategy.value,
+                "JUPYTER_SHARD_STRATEGY": self.spec.strategy,
                 "JUPYTER_SHARD_OPTIONS": json.dumps(self.spec.rank_options()),
                 "JUPYTER_SHARD_TIMEOUT": str(self.spec.timeout),
                 "JUPYTER_SHARD_LOG": str(self.log_dir / f"rank-{rank}.log"),
@@ -212,6 +213,20 @@ class Pool:
                     f"rank {format_ranks(slow)} did not start within {START_TIMEOUT:.0f} s; "
                     f"see the logs in {self.log_dir}"
                 )
+
+    def _share_registered_strategy(self) -> None:
+        """A strategy registered in the kernel with ``register_strategy`` is registered on the ranks too."""
+        from jupyter_shard.strategies import registered
+
+        entry = registered(self.spec.strategy)
+        if entry is None:
+            return
+        self.push(_js_strategy=(self.spec.strategy, *entry))
+        self.run(
+            "from jupyter_shard.strategies import register_strategy as _register\n"
+            "_register(_js_strategy[0], _js_strategy[1], **_js_strategy[2])\n"
+            "del _register, _js_strategy"
+        )
 
     def _startup_failure(self, r: _Rank, how: str) -> str:
         tb = r.exit or _tail(r.log_path)

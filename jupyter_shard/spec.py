@@ -69,6 +69,17 @@ def _choice(enum: type[Enum], value: str, option: str) -> Enum:
         raise SpecError(f"{option} {value!r} is not valid; choose one of: {allowed}") from None
 
 
+def _strategy_name(name: str) -> str:
+    """A built-in strategy, one installed through an entry point, or one registered in this process."""
+    from jupyter_shard.strategies import available_strategies
+
+    builtin = [s.value for s in Strategy]
+    names = builtin + [n for n in available_strategies() if n not in builtin]
+    if name not in names:
+        raise SpecError(f"--strategy {name!r} is not valid; choose one of: {', '.join(names)}")
+    return name
+
+
 def visible_gpus() -> int:
     """Count CUDA devices without importing torch or creating a CUDA context in the kernel."""
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -132,7 +143,7 @@ class LaunchSpec:
 
     nproc: int = 2
     device: Device = Device.CPU
-    strategy: Strategy = Strategy.NONE
+    strategy: str = Strategy.NONE.value
     zero_stage: int | None = None
     offload: Offload = Offload.NONE
     precision: Precision = Precision.FP32
@@ -187,7 +198,7 @@ class LaunchSpec:
             raise SpecError(f"--nodes {nodes} is not valid; use 1 or more")
         available = visible_gpus() if gpu_count is None else gpu_count
         dev = Device(_choice(Device, str(getattr(device, "value", device)), "--device"))
-        strat = Strategy(_choice(Strategy, str(getattr(strategy, "value", strategy)), "--strategy"))
+        strat = _strategy_name(str(getattr(strategy, "value", strategy)))
         off = Offload(_choice(Offload, str(getattr(offload, "value", offload)), "--offload"))
         prec = Precision(_choice(Precision, str(getattr(precision, "value", precision)), "--precision"))
         if gpus is not None:
@@ -220,7 +231,7 @@ class LaunchSpec:
         from jupyter_shard.launchers import get_launcher
 
         get_launcher(launcher)  # an unknown launcher is a SpecError naming the installed ones
-        if zero_stage is not None and strat is not Strategy.DEEPSPEED:
+        if zero_stage is not None and strat != Strategy.DEEPSPEED.value:
             raise SpecError("--zero-stage applies only to --strategy deepspeed")
         path = Path(config).expanduser() if config is not None else None
         if path is not None and not path.is_file():
@@ -260,4 +271,4 @@ class LaunchSpec:
 
     def describe(self) -> str:
         kind = "GPU" if self.device is Device.CUDA else "CPU"
-        return f"{self.nproc} {kind} rank{'s' if self.nproc != 1 else ''} · {self.strategy.value}"
+        return f"{self.nproc} {kind} rank{'s' if self.nproc != 1 else ''} · {self.strategy}"

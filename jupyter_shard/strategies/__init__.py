@@ -31,6 +31,11 @@ def register_strategy(name: str, cls: type[StrategyBase], **defaults: Any) -> No
     _registered[name] = (cls, defaults)
 
 
+def registered(name: str) -> tuple[type[StrategyBase], dict[str, Any]] | None:
+    """``(class, defaults)`` if ``name`` was registered with :func:`register_strategy` in this process."""
+    return _registered.get(name)
+
+
 def _entry_points() -> dict[str, str]:
     return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
 

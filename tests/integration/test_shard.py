@@ -4,12 +4,15 @@ the kernel, dataloaders are split, checkpoints are atomic and restore state."""
 from __future__ import annotations
 
 import io
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from jupyter_shard import Pool, PoolError
+from jupyter_shard.strategies.base import StrategyBase
 from jupyter_shard.widgets.rank_output import ConsoleSink
 
 pytestmark = pytest.mark.timeout(180)
@@ -94,24 +97,6 @@ def test_save_is_atomic_and_load_restores(pool: Pool, tmp_path: Path) -> None:
     assert pool.pull_all("restored") == {0: True, 1: True}
 
 
-def test_unknown_strategy_lists_the_available_ones(tmp_path: Path) -> None:
-    from jupyter_shard import DistributedError
-
-    with Pool(
-        nproc=1,
-        device="cpu",
-        strategy="fsdp",
-        log_dir=tmp_path,
-        sink=ConsoleSink(io.StringIO(), io.StringIO()),
-    ) as p:
-        with pytest.raises(DistributedError) as caught:
-            p.run("import torch\nshard.prepare(torch.nn.Linear(2, 2))")
-        assert (
-            "strategy 'fsdp' is not installed in this version of jupyter_shard; available: ddp, none"
-            in str(caught.value)
-        )
-
-
 def test_gather_and_consolidate_give_a_plain_module(pool: Pool, tmp_path: Path) -> None:
     import torch
     from torch import nn
@@ -135,3 +120,36 @@ def test_gather_and_consolidate_give_a_plain_module(pool: Pool, tmp_path: Path) 
     assert torch.equal(fresh(batch), got)
     with pytest.raises(PoolError, match=r"--gather applies to the model returned by shard\.prepare"):
         pool.pull("opt", gather=True)
+
+
+class HalfStep(StrategyBase):
+    """A custom strategy as a user would write one: plain training with the step scaled by a factor."""
+
+    name = "halfstep"
+    accepts = frozenset({"factor"})
+
+    def step(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] *= self.options["factor"]
+        super().step(optimizer, model)
+
+
+def test_strategy_registered_in_the_kernel_runs_on_the_ranks(tmp_path: Path) -> None:
+    import cloudpickle
+
+    from jupyter_shard import register_strategy
+    from jupyter_shard.strategies import _registered
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # as for classes defined in a notebook
+    register_strategy("halfstep", HalfStep, factor=0.5)
+    try:
+        sink = ConsoleSink(io.StringIO(), io.StringIO())
+        with Pool(nproc=2, device="cpu", strategy="halfstep", log_dir=tmp_path, sink=sink) as p:
+            result = p.run(
+                "import torch\nm = torch.nn.Linear(2, 1)\nopt = torch.optim.SGD(m.parameters(), lr=1.0)\n"
+                "m, opt = shard.prepare(m, opt)\nshard.backward(m(torch.ones(1, 2)).sum()); shard.step()\n"
+                "(type(shard.impl).__name__, opt.param_groups[0]['lr'])"
+            )
+            assert result.value == {"text/plain": "('HalfStep', 0.5)"}
+    finally:
+        _registered.pop("halfstep")

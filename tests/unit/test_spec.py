@@ -29,7 +29,7 @@ def test_auto_device_without_gpus_is_cpu_with_two_ranks() -> None:
     s = LaunchSpec.create(gpu_count=0)
     assert s.device is Device.CPU
     assert s.nproc == 2
-    assert s.strategy is Strategy.NONE
+    assert s.strategy == "none"
     assert s.offload is Offload.NONE
     assert s.precision is Precision.FP32
     assert s.config is None
@@ -73,7 +73,7 @@ def test_enum_members_are_accepted_as_well_as_strings() -> None:
         precision=Precision.BF16_MIXED,
         gpu_count=0,
     )
-    assert s.strategy is Strategy.DEEPSPEED and s.zero_stage == 3
+    assert s.strategy == "deepspeed" and s.zero_stage == 3
     assert s.offload is Offload.NVME and s.precision is Precision.BF16_MIXED
     s2 = LaunchSpec.create(precision="16-mixed", offload="cpu", gpu_count=0)
     assert s2.precision is Precision.FP16_MIXED and s2.offload is Offload.CPU
@@ -363,3 +363,18 @@ def test_cuda_visible_devices_stops_at_invalid_index(
     fake_dev += ["nvidia0", "nvidia1"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,-1,1")
     assert visible_gpus() == 1
+
+
+def test_strategy_registered_in_this_process_is_accepted() -> None:
+    from jupyter_shard.strategies import _registered, register_strategy
+    from jupyter_shard.strategies.base import NoStrategy
+
+    with pytest.raises(SpecError, match=r"choose one of: none, ddp, fsdp, deepspeed"):
+        LaunchSpec.create(strategy="mine", gpu_count=0)
+    register_strategy("mine", NoStrategy)
+    try:
+        assert LaunchSpec.create(strategy="mine", gpu_count=0).strategy == "mine"
+        with pytest.raises(SpecError, match=r"choose one of: none, ddp, fsdp, deepspeed, mine"):
+            LaunchSpec.create(strategy="theirs", gpu_count=0)
+    finally:
+        _registered.pop("mine")
