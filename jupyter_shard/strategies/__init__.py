@@ -21,6 +21,7 @@ ENTRY_POINT_GROUP = "jupyter_shard.strategies"
 _BUILTIN: dict[str, str] = {
     "none": "jupyter_shard.strategies.base:NoStrategy",
     "ddp": "jupyter_shard.strategies.ddp:DDPStrategy",
+    "fsdp": "jupyter_shard.strategies.fsdp:FSDPStrategy",
     "deepspeed": "jupyter_shard.strategies.deepspeed:DeepSpeedStrategy",
 }
 _registered: dict[str, tuple[type[StrategyBase], dict[str, Any]]] = {}
