@@ -23,7 +23,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) $(TORCH)
-	$(PY) -m pip install $(PIP_FLAGS) -e '.[test,dev,bench,lab]'
+	$(PY) -m pip install $(PIP_FLAGS) -e '.[test,dev,bench,lab,deepspeed]'
 	$(PY) -c "import jupyter_shard, torch, nbval; print('setup ok: torch', torch.__version__)"
 	touch $@
 

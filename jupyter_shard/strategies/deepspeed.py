@@ -14,8 +14,12 @@ accumulation boundary, so the engine's boundaries are the ones ``shard.step()`` 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 import shutil
+import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -23,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from jupyter_shard.strategies.base import StrategyBase, local_bytes, rebuild_optimizer
+from jupyter_shard.strategies.base import StrategyBase
 from jupyter_shard.strategies.deepspeed_config import build_config
 
 _TORCH_ONLY = {"foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"}
@@ -47,11 +51,13 @@ class DeepSpeedStrategy(StrategyBase):
     )
     config_is_options = False
 
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.config: dict[str, Any] = {}
+
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        ds = import_deepspeed(self.ctx.device)
-        ds.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
         extra = self.ctx.extra
         self.config = build_config(
             self.ctx,
@@ -60,6 +66,15 @@ class DeepSpeedStrategy(StrategyBase):
             config_path=extra.get("config"),
             options=self.options,
         )
+        if optimizer is not None and "optimizer" in self.config:
+            warnings.warn(
+                "the optimizer section of the DeepSpeed config is used; the optimizer passed to "
+                "shard.prepare is ignored",
+                stacklevel=3,
+            )
+            optimizer = None
+        ds = import_deepspeed(self.ctx.device)
+        ds.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
         if "activation_checkpointing" in self.config:
             ds.checkpointing.configure(None, deepspeed_config=self.config)
         model = model.to(self.ctx.device)
@@ -78,14 +93,7 @@ class DeepSpeedStrategy(StrategyBase):
         """bf16/fp16 weights need low-precision inputs: run forward under autocast of that dtype."""
         for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
             if self.config.get(name, {}).get("enabled", False):
-                forward = engine.forward
-                device_type = self.ctx.device.type
-
-                def autocast_forward(*args: Any, _dtype: torch.dtype = dtype, **kwargs: Any) -> Any:
-                    with torch.autocast(device_type, dtype=_dtype):
-                        return forward(*args, **kwargs)
-
-                engine.forward = autocast_forward  # type: ignore[method-assign]
+                _autocast_forward(engine, self.ctx.device.type, dtype)
 
     @property
     def stage(self) -> int:
@@ -160,8 +168,10 @@ class DeepSpeedStrategy(StrategyBase):
 
         module = self.unwrap(model)
         master: dict[str, torch.Tensor] = {}
+        unfused = _unfused_masters(getattr(model, "optimizer", None))
         for name, p in module.named_parameters():
-            full = safe_get_full_fp32_param(p) if self.stage > 0 else None
+            full = safe_get_full_fp32_param(p)  # None where no fp32 master copy exists
+            full = unfused.get(id(p)) if full is None else full
             if full is not None:
                 master[name] = full.detach().float().cpu().reshape(_full_shape(p))
         params = list(module.parameters()) if self.stage == 3 else []
@@ -174,24 +184,61 @@ class DeepSpeedStrategy(StrategyBase):
         return state
 
     def memory(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
-        """Bytes held here: ZeRO-3 parameter partitions, ZeRO master copies and optimizer state."""
+        """Bytes held here: parameters (ZeRO-3: this rank's partition), gradients, and optimizer state
+        (ZeRO ≥ 1: the fp32 master partition plus the inner optimizer's state over it)."""
         module = self.unwrap(model) if model is not None else None
-        report = local_bytes(module, None)
-        if module is not None and self.stage == 3:
-            report["parameters"] = sum(
-                p.ds_tensor.numel() * p.ds_tensor.element_size() for p in module.parameters()
-            )
-        inner = getattr(optimizer, "optimizer", optimizer) if self.stage > 0 else optimizer
-        state = local_bytes(None, inner)["optimizer"]
-        if self.stage > 0 and inner is not None:
-            # fp32 master partitions the ZeRO optimizer keeps beside the model's own parameters
-            masters = [p for group in inner.param_groups for p in group["params"]]
-            state += sum(p.numel() * p.element_size() for p in masters)
-            report["gradients"] += sum(
-                p.grad.numel() * p.grad.element_size() for p in masters if p.grad is not None
-            )
-        report["optimizer"] = state
-        return report
+        params = list(module.parameters()) if module is not None else []
+        if self.stage == 3:
+            params = [getattr(p, "ds_tensor", p) for p in params]
+        masters: list[torch.Tensor] = list(
+            getattr(optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
+            or getattr(optimizer, "fp32_partitioned_groups_flat", None)  # ZeRO-3
+            or list(_unfused_masters(optimizer).values())  # bf16/fp16 without ZeRO
+        )
+        inner = getattr(optimizer, "optimizer", optimizer)
+        state = [
+            v
+            for per_param in (inner.state.values() if inner is not None else [])
+            for v in per_param.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ]
+        seen: set[tuple[int, int, int]] = set()
+        return {
+            "parameters": _bytes(params, seen),
+            "gradients": _bytes([t.grad for t in [*params, *masters] if t.grad is not None], seen),
+            "optimizer": _bytes([*masters, *state], seen),
+        }
+
+
+def _bytes(tensors: Sequence[torch.Tensor], seen: set[tuple[int, int, int]]) -> int:
+    """Bytes of ``tensors``, each view counted once (flat ZeRO buffers hold many parameters)."""
+    total = 0
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), t.numel())
+        if t.numel() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _unfused_masters(optimizer: Any) -> dict[int, torch.Tensor]:
+    """ZeRO-0 bf16/fp16 (FP16_UnfusedOptimizer): id of each low-precision parameter -> fp32 master."""
+    low, high = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
+    if not low or not high:
+        return {}
+    return {id(p): m for lg, hg in zip(low, high, strict=True) for p, m in zip(lg, hg, strict=True)}
+
+
+def _autocast_forward(engine: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    forward = engine.forward
+
+    @functools.wraps(forward)
+    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    engine.forward = autocast_forward
 
 
 def _full_shape(p: torch.Tensor) -> torch.Size:
@@ -220,4 +267,16 @@ def _engine_optimizer(
             amsgrad=bool(d.get("amsgrad", False)),
             adamw_mode=adamw,
         )
-    return rebuild_optimizer(optimizer, model, model)
+    return _rebuild(optimizer)
+
+
+def _rebuild(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Same class, groups and hyperparameters over the same parameters (the engine keeps them).
+
+    Only the defaults the constructor accepts are passed: torch 2.13's AdamW lists
+    ``decoupled_weight_decay`` in ``defaults`` but does not take it as an argument.
+    """
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    groups = [{**g, "params": list(g["params"])} for g in optimizer.param_groups]
+    return type(optimizer)(groups, **defaults)

@@ -71,7 +71,7 @@ def build_config(
                 nvme = section.get("nvme_path") or user.get("nvme_path")
                 if not nvme:
                     raise ValueError(
-                        f"--offload nvme needs a directory for the swap files: set \"nvme_path\" in "
+                        f'--offload nvme needs a directory for the swap files: set "nvme_path" in '
                         f"zero_optimization.{target} of the DeepSpeed JSON (--config)"
                     )
                 section["nvme_path"] = str(nvme)
@@ -93,8 +93,8 @@ def build_config(
     config["train_batch_size"] = micro * steps * ctx.world_size
 
     agree("clip_grad_norm", ctx.clip_grad_norm, "gradient_clipping", config.get("gradient_clipping"))
-    if ctx.clip_grad_norm is not None:
-        config["gradient_clipping"] = ctx.clip_grad_norm
+    # DeepSpeed >= 0.18 clips at norm 1.0 unless told otherwise; like torch, clip only when asked
+    config["gradient_clipping"] = float(ctx.clip_grad_norm or config.get("gradient_clipping", 0.0))
 
     # a user's optimizer class that DeepSpeed did not test is fine: it is the user's choice
     config.setdefault("zero_allow_untested_optimizer", True)

@@ -1,0 +1,160 @@
+"""``--strategy deepspeed`` on 2 CPU ranks: ZeRO 0–3 train like one process, shard what they claim
+to shard, checkpoint through DeepSpeed's own format, reject conflicting configs and offload to CPU."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from jupyter_shard import DistributedError, Pool
+from jupyter_shard.spec import LaunchSpec
+from jupyter_shard.strategies.base import StrategyContext
+from jupyter_shard.strategies.deepspeed_config import ConfigConflict, build_config
+from jupyter_shard.widgets.rank_output import ConsoleSink
+
+pytest.importorskip("deepspeed")
+
+pytestmark = pytest.mark.timeout(300)
+
+# 16·32+32 + 32·32+32 + 32·4+4 parameters, fp32
+PSI = 16 * 32 + 32 + 32 * 32 + 32 + 32 * 4 + 4
+# Builds the model and an optimizer on the unwrapped model, trains a single-process reference on
+# the full batch, then the prepared model on this rank's half of the same batches; compares on rank 0.
+SETUP = """
+import copy, torch
+from torch import nn
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+opt = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+g = torch.Generator().manual_seed(1)
+batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(6)]
+fixed_x, fixed_y = batches[-1]
+def mine(x):
+    return x[shard.rank * 4:(shard.rank + 1) * 4]
+def fixed_loss():
+    with torch.no_grad():
+        return nn.functional.mse_loss(model(fixed_x), fixed_y).item()
+"""
+PARITY = """
+ref = copy.deepcopy(net)
+ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+for x, y in batches[:5]:
+    nn.functional.mse_loss(ref(x), y).backward(); ref_opt.step(); ref_opt.zero_grad()
+model, opt = shard.prepare(net, opt)
+for x, y in batches[:5]:
+    shard.backward(nn.functional.mse_loss(model(mine(x)), mine(y))); shard.step()
+full = shard.full_model()
+rel = None
+if shard.rank == 0:
+    diff = sum((a - b).double().pow(2).sum() for a, b in zip(full.parameters(), ref.parameters()))
+    rel = float(diff.sqrt() / sum(b.double().pow(2).sum() for b in ref.parameters()).sqrt())
+mem = shard.memory()
+"""
+
+
+def _pool(tmp: Path, **options: object) -> Pool:
+    spec = LaunchSpec.create(nproc=2, device="cpu", strategy="deepspeed", **options)  # type: ignore[arg-type]
+    return Pool(spec=spec, log_dir=tmp, sink=ConsoleSink(io.StringIO(), io.StringIO()))
+
+
+@pytest.fixture(scope="module", params=[0, 1, 2, 3], ids=lambda s: f"zero{s}")
+def trained(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Pool, int]]:
+    """A pool per ZeRO stage (options are per pool) that ran the parity cell."""
+    with _pool(tmp_path_factory.mktemp("logs"), zero_stage=request.param) as pool:
+        pool.run(SETUP + PARITY)
+        yield pool, request.param
+
+
+def test_matches_a_single_process_reference(trained: tuple[Pool, int]) -> None:
+    pool, stage = trained
+    rel = pool.pull("rel")
+    assert rel <= 1e-5, f"ZeRO-{stage}: relative weight difference {rel:.3g}"
+
+
+def test_memory_is_sharded(trained: tuple[Pool, int]) -> None:
+    pool, stage = trained
+    mem = pool.pull_all("mem")
+    full, half = 4 * PSI, 4 * PSI // 2
+    for m in mem.values():
+        # fp32 on CPU: ZeRO keeps an fp32 master partition beside the (fp32) model weights, so
+        # "optimizer" is master + exp_avg + exp_avg_sq of this rank's partition: 12Ψ/N bytes
+        if stage == 0:
+            assert (m["parameters"], m["optimizer"]) == (full, 2 * full)
+        else:
+            assert m["optimizer"] == 3 * half
+            assert m["parameters"] == (half if stage == 3 else full)
+
+
+def test_checkpoint_round_trip_through_a_restart(trained: tuple[Pool, int], tmp_path: Path) -> None:
+    pool, _ = trained
+    ckpt = tmp_path / "ckpt"
+    pool.run(
+        f"shard.save({str(ckpt)!r}); before = fixed_loss()\n"
+        "x, y = batches[5]; shard.backward(nn.functional.mse_loss(model(mine(x)), mine(y))); shard.step()\n"
+        "after_step = fixed_loss()"
+    )
+    before, after_step = pool.pull("before"), pool.pull("after_step")
+    assert (ckpt / "latest").read_text() == "step5"
+    assert not [p for p in ckpt.iterdir() if p.name.startswith(".")], "temporary tags are renamed"
+    pool.restart()
+    pool.run(
+        SETUP + f"model, opt = shard.prepare(net, opt); shard.load({str(ckpt)!r}); loaded = fixed_loss()\n"
+        "steps = shard.global_step\n"
+        "x, y = batches[5]; shard.backward(nn.functional.mse_loss(model(mine(x)), mine(y))); shard.step()\n"
+        "again = fixed_loss()"
+    )
+    assert pool.pull_all("loaded") == {0: before, 1: before}
+    assert pool.pull("steps") == 5
+    assert pool.pull("again") == after_step, "optimizer state came back too"
+
+
+def test_a_config_that_disagrees_with_the_options_is_one_clear_error(tmp_path: Path) -> None:
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    with _pool(tmp_path, zero_stage=3, config=config) as pool, pytest.raises(DistributedError) as caught:
+        pool.run("import torch\nshard.prepare(torch.nn.Linear(2, 2))")
+    assert f"--zero-stage 3 conflicts with --config {config}, which sets zero_optimization.stage = 1" in str(
+        caught.value
+    )
+
+
+def _ctx(**kw: object) -> StrategyContext:
+    return StrategyContext(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"), **kw)  # type: ignore[arg-type]
+
+
+def test_config_merges_the_json_under_the_options(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    user = {"zero_optimization": {"reduce_bucket_size": 1000}, "fp16": {"enabled": True}}
+    path.write_text(json.dumps(user))
+    config = build_config(_ctx(accumulate=4), zero_stage=2, offload="cpu", config_path=path, options={})
+    zero = config["zero_optimization"]
+    assert (zero["stage"], zero["reduce_bucket_size"]) == (2, 1000)
+    assert zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero
+    assert config["fp16"]["enabled"] and "bf16" not in config
+    assert (config["gradient_accumulation_steps"], config["train_batch_size"]) == (4, 8)
+    assert config["gradient_clipping"] == 0.0, "DeepSpeed's default of 1.0 is not applied silently"
+    bf16 = _ctx(precision="bf16-mixed")
+    plain = build_config(bf16, zero_stage=None, offload="none", config_path=None, options={})
+    assert plain["zero_optimization"]["stage"] == 0 and plain["bf16"] == {"enabled": True}
+    with pytest.raises(
+        ConfigConflict, match=r"--precision bf16-mixed conflicts with --config .*fp16.enabled"
+    ):
+        build_config(bf16, zero_stage=None, offload="none", config_path=path, options={})
+    with pytest.raises(ValueError, match='--offload nvme needs a directory for the swap files: set "nvme_'):
+        build_config(_ctx(), zero_stage=3, offload="nvme", config_path=None, options={})
+
+
+@pytest.mark.timeout(900)  # the first run compiles DeepSpeed's CPU Adam (cached afterwards)
+def test_cpu_offload_of_optimizer_and_parameters(tmp_path: Path) -> None:
+    with _pool(tmp_path, zero_stage=3, offload="cpu") as pool:
+        pool.run(SETUP + PARITY + "kind = type(opt.optimizer).__name__", timeout=840)
+        assert pool.pull("kind") == "DeepSpeedCPUAdam"
+        rel = pool.pull("rel")
+        assert rel <= 1e-5, f"ZeRO-3 + CPU offload: relative weight difference {rel:.3g}"
