@@ -124,6 +124,7 @@ class Shard:
         wrapped, new_optimizer = self._impl.prepare(model, optimizer)
         self._model, self._optimizer = wrapped, new_optimizer
         self._micro = 0
+        self._step = 0
         loaders = [self._distribute(loader) for loader in dataloaders]
         if optimizer is None and not loaders:
             return wrapped

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -78,8 +79,9 @@ class StrategyBase:
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """Wrap ``model``; rebuild ``optimizer`` over the wrapped parameters (same class, same settings)."""
+        names = parameter_names(model)  # before wrapping: some wrappers replace parameters in place
         wrapped = self.wrap(model)
-        new_optimizer = rebuild_optimizer(optimizer, model, self.unwrap(wrapped)) if optimizer else None
+        new_optimizer = rebuild_optimizer(optimizer, names, self.unwrap(wrapped)) if optimizer else None
         self.apply_autocast(wrapped)
         return wrapped, new_optimizer
 
@@ -171,15 +173,22 @@ class NoStrategy(StrategyBase):
     name = "none"
 
 
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name``, taken before a wrapper can replace the parameters."""
+    return {id(p): name for name, p in model.named_parameters()}
+
+
 def rebuild_optimizer(
-    optimizer: torch.optim.Optimizer, original: nn.Module, wrapped: nn.Module
+    optimizer: torch.optim.Optimizer, names: dict[int, str], wrapped: nn.Module
 ) -> torch.optim.Optimizer:
     """Same optimizer class and hyperparameters, over the wrapped model's parameters.
 
-    Parameters are matched by name, so this works whether the wrapper kept the original parameter
-    objects (DDP) or replaced them with sharded ones (FSDP2).
+    Parameters are matched by the names they had before wrapping (``names``, from
+    :func:`parameter_names`), so this works whether the wrapper kept the original parameter objects
+    (DDP) or replaced them with sharded ones (FSDP2). Only the ``defaults`` the optimizer's
+    constructor accepts are passed back (some optimizers record extra keys there).
     """
-    by_id = {id(p): name for name, p in original.named_parameters()}
+    by_id = names
     new_params = dict(wrapped.named_parameters())
     groups = []
     for group in optimizer.param_groups:
@@ -188,7 +197,10 @@ def rebuild_optimizer(
             name = by_id.get(id(p))
             params.append(new_params[name] if name is not None and name in new_params else p)
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    return type(optimizer)(groups, **optimizer.defaults)
+    accepted = inspect.signature(type(optimizer)).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+    return type(optimizer)(groups, **defaults)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -198,12 +210,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _nbytes(tensors: Iterator[torch.Tensor]) -> int:
     total = 0
-    seen: set[int] = set()
+    seen: set[tuple[int, int, int]] = set()
     for t in tensors:
         local = _local(t)
         if local.numel() == 0:
             continue
-        key = local.untyped_storage().data_ptr() if local.device.type != "meta" else id(local)
+        # One count per distinct tensor view: flattened buffers (ZeRO) hold many parameters at offsets.
+        ptr = local.untyped_storage().data_ptr() if local.device.type != "meta" else id(local)
+        key = (ptr, int(local.storage_offset()), local.numel())
         if key in seen:
             continue
         seen.add(key)

@@ -384,11 +384,15 @@ def no_unpickling(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 
         return tripped
 
+    try:
+        import cloudpickle  # imported before pickle is patched: it binds pickle.loads at import time
+    except ImportError:  # pragma: no cover
+        cloudpickle = None
     for name in ("loads", "load", "Unpickler"):
         monkeypatch.setattr(pickle, name, trip(f"pickle.{name}"))
     try:
-        import cloudpickle
-
+        if cloudpickle is None:
+            raise ImportError
         monkeypatch.setattr(cloudpickle, "loads", trip("cloudpickle.loads"))
         monkeypatch.setattr(cloudpickle, "load", trip("cloudpickle.load"))
     except ImportError:  # pragma: no cover

@@ -167,3 +167,22 @@ def test_ddp_unwrap_of_a_plain_module_is_identity() -> None:
 
     m = torch.nn.Linear(1, 1)
     assert DDPStrategy().unwrap(m) is m
+
+
+def test_rebuild_optimizer_keeps_class_settings_and_follows_replaced_parameters() -> None:
+    import torch
+
+    from jupyter_shard.strategies.base import parameter_names, rebuild_optimizer
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(
+        [{"params": [model.weight], "lr": 0.01}, {"params": [model.bias], "lr": 0.5}], weight_decay=0.2
+    )
+    names = parameter_names(model)
+    model.weight = torch.nn.Parameter(model.weight.detach().clone())  # a wrapper swapping parameters in place
+    new = rebuild_optimizer(opt, names, model)
+    assert type(new) is torch.optim.AdamW
+    assert new.param_groups[0]["params"][0] is model.weight
+    assert new.param_groups[1]["params"][0] is model.bias
+    assert [g["lr"] for g in new.param_groups] == [0.01, 0.5]
+    assert new.defaults["weight_decay"] == 0.2
