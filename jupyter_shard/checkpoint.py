@@ -66,6 +66,10 @@ def _from_dcp(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def _from_deepspeed(directory: Path) -> dict[str, torch.Tensor]:
+    tag = directory / (directory / "latest").read_text().strip()
+    if not any("zero_pp_rank" in p.name for p in tag.iterdir()):  # ZeRO-0: whole module in one file
+        states = torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        return _model_part({"model": states["module"]}, directory)
     try:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError as exc:

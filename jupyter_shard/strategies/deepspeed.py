@@ -202,23 +202,46 @@ class DeepSpeedStrategy(StrategyBase):
             for v in per_param.values()
             if isinstance(v, torch.Tensor) and v.dim() > 0
         ]
-        seen: set[tuple[int, int, int]] = set()
+        grads = [t.grad for t in [*params, *masters] if t.grad is not None]
+        grads += _zero_gradient_partitions(optimizer)
         return {
-            "parameters": _bytes(params, seen),
-            "gradients": _bytes([t.grad for t in [*params, *masters] if t.grad is not None], seen),
-            "optimizer": _bytes([*masters, *state], seen),
+            "parameters": _bytes(params, set()),
+            "gradients": _bytes(grads, set()),
+            "optimizer": _bytes([*masters, *state], set()),
         }
 
 
+def _zero_gradient_partitions(optimizer: Any) -> list[torch.Tensor]:
+    """This rank's reduced gradient partitions, which ZeRO keeps outside ``param.grad``."""
+    found: list[torch.Tensor] = []
+    averaged = getattr(optimizer, "averaged_gradients", None)  # ZeRO-1/2, between backward and step
+    if isinstance(averaged, dict):
+        for grads in averaged.values():
+            found.extend(g for g in (grads or []) if isinstance(g, torch.Tensor))
+    flat = getattr(optimizer, "grad_partitions_flat_buffer", None)  # ZeRO-3
+    if isinstance(flat, torch.Tensor):
+        found.append(flat)
+    return found
+
+
 def _bytes(tensors: Sequence[torch.Tensor], seen: set[tuple[int, int, int]]) -> int:
-    """Bytes of ``tensors``, each view counted once (flat ZeRO buffers hold many parameters)."""
+    """Bytes of ``tensors`` not already counted: overlapping views of one buffer (ZeRO's flat
+    partitions and the per-parameter views into them) count once. ``seen`` holds counted
+    ``(storage, start, end)`` byte ranges across calls."""
     total = 0
     for t in tensors:
-        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), t.numel())
-        if t.numel() == 0 or key in seen:
+        if t.numel() == 0:
             continue
-        seen.add(key)
-        total += t.numel() * t.element_size()
+        storage = t.untyped_storage().data_ptr()
+        start = int(t.storage_offset()) * t.element_size()
+        end = start + t.numel() * t.element_size()
+        for other, lo, hi in list(seen):
+            if other == storage and lo < end and start < hi:  # overlap: merge into one range
+                seen.discard((other, lo, hi))
+                total -= hi - lo
+                start, end = min(start, lo), max(end, hi)
+        seen.add((storage, start, end))
+        total += end - start
     return total
 
 

@@ -115,6 +115,28 @@ def test_checkpoint_round_trip_through_a_restart(trained: tuple[Pool, int], tmp_
     assert pool.pull("again") == after_step, "optimizer state came back too"
 
 
+def test_gathered_model_and_consolidated_checkpoint_are_plain_and_equal(
+    trained: tuple[Pool, int], tmp_path: Path
+) -> None:
+    import torch
+
+    from jupyter_shard import consolidate
+
+    pool, stage = trained
+    ckpt = tmp_path / "ckpt"
+    pool.run(f"shard.save({str(ckpt)!r})\nprobe = model(fixed_x).detach()")
+    gathered = pool.pull("model", gather=True)
+    assert type(gathered).__name__ == "Sequential"
+    assert not any(hasattr(p, "ds_id") for p in gathered.parameters()), "plain parameters, not ZeRO ones"
+    probe = pool.pull("probe")
+    assert torch.allclose(gathered(torch.as_tensor(pool.pull("fixed_x"))), probe, rtol=1e-5, atol=1e-6)
+    out = consolidate(ckpt, tmp_path / "full.pt")
+    state = torch.load(out)
+    assert set(state) == set(gathered.state_dict())
+    for key, value in gathered.state_dict().items():
+        assert torch.allclose(state[key], value, rtol=1e-6, atol=1e-7), (stage, key)
+
+
 def test_a_config_that_disagrees_with_the_options_is_one_clear_error(tmp_path: Path) -> None:
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 1}}))

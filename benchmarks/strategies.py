@@ -1,0 +1,232 @@
+"""Training under ``%%distributed`` against the same script under ``torchrun``, per strategy.
+
+For each strategy, one run on this machine trains the same model (about 50M parameters by default)
+on 2 CPU ranks for ``--steps`` timed steps after ``--warmup`` untimed ones, twice:
+
+- **jupyter_shard**: a :class:`jupyter_shard.Pool` runs the training cell (what ``%%distributed``
+  does), with output capture, the I/O thread and the lifeline all live;
+- **torchrun**: ``python -m torch.distributed.run --nproc-per-node 2`` runs a worker that builds
+  the same ``shard`` helper directly (no pool) and runs the identical training code.
+
+It reports the median step time, the throughput ratio (torchrun step time / jupyter_shard step
+time; 1.0 means no overhead), peak RSS per rank, and the bytes each rank holds for parameters,
+gradients and optimizer state next to what the ZeRO paper's formulas predict for fp32 Adam
+(see :func:`predicted`).
+Run: ``.venv/bin/python benchmarks/strategies.py [--strategies ddp fsdp zero2 zero3] [--width 3584]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+STRATEGIES: dict[str, dict[str, Any]] = {
+    "ddp": {"strategy": "ddp"},
+    "fsdp": {"strategy": "fsdp"},
+    "zero2": {"strategy": "deepspeed", "zero_stage": 2},
+    "zero3": {"strategy": "deepspeed", "zero_stage": 3},
+}
+
+TRAIN = """
+import json, resource, time, torch
+from torch import nn
+torch.manual_seed(0)
+width, depth, batch = {width}, {depth}, {batch}
+model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)])
+opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+model, opt = shard.prepare(model, opt)
+x = torch.randn(batch, width, generator=torch.Generator().manual_seed(shard.rank))
+times = []
+for step in range({warmup} + {steps}):
+    shard.barrier()
+    started = time.perf_counter()
+    loss = model(x).pow(2).mean()
+    shard.backward(loss)
+    if step == {warmup} + {steps} - 1:
+        held = shard.memory()  # gradients still held: between backward and step
+    shard.step()
+    shard.barrier()
+    times.append(time.perf_counter() - started)
+report = json.dumps({{
+    "times": times[{warmup}:],
+    "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "held": {{k: held.get(k, 0) for k in ("parameters", "gradients", "optimizer")}},
+}})
+"""
+
+WORKER = """
+import json, os, sys, torch, torch.distributed as dist
+sys.path.insert(0, {root!r})
+from jupyter_shard.rank.shard import Shard, set_current
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+shard = Shard(rank, int(os.environ["LOCAL_RANK"]), dist.get_world_size(), torch.device("cpu"),
+              {strategy!r}, lambda *a: None, {options!r})
+set_current(shard)
+exec(compile({train!r}, "train", "exec"))
+with open(os.path.join({out!r}, f"rank-{{rank}}.json"), "w") as fh:
+    fh.write(report)
+dist.destroy_process_group()
+"""
+
+
+def _options(entry: dict[str, Any]) -> dict[str, Any]:
+    return {"precision": "32", "accumulate": 1, "zero_stage": entry.get("zero_stage"), "offload": "none"}
+
+
+def run_pool(entry: dict[str, Any], code: str, scratch: Path) -> list[dict[str, Any]]:
+    from jupyter_shard import LaunchSpec, Pool
+    from jupyter_shard.widgets.rank_output import ConsoleSink
+
+    spec = LaunchSpec.create(
+        nproc=2, device="cpu", strategy=entry["strategy"], zero_stage=entry.get("zero_stage")
+    )
+    sink = ConsoleSink(io.StringIO(), io.StringIO())
+    with Pool(spec=spec, log_dir=scratch / "logs", sink=sink) as pool:
+        pool.run(code)
+        return [json.loads(v) for _, v in sorted(pool.pull_all("report").items())]
+
+
+def run_torchrun(entry: dict[str, Any], code: str, scratch: Path) -> list[dict[str, Any]]:
+    out = Path(tempfile.mkdtemp(dir=scratch))
+    worker = out / "worker.py"
+    worker.write_text(
+        WORKER.format(
+            root=str(ROOT), strategy=entry["strategy"], options=_options(entry), train=code, out=str(out)
+        )
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(worker),
+    ]
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=1800)
+    return [json.loads((out / f"rank-{k}.json").read_text()) for k in range(2)]
+
+
+def predicted(name: str, psi: int, n: int) -> dict[str, float]:
+    """Bytes per rank for fp32 training with Adam, by where each part lives.
+
+    torch's Adam (ddp, fsdp) keeps two moments: 8Ψ. DeepSpeed's ZeRO optimizer also keeps an fp32
+    master copy of the parameters, so its optimizer state is the paper's K = 12 bytes per parameter.
+    """
+    p, g = 4.0 * psi, 4.0 * psi
+    table = {
+        "ddp": (p, g, 8.0 * psi),
+        "fsdp": (p / n, g / n, 8.0 * psi / n),
+        "zero2": (p, g / n, 12.0 * psi / n),
+        "zero3": (p / n, g / n, 12.0 * psi / n),
+    }
+    params, grads, optimizer = table[name]
+    return {"parameters": params, "gradients": grads, "optimizer": optimizer}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    parser.add_argument("--width", type=int, default=3584)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--results", default=str(ROOT / "benchmarks" / "STRATEGIES.md"))
+    args = parser.parse_args(argv)
+    psi = args.depth * (args.width * args.width + args.width)
+    code = textwrap.dedent(TRAIN).format(
+        width=args.width, depth=args.depth, batch=args.batch, warmup=args.warmup, steps=args.steps
+    )
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="jsbench-") as tmp:
+        scratch = Path(tmp)
+        for name in args.strategies:
+            entry = STRATEGIES[name]
+            print(f"[{name}] jupyter_shard ...", flush=True)
+            ours = run_pool(entry, code, scratch)
+            print(f"[{name}] torchrun ...", flush=True)
+            theirs = run_torchrun(entry, code, scratch)
+            rows.append(_row(name, ours, theirs, predicted(name, psi, 2)))
+    lines = _table(rows, psi, args)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.results != "-":
+        Path(args.results).write_text(text)
+    return 0
+
+
+def _row(
+    name: str, ours: list[dict[str, Any]], theirs: list[dict[str, Any]], pred: dict[str, float]
+) -> dict[str, Any]:
+    t_ours = statistics.median(max(r["times"][i] for r in ours) for i in range(len(ours[0]["times"])))
+    t_theirs = statistics.median(max(r["times"][i] for r in theirs) for i in range(len(theirs[0]["times"])))
+    return {
+        "name": name,
+        "ours": t_ours,
+        "theirs": t_theirs,
+        "rss_ours": max(r["maxrss"] for r in ours),
+        "rss_theirs": max(r["maxrss"] for r in theirs),
+        "held": ours[0]["held"],
+        "pred": pred,
+    }
+
+
+def _table(rows: list[dict[str, Any]], psi: int, args: argparse.Namespace) -> list[str]:
+    mib = 2**20
+    lines = [
+        "# Strategies: `%%distributed` (jupyter_shard Pool) vs the same script under torchrun",
+        "",
+        f"Model: {args.depth} × Linear({args.width}, {args.width}) + ReLU, Ψ = {psi / 1e6:.1f}M parameters, "
+        f"fp32 Adam, batch {args.batch} per rank, 2 CPU ranks (gloo); median of {args.steps} steps after "
+        f"{args.warmup} warm-up. Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"{os.cpu_count()} cores.",
+        "",
+        "| strategy | step, jupyter_shard (s) | step, torchrun (s) | throughput ratio "
+        "| peak RSS/rank, ours (MiB) | peak RSS/rank, torchrun (MiB) | RSS ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['name']} | {r['ours']:.3f} | {r['theirs']:.3f} | {r['theirs'] / r['ours']:.3f} "
+            f"| {r['rss_ours'] / mib:.0f} | {r['rss_theirs'] / mib:.0f} "
+            f"| {r['rss_ours'] / r['rss_theirs']:.3f} |"
+        )
+    lines += [
+        "",
+        "Bytes held per rank (measured by `shard.memory()` on rank 0) against the ZeRO paper's formulas:",
+        "",
+        "| strategy | parameters MiB (formula) | gradients MiB (formula) | optimizer MiB (formula) |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        cells = [
+            f"{r['held'][k] / mib:.1f} ({r['pred'][k] / mib:.1f})"
+            for k in ("parameters", "gradients", "optimizer")
+        ]
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Targets: throughput ratio ≥ 0.95; peak RSS per rank within 10% of torchrun's; "
+        "held bytes match the formulas.",
+    ]
+    return lines
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

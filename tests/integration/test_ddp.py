@@ -1,0 +1,99 @@
+"""``ddp`` and ``none`` against a single-process reference, and their checkpoints (2 CPU ranks, gloo).
+
+Each rank trains on its half of a fixed global batch; the single-process reference trains on the
+whole batch in the same cell. The optimizer is built on the unwrapped model before ``prepare``.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jupyter_shard import LaunchSpec, Pool
+from jupyter_shard.widgets.rank_output import ConsoleSink
+
+pytestmark = pytest.mark.timeout(300)
+
+SETUP = """
+import copy, torch
+from torch import nn
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+opt = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+g = torch.Generator().manual_seed(1)
+batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(6)]
+fixed_x, fixed_y = batches[-1]
+def mine(x):
+    return x[shard.rank * 4:(shard.rank + 1) * 4]
+def fixed_loss():
+    with torch.no_grad():
+        return nn.functional.mse_loss(model(fixed_x), fixed_y).item()
+"""
+PARITY = """
+ref = copy.deepcopy(net)
+ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+ref_losses, losses = [], []
+for x, y in batches[:5]:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=shard.impl.ctx.precision == "bf16-mixed"):
+        loss = nn.functional.mse_loss(ref(x), y)
+    loss.backward(); ref_opt.step(); ref_opt.zero_grad(); ref_losses.append(loss.item())
+model, opt = shard.prepare(net, opt)
+for x, y in batches[:5]:
+    loss = nn.functional.mse_loss(model(mine(x)), mine(y))
+    shard.backward(loss); shard.step()
+    mean = loss.detach().clone(); torch.distributed.all_reduce(mean); losses.append(mean.item() / 2)
+rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+"""
+
+
+def _pool(tmp: Path, **options: object) -> Pool:
+    spec = LaunchSpec.create(nproc=2, device="cpu", **options)  # type: ignore[arg-type]
+    return Pool(spec=spec, log_dir=tmp, sink=ConsoleSink(io.StringIO(), io.StringIO()))
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("ddp", "32", 1e-5), ("ddp", "bf16-mixed", 2e-2)],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
+def trained(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Pool, float]]:
+    strategy, precision, tolerance = request.param
+    with _pool(tmp_path_factory.mktemp("logs"), strategy=strategy, precision=precision) as pool:
+        pool.run(SETUP + PARITY)
+        yield pool, tolerance
+
+
+def test_losses_match_a_single_process_reference(trained: tuple[Pool, float]) -> None:
+    pool, tolerance = trained
+    rel = pool.pull("rel")
+    assert rel <= tolerance, f"relative loss difference {rel:.3g} over {tolerance}"
+    assert pool.pull_all("losses")[0] == pool.pull_all("losses")[1]
+
+
+def test_checkpoint_survives_a_restart_and_a_save_that_dies(
+    trained: tuple[Pool, float], tmp_path: Path
+) -> None:
+    pool, _ = trained
+    ckpt = tmp_path / "model.pt"
+    pool.run(f"shard.save({str(ckpt)!r}); before = fixed_loss()")
+    before = pool.pull("before")
+    # A second save killed mid-write: the process dies inside torch.save, after the file is opened.
+    with pytest.raises(Exception, match="exited with code 9"):
+        pool.run(
+            "import os\n"
+            "with torch.no_grad():\n    [p.add_(1.0) for p in model.parameters()]\n"
+            "def dying_save(obj, f, *a, **k):\n    f.write(b'partial'); f.flush(); os._exit(9)\n"
+            "torch.save = dying_save\n"
+            f"shard.save({str(ckpt)!r})"
+        )
+    assert sorted(p.name for p in ckpt.parent.iterdir() if not p.name.startswith(".")) == ["model.pt"]
+    pool.restart()
+    pool.run(
+        SETUP + f"model, opt = shard.prepare(net, opt)\nshard.load({str(ckpt)!r})\nloaded = fixed_loss()"
+    )
+    assert pool.pull_all("loaded") == {0: before, 1: before}
