@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each side per strategy")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "STRATEGIES.md"))
     args = parser.parse_args(argv)
     psi = args.depth * (args.width * args.width + args.width)
@@ -158,10 +159,13 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(tmp)
         for name in args.strategies:
             entry = STRATEGIES[name]
-            print(f"[{name}] jupyter_shard ...", flush=True)
-            ours = run_pool(entry, code, scratch)
-            print(f"[{name}] torchrun ...", flush=True)
-            theirs = run_torchrun(entry, code, scratch)
+            ours: list[list[dict[str, Any]]] = []
+            theirs: list[list[dict[str, Any]]] = []
+            for round_ in range(args.rounds):  # alternate, so drift on the machine hits both sides
+                print(f"[{name}] round {round_ + 1}: jupyter_shard ...", flush=True)
+                ours.append(run_pool(entry, code, scratch))
+                print(f"[{name}] round {round_ + 1}: torchrun ...", flush=True)
+                theirs.append(run_torchrun(entry, code, scratch))
             rows.append(_row(name, ours, theirs, predicted(name, psi, 2)))
     lines = _table(rows, psi, args)
     text = "\n".join(lines) + "\n"
@@ -171,18 +175,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _step_times(runs: list[list[dict[str, Any]]]) -> list[float]:
+    """Per step, the slowest rank's time (the step is done when every rank is), over all runs."""
+    return [max(r["times"][i] for r in ranks) for ranks in runs for i in range(len(ranks[0]["times"]))]
+
+
 def _row(
-    name: str, ours: list[dict[str, Any]], theirs: list[dict[str, Any]], pred: dict[str, float]
+    name: str, ours: list[list[dict[str, Any]]], theirs: list[list[dict[str, Any]]], pred: dict[str, float]
 ) -> dict[str, Any]:
-    t_ours = statistics.median(max(r["times"][i] for r in ours) for i in range(len(ours[0]["times"])))
-    t_theirs = statistics.median(max(r["times"][i] for r in theirs) for i in range(len(theirs[0]["times"])))
     return {
         "name": name,
-        "ours": t_ours,
-        "theirs": t_theirs,
-        "rss_ours": max(r["maxrss"] for r in ours),
-        "rss_theirs": max(r["maxrss"] for r in theirs),
-        "held": ours[0]["held"],
+        "ours": statistics.median(_step_times(ours)),
+        "theirs": statistics.median(_step_times(theirs)),
+        "rss_ours": statistics.median(max(r["maxrss"] for r in ranks) for ranks in ours),
+        "rss_theirs": statistics.median(max(r["maxrss"] for r in ranks) for ranks in theirs),
+        "held": ours[0][0]["held"],
         "pred": pred,
     }
 
@@ -193,9 +200,9 @@ def _table(rows: list[dict[str, Any]], psi: int, args: argparse.Namespace) -> li
         "# Strategies: `%%distributed` (jupyter_shard Pool) vs the same script under torchrun",
         "",
         f"Model: {args.depth} × Linear({args.width}, {args.width}) + ReLU, Ψ = {psi / 1e6:.1f}M parameters, "
-        f"fp32 Adam, batch {args.batch} per rank, 2 CPU ranks (gloo); median of {args.steps} steps after "
-        f"{args.warmup} warm-up. Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-        f"{os.cpu_count()} cores.",
+        f"fp32 Adam, batch {args.batch} per rank, 2 CPU ranks (gloo); median over {args.rounds} alternating "
+        f"runs per side of {args.steps} steps each after {args.warmup} warm-up. "
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} cores.",
         "",
         "| strategy | step, jupyter_shard (s) | step, torchrun (s) | throughput ratio "
         "| peak RSS/rank, ours (MiB) | peak RSS/rank, torchrun (MiB) | RSS ratio |",
