@@ -34,6 +34,15 @@ class DDPStrategy(StrategyBase):
             raise ValueError(f"ddp comm_hook {hook!r} is not valid; choose one of: {', '.join(_HOOKS)}")
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        if self.ctx.device.type != "cuda":
+            if self.options.get("sync_batchnorm"):
+                raise ValueError(
+                    "ddp sync_batchnorm needs CUDA ranks: torch's SyncBatchNorm runs on GPU modules only"
+                )
+            if self.options.get("comm_hook") == "bf16":
+                raise ValueError(
+                    "ddp comm_hook 'bf16' needs CUDA ranks with NCCL; on CPU use 'fp16' or 'powersgd'"
+                )
         options = dict(self.options)
         hook = options.pop("comm_hook", None)
         if options.pop("sync_batchnorm", False):

@@ -97,3 +97,33 @@ def test_checkpoint_survives_a_restart_and_a_save_that_dies(
         SETUP + f"model, opt = shard.prepare(net, opt)\nshard.load({str(ckpt)!r})\nloaded = fixed_loss()"
     )
     assert pool.pull_all("loaded") == {0: before, 1: before}
+
+
+@pytest.mark.parametrize("options", [{"comm_hook": "powersgd"}, {"comm_hook": "fp16"}])
+def test_ddp_options_train_and_keep_replicas_equal(tmp_path: Path, options: dict[str, object]) -> None:
+    import json
+
+    config = tmp_path / "ddp.json"
+    config.write_text(json.dumps(options))
+    with _pool(tmp_path, strategy="ddp", config=config) as pool:
+        pool.run(
+            "import torch\nfrom torch import nn\ntorch.manual_seed(0)\n"
+            "net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))\n"
+            "opt = torch.optim.SGD(net.parameters(), lr=0.1)\nmodel, opt = shard.prepare(net, opt)\n"
+            "for step in range(4):\n"
+            "    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + shard.rank))\n"
+            "    shard.backward(model(x).pow(2).mean()); shard.step()\n"
+            "norm_type = type(model.module[1]).__name__\n"
+            "checksum = float(sum(p.double().sum() for p in model.parameters()))"
+        )
+        sums = pool.pull_all("checksum")
+        assert sums[0] == sums[1]
+        assert pool.pull("norm_type") == "BatchNorm1d"
+        for bad, message in [
+            ({"sync_batchnorm": True}, "ddp sync_batchnorm needs CUDA ranks"),
+            ({"comm_hook": "bf16"}, "ddp comm_hook 'bf16' needs CUDA ranks with NCCL"),
+        ]:
+            config.write_text(json.dumps(bad))
+            pool.restart()
+            with pytest.raises(Exception, match=message):
+                pool.run("import torch\nshard.prepare(torch.nn.Linear(2, 2))")

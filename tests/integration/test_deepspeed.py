@@ -216,3 +216,29 @@ def test_nvme_offload_swaps_to_the_given_directory(tmp_path: Path) -> None:
         names = " ".join(swapped)
         assert "exp_avg" in names and "exp_avg_sq" in names, swapped
         assert sum(swapped.values()) >= 3 * 4 * (1024 * 1024 + 1024 + 1025) // 2
+
+
+def test_a_save_that_dies_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    with _pool(tmp_path, zero_stage=2) as pool:
+        pool.run(
+            SETUP
+            + "model, opt = shard.prepare(net, opt)\n"
+            + f"shard.save({str(ckpt)!r}); before = fixed_loss()"
+        )
+        before = pool.pull("before")
+        with pytest.raises(Exception, match="exited with code 9"):
+            pool.run(
+                "import os\nx, y = batches[0]\n"
+                "shard.backward(nn.functional.mse_loss(model(mine(x)), mine(y)))\n"
+                "shard.step()\n"
+                "real_save = torch.save\n"
+                "def dying_save(obj, f, *a, **k):\n    real_save(obj, f, *a, **k); os._exit(9)\n"
+                "torch.save = dying_save\n"
+                f"shard.save({str(ckpt)!r})"
+            )
+        pool.restart()
+        pool.run(
+            SETUP + f"model, opt = shard.prepare(net, opt); shard.load({str(ckpt)!r}); loaded = fixed_loss()"
+        )
+        assert pool.pull_all("loaded") == {0: before, 1: before}
