@@ -242,3 +242,28 @@ def test_a_save_that_dies_leaves_the_previous_checkpoint(tmp_path: Path) -> None
             SETUP + f"model, opt = shard.prepare(net, opt); shard.load({str(ckpt)!r}); loaded = fixed_loss()"
         )
         assert pool.pull_all("loaded") == {0: before, 1: before}
+
+
+BF16_LOSSES = """
+ref = copy.deepcopy(net)
+ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+ref_losses, losses = [], []
+for x, y in batches[:5]:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = nn.functional.mse_loss(ref(x), y)
+    loss.backward(); ref_opt.step(); ref_opt.zero_grad(); ref_losses.append(loss.item())
+model, opt = shard.prepare(net, opt)
+for x, y in batches[:5]:
+    loss = nn.functional.mse_loss(model(mine(x)), mine(y))
+    shard.backward(loss); shard.step()
+    mean = loss.detach().float().clone(); torch.distributed.all_reduce(mean); losses.append(mean.item() / 2)
+rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+"""
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_bf16_losses_match_a_single_process_autocast_reference(tmp_path: Path, stage: int) -> None:
+    with _pool(tmp_path, zero_stage=stage, precision="bf16-mixed") as pool:
+        pool.run(SETUP + BF16_LOSSES)
+        rel = pool.pull("rel")
+        assert rel <= 2e-2, f"ZeRO-{stage} bf16: relative loss difference {rel:.3g}"
