@@ -153,3 +153,27 @@ def test_strategy_registered_in_the_kernel_runs_on_the_ranks(tmp_path: Path) -> 
             assert result.value == {"text/plain": "('HalfStep', 0.5)"}
     finally:
         _registered.pop("halfstep")
+
+
+def test_strategy_installed_through_an_entry_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A site package declaring ``[jupyter_shard.strategies]`` is a valid --strategy in kernel and ranks."""
+    site = tmp_path / "site"
+    (site / "site_strategy-1.0.dist-info").mkdir(parents=True)
+    (site / "site_strategy-1.0.dist-info" / "METADATA").write_text("Name: site-strategy\nVersion: 1.0\n")
+    (site / "site_strategy-1.0.dist-info" / "entry_points.txt").write_text(
+        "[jupyter_shard.strategies]\nsitewide = site_strategy:SiteStrategy\n"
+    )
+    (site / "site_strategy.py").write_text(
+        "from jupyter_shard.strategies.base import StrategyBase\n"
+        "class SiteStrategy(StrategyBase):\n    name = 'sitewide'\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    from jupyter_shard import LaunchSpec
+    from jupyter_shard.strategies import available_strategies
+
+    assert "sitewide" in available_strategies()
+    spec = LaunchSpec.create(nproc=2, device="cpu", strategy="sitewide")
+    with Pool(spec=spec, log_dir=tmp_path / "logs", sink=ConsoleSink(io.StringIO(), io.StringIO())) as p:
+        result = p.run("import torch\nshard.prepare(torch.nn.Linear(2, 2))\ntype(shard.impl).__name__")
+        assert result.value == {"text/plain": "'SiteStrategy'"}
