@@ -47,7 +47,13 @@ def import_deepspeed(device: torch.device) -> Any:
 class DeepSpeedStrategy(StrategyBase):
     name = "deepspeed"
     accepts: ClassVar[frozenset[str]] = frozenset(
-        {"reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients"}
+        {
+            "reduce_bucket_size",
+            "allgather_bucket_size",
+            "overlap_comm",
+            "contiguous_gradients",
+            "activation_checkpointing",
+        }
     )
     config_is_options = False
 
@@ -77,6 +83,11 @@ class DeepSpeedStrategy(StrategyBase):
         ds.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
         if "activation_checkpointing" in self.config:
             ds.checkpointing.configure(None, deepspeed_config=self.config)
+        checkpointed = self.config.pop("checkpoint_modules", None) or self.options.get(
+            "activation_checkpointing"
+        )
+        if checkpointed:
+            _checkpoint_modules(model, {str(name) for name in checkpointed})
         model = model.to(self.ctx.device)
         client_optimizer = _engine_optimizer(optimizer, model, self.config) if optimizer else None
         engine, engine_optimizer, _, _ = ds.initialize(
@@ -209,6 +220,31 @@ class DeepSpeedStrategy(StrategyBase):
             "gradients": _bytes(grads, set()),
             "optimizer": _bytes([*masters, *state], set()),
         }
+
+
+def _checkpoint_modules(model: nn.Module, class_names: set[str]) -> None:
+    """Recompute the activations of modules of these classes in backward instead of keeping them.
+
+    The wrappers keep the same parameter objects, so an optimizer built on the model still applies.
+    """
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    found = {type(m).__name__ for m in model.modules()} & class_names
+    if not found:
+        raise ValueError(
+            f"activation checkpointing: no module of class {', '.join(sorted(class_names))} in the model"
+        )
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: type(m).__name__ in class_names,
+    )
 
 
 def _zero_gradient_partitions(optimizer: Any) -> list[torch.Tensor]:

@@ -267,3 +267,21 @@ def test_bf16_losses_match_a_single_process_autocast_reference(tmp_path: Path, s
         pool.run(SETUP + BF16_LOSSES)
         rel = pool.pull("rel")
         assert rel <= 2e-2, f"ZeRO-{stage} bf16: relative loss difference {rel:.3g}"
+
+
+def test_activation_checkpointing_recomputes_and_keeps_parity(tmp_path: Path) -> None:
+    import json
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"checkpoint_modules": ["Linear"]}))
+    with _pool(tmp_path, zero_stage=2, config=config) as pool:
+        pool.run(SETUP + PARITY + "wrapped = sorted({type(m).__name__ for m in model.module.modules()})")
+        assert "CheckpointWrapper" in pool.pull("wrapped")
+        rel = pool.pull("rel")
+        assert rel <= 1e-5, f"ZeRO-2 + activation checkpointing: relative weight difference {rel:.3g}"
+    config.write_text(json.dumps({"checkpoint_modules": ["Conv2d"]}))
+    with (
+        _pool(tmp_path, zero_stage=2, config=config) as pool,
+        pytest.raises(Exception, match="no module of class Conv2d in the model"),
+    ):
+        pool.run(SETUP + PARITY)
