@@ -87,6 +87,18 @@ def test_push_and_pull_values(nb: Any) -> None:
     assert run.data("execute_result") == [{"text/plain": "tensor([1., 1.])"}]
 
 
+def test_pull_gather_brings_a_plain_model(nb: Any) -> None:
+    run = nb.execute(
+        "%%distributed\nimport torch\nnet = torch.nn.Linear(3, 1)\nprepared = shard.prepare(net)\n"
+        "type(prepared).__name__"
+    )
+    assert run.ok, run.outputs
+    run = nb.execute(
+        "%dist_pull prepared --gather\ntype(prepared).__name__, sum(p.numel() for p in prepared.parameters())"
+    )
+    assert run.data("execute_result") == [{"text/plain": "('Linear', 4)"}]
+
+
 def test_pull_of_missing_name_is_one_clear_error(nb: Any) -> None:
     run = nb.execute("%dist_pull nothing_here")
     assert not run.ok
