@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from training_cells import LOSS_PARITY, SETUP
 
 from jupyter_shard import DistributedError, Pool
 from jupyter_shard.spec import LaunchSpec
@@ -23,23 +24,8 @@ pytestmark = pytest.mark.timeout(300)
 
 # 16·32+32 + 32·32+32 + 32·4+4 parameters, fp32
 PSI = 16 * 32 + 32 + 32 * 32 + 32 + 32 * 4 + 4
-# Builds the model and an optimizer on the unwrapped model, trains a single-process reference on
-# the full batch, then the prepared model on this rank's half of the same batches; compares on rank 0.
-SETUP = """
-import copy, torch
-from torch import nn
-torch.manual_seed(0)
-net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
-opt = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
-g = torch.Generator().manual_seed(1)
-batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(6)]
-fixed_x, fixed_y = batches[-1]
-def mine(x):
-    return x[shard.rank * 4:(shard.rank + 1) * 4]
-def fixed_loss():
-    with torch.no_grad():
-        return nn.functional.mse_loss(model(fixed_x), fixed_y).item()
-"""
+# After SETUP: trains a single-process reference on the full batches, then the prepared model on this
+# rank's halves; `rel` compares the gathered full weights with the reference's on rank 0.
 PARITY = """
 ref = copy.deepcopy(net)
 ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
@@ -244,27 +230,10 @@ def test_a_save_that_dies_leaves_the_previous_checkpoint(tmp_path: Path) -> None
         assert pool.pull_all("loaded") == {0: before, 1: before}
 
 
-BF16_LOSSES = """
-ref = copy.deepcopy(net)
-ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
-ref_losses, losses = [], []
-for x, y in batches[:5]:
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = nn.functional.mse_loss(ref(x), y)
-    loss.backward(); ref_opt.step(); ref_opt.zero_grad(); ref_losses.append(loss.item())
-model, opt = shard.prepare(net, opt)
-for x, y in batches[:5]:
-    loss = nn.functional.mse_loss(model(mine(x)), mine(y))
-    shard.backward(loss); shard.step()
-    mean = loss.detach().float().clone(); torch.distributed.all_reduce(mean); losses.append(mean.item() / 2)
-rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-"""
-
-
 @pytest.mark.parametrize("stage", [0, 3])
 def test_bf16_losses_match_a_single_process_autocast_reference(tmp_path: Path, stage: int) -> None:
     with _pool(tmp_path, zero_stage=stage, precision="bf16-mixed") as pool:
-        pool.run(SETUP + BF16_LOSSES)
+        pool.run(SETUP + LOSS_PARITY)
         rel = pool.pull("rel")
         assert rel <= 2e-2, f"ZeRO-{stage} bf16: relative loss difference {rel:.3g}"
 
