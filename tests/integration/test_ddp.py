@@ -97,3 +97,26 @@ def test_ddp_options_train_and_keep_replicas_equal(tmp_path: Path, options: dict
             pool.restart()
             with pytest.raises(Exception, match=message):
                 pool.run("import torch\nshard.prepare(torch.nn.Linear(2, 2))")
+
+
+def test_accumulation_and_clipping_match_one_process(tmp_path: Path) -> None:
+    """accumulate=2 over two half-batches equals one step on the whole batch; clipping bounds the norm."""
+    with _pool(tmp_path, strategy="ddp", accumulate=2, clip_grad_norm=0.05) as pool:
+        pool.run(
+            SETUP + "ref = copy.deepcopy(net)\n"
+            "ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)\n"
+            "opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+            "x, y = batches[0]\n"
+            "nn.functional.mse_loss(ref(x), y).backward()\n"
+            "ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)); ref_opt.step()\n"
+            "model, opt = shard.prepare(net, opt)\n"
+            "mx, my = mine(x), mine(y)\n"
+            "for half in (slice(0, 2), slice(2, 4)):\n"
+            "    shard.backward(nn.functional.mse_loss(model(mx[half]), my[half])); shard.step()\n"
+            "steps = shard.global_step\n"
+            "pairs = zip(model.module.parameters(), ref.parameters())\n"
+            "diff = max(float((a - b).abs().max()) for a, b in pairs)"
+        )
+        assert pool.pull("steps") == 1
+        assert pool.pull("ref_norm") > 0.05, "the test must actually clip"
+        assert pool.pull_all("diff") == {0: pytest.approx(0.0, abs=1e-6), 1: pytest.approx(0.0, abs=1e-6)}
