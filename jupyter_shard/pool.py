@@ -3,7 +3,8 @@
 A :class:`Pool` owns one ROUTER socket on ``ipc://`` inside a private 0700 directory, the pool key,
 and a lifeline pipe whose write end only this process holds: when the kernel dies, every rank sees
 the pipe close and kills its own process group. The thread that calls :meth:`Pool.run` pumps
-messages until every target rank reports ``done``, a rank dies, or the user interrupts.
+messages (through :class:`~jupyter_shard.receiver.Receiver`) until every target rank reports
+``done``, a rank dies, or the user interrupts; ranks that do not stop are escalated here.
 """
 
 from __future__ import annotations
@@ -13,33 +14,26 @@ import json
 import os
 import shutil
 import signal
-import sys
-import threading
 import time
 import uuid
 import weakref
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from jupyter_shard import _lifecycle
-from jupyter_shard.launchers import RankHandle, RankLaunch, get_launcher
+from jupyter_shard.launchers import RankLaunch, get_launcher
 from jupyter_shard.launchers.base import describe_exit
 from jupyter_shard.protocol import (
     KERNEL,
     KEY_ENV,
     MAX_FRAME,
-    Message,
-    ProtocolError,
     Wire,
-    io_identity,
     new_key,
-    parse_identity,
-    rank_identity,
 )
+from jupyter_shard.receiver import RankRecord, Receiver
 from jupyter_shard.results import DistributedError, PoolError, RankResult, RankState, RankStatus, RunResult
 from jupyter_shard.spec import DEFAULT_TIMEOUT, LaunchSpec, format_ranks
 from jupyter_shard.widgets.rank_output import ConsoleSink, NotebookSink, RankSink
@@ -51,30 +45,11 @@ INTERRUPT_GRACE = 2.0
 DESYNC_GRACE = 3.0
 OUTPUT_WAIT = 2.0
 HISTORY_LIMIT = 1_000_000
-CAPTURE_LIMIT = 4 * 1024 * 1024
 
 _live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
 
 
-class _Rank:
-    """The kernel's record of one rank process."""
-
-    def __init__(self, handle: RankHandle, log_path: Path) -> None:
-        self.handle = handle
-        self.rank = handle.rank
-        self.identity = rank_identity(handle.rank).encode()
-        self.io_identity = io_identity(handle.rank).encode()
-        self.io_received = 0
-        self.pending_done: Message | None = None
-        self.pending_since = 0.0
-        self.state = RankState.STARTING
-        self.device = ""
-        self.log_path = log_path
-        self.cell = ""
-        self.exit = ""
-
-
-class Pool:
+class Pool(Receiver):
     """A pool of persistent rank processes. Use as a context manager or call :meth:`shutdown`."""
 
     def __init__(
@@ -92,22 +67,13 @@ class Pool:
         self.spec = spec or LaunchSpec.create(
             nproc=nproc, device=device, strategy=strategy, timeout=timeout, launcher=launcher
         )
-        self.sink = sink or (NotebookSink() if _in_kernel() else ConsoleSink())
+        super().__init__(sink or (NotebookSink() if _in_kernel() else ConsoleSink()), HISTORY_LIMIT)
         self._log_root = Path(log_dir) if log_dir else None
-        self._ranks: dict[int, _Rank] = {}
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
-        self._sock: zmq.Socket[bytes] | None = None
-        self._wire: Wire | None = None
         self._dir: Path | None = None
         self._lifeline_w: int | None = None
-        self._replies: dict[str, dict[int, Message]] = {}
-        self._run: RunResult | None = None
-        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LIMIT)
         self.log_dir: Path | None = None
-        self.on_notice: Callable[[str], None] | None = None
-        self._io_lock = threading.RLock()  # the socket is shared by run() and e.g. stacks()
         self._restart_reason: str | None = None
-        self.dropped = 0  # frames rejected on the pool socket (unknown peer, bad signature, replay)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -154,7 +120,7 @@ class Pool:
             raise
         os.close(lifeline_r)
         for handle, launch in zip(handles, launches, strict=True):
-            self._ranks[handle.rank] = _Rank(handle, launch.log_path)
+            self._ranks[handle.rank] = RankRecord(handle, launch.log_path)
             self.sink.log_paths[handle.rank] = str(launch.log_path)
         _lifecycle.record_pool(self._dir, [h.pid for h in handles])
         _live_pools.add(self)
@@ -228,7 +194,7 @@ class Pool:
             "del _register, _js_strategy"
         )
 
-    def _startup_failure(self, r: _Rank, how: str) -> str:
+    def _startup_failure(self, r: RankRecord, how: str) -> str:
         tb = r.exit or _tail(r.log_path)
         return f"rank {r.rank} failed to start ({how}); its log {r.log_path} ends with:\n{tb}"
 
@@ -300,7 +266,7 @@ class Pool:
             raise DistributedError(result)
         return result
 
-    def _targets(self, ranks: Sequence[int] | None) -> list[_Rank]:
+    def _targets(self, ranks: Sequence[int] | None) -> list[RankRecord]:
         chosen = sorted(set(ranks)) if ranks is not None else sorted(self._ranks)
         missing = [r for r in chosen if r not in self._ranks]
         if missing:
@@ -315,7 +281,9 @@ class Pool:
             )
         return [self._ranks[r] for r in chosen]
 
-    def _gather(self, result: RunResult, targets: list[_Rank], started: float, timeout: float | None) -> None:
+    def _gather(
+        self, result: RunResult, targets: list[RankRecord], started: float, timeout: float | None
+    ) -> None:
         pending = {r.rank for r in targets}
         interrupted = False
         while pending:
@@ -348,23 +316,6 @@ class Pool:
                 break
         if interrupted:
             result.notes.append("the cell was interrupted")
-
-    def _check_exit(self, r: _Rank, result: RunResult | None) -> bool:
-        code = r.handle.poll()
-        if code is None or r.state is RankState.DEAD:
-            return False
-        self._pump(0.05)
-        r.state, r.exit = RankState.DEAD, describe_exit(code)
-        if result is not None and r.rank in result.ranks and result.ranks[r.rank].status == "pending":
-            failure = result.ranks[r.rank]
-            failure.status, failure.evalue, failure.failed_at = (
-                "dead",
-                f"rank {r.rank} {r.exit}",
-                time.monotonic(),
-            )
-            failure.traceback = [f"rank {r.rank} {r.exit} while running the cell; its log: {r.log_path}"]
-            return True
-        return False
 
     def _stop(self, result: RunResult, pending: set[int], why: str) -> None:
         """SIGINT the pending ranks; kill those that do not stop within the grace period."""
@@ -492,156 +443,6 @@ class Pool:
                 r.handle.send_signal(signal.SIGINT)
 
     # -- plumbing --------------------------------------------------------------------------------
-
-    def _live(self) -> list[_Rank]:
-        return [r for r in self._ranks.values() if r.state is not RankState.DEAD and r.handle.poll() is None]
-
-    def _send(
-        self, targets: Sequence[_Rank], msg_type: str, body: dict[str, Any], buffers: Sequence[bytes] = ()
-    ) -> None:
-        """Sign once, send to every target: each rank checks ``seq`` against its own history."""
-        assert self._sock is not None and self._wire is not None
-        frames = self._wire.encode(msg_type, body, buffers)
-        io = msg_type in _IO_REQUESTS
-        with self._io_lock:
-            for r in targets:
-                try:
-                    self._sock.send_multipart([r.io_identity if io else r.identity, *frames])
-                except zmq.ZMQError as exc:
-                    raise PoolError(f"rank {r.rank} is not connected ({exc}); run %dist_restart") from None
-
-    def _request(
-        self,
-        msg_type: str,
-        body: dict[str, Any],
-        targets: list[_Rank],
-        *,
-        buffers: Sequence[bytes] = (),
-        timeout: float,
-    ) -> dict[int, Message]:
-        req_id = uuid.uuid4().hex
-        self._replies[req_id] = {}
-        try:
-            self._send(targets, msg_type, {**body, "req_id": req_id}, buffers)
-            deadline = time.monotonic() + timeout
-            while len(self._replies[req_id]) < len(targets) and time.monotonic() < deadline:
-                self._pump(0.02)
-                if any(self._check_exit(r, None) or r.state is RankState.DEAD for r in targets):
-                    break
-            return self._replies[req_id]
-        finally:
-            del self._replies[req_id]
-
-    def _pump(self, timeout: float) -> None:
-        """Receive and dispatch every waiting message; wait up to ``timeout`` for the first."""
-        sock, wire = self._sock, self._wire
-        if sock is None or wire is None:
-            return
-        wait_ms = int(timeout * 1000)
-        with self._io_lock:
-            while sock.poll(wait_ms, zmq.POLLIN):
-                wait_ms = 0
-                self._dispatch(wire, sock.recv_multipart(copy=True))
-
-    def _dispatch(self, wire: Wire, frames: list[bytes]) -> None:
-        rank, is_io = parse_identity(frames[0])
-        r = self._ranks.get(rank)
-        try:
-            if r is None:
-                raise ProtocolError(f"message from an unknown peer {frames[0][:40]!r}")
-            msg = wire.decode(frames[1:], expect_sender=frames[0].decode())
-        except ProtocolError as exc:
-            self.dropped += 1
-            print(f"jupyter_shard: dropped a message on the pool socket: {exc}", file=sys.__stderr__)
-            return
-        handler = _HANDLERS.get(msg.type)
-        if handler is not None:
-            handler(self, r, msg)
-        if is_io:
-            r.io_received += 1
-            if r.pending_done is not None and r.io_received >= r.pending_done.body["io_count"]:
-                self._finish(r, r.pending_done)
-
-    def _notice(self, text: str) -> None:
-        if self.on_notice is not None:
-            self.on_notice(text)
-        else:
-            self.sink.notice(f"jupyter_shard: {text}")
-
-    # -- message handlers (dispatched through _HANDLERS) -----------------------------------------
-
-    def _on_ready(self, r: _Rank, msg: Message) -> None:
-        r.state, r.device = RankState.IDLE, str(msg.body["device"])
-
-    def _on_startup_failed(self, r: _Rank, msg: Message) -> None:
-        r.exit = str(msg.body["traceback"])
-
-    def _on_stream(self, r: _Rank, msg: Message) -> None:
-        name, text = str(msg.body["name"]), str(msg.body["text"])
-        self.sink.stream(r.rank, name, text)
-        if self._run is not None and r.rank in self._run.ranks:
-            res = self._run.ranks[r.rank]
-            if name == "stderr" and len(res.stderr) < CAPTURE_LIMIT:
-                res.stderr += text
-            elif name == "stdout" and len(res.stdout) < CAPTURE_LIMIT:
-                res.stdout += text
-
-    def _on_display(self, r: _Rank, msg: Message) -> None:
-        self.sink.display(r.rank, dict(msg.body["data"]), dict(msg.body["metadata"]))
-
-    def _on_result(self, r: _Rank, msg: Message) -> None:
-        if self._run is not None and r.rank in self._run.ranks:
-            self._run.ranks[r.rank].result = dict(msg.body["data"])
-
-    def _on_done(self, r: _Rank, msg: Message) -> None:
-        if r.io_received < int(msg.body["io_count"]):
-            r.pending_done = msg  # its output is still in flight on the I/O socket
-            r.pending_since = time.monotonic()
-            return
-        self._finish(r, msg)
-
-    def _finish(self, r: _Rank, msg: Message) -> None:
-        r.pending_done = None
-        body = msg.body
-        ok = body["status"] == "ok"
-        r.state, r.cell = (RankState.IDLE if ok else RankState.FAILED), ""
-        if self._run is None or body["cell_id"] != self._run.cell_id or r.rank not in self._run.ranks:
-            return
-        res = self._run.ranks[r.rank]
-        res.duration = float(body["duration"])
-        if ok:
-            res.status = "ok"
-            return
-        res.status = "interrupted" if body["ename"] == "KeyboardInterrupt" else "error"
-        res.ename, res.evalue = str(body["ename"]), str(body["evalue"])
-        res.traceback = [str(line) for line in body["traceback"]]
-        res.failed_at = time.monotonic()
-
-    def _on_metrics(self, r: _Rank, msg: Message) -> None:
-        for record in msg.body["records"]:
-            self.history.append({"rank": r.rank, **record})
-
-    def _on_reply(self, r: _Rank, msg: Message) -> None:
-        bucket = self._replies.get(str(msg.body.get("req_id")))
-        if bucket is not None:
-            bucket[r.rank] = msg
-
-
-_IO_REQUESTS = frozenset({"stacks", "status"})
-
-_HANDLERS: dict[str, Callable[[Pool, _Rank, Message], None]] = {
-    "ready": Pool._on_ready,
-    "startup_failed": Pool._on_startup_failed,
-    "stream": Pool._on_stream,
-    "display": Pool._on_display,
-    "result": Pool._on_result,
-    "done": Pool._on_done,
-    "metrics": Pool._on_metrics,
-    "push_reply": Pool._on_reply,
-    "pull_reply": Pool._on_reply,
-    "stacks_reply": Pool._on_reply,
-    "status_reply": Pool._on_reply,
-}
 
 
 def _head(code: str) -> str:
