@@ -189,10 +189,13 @@ def test_nvme_offload_swaps_to_the_given_directory(tmp_path: Path) -> None:
         pool.run(SETUP + PARITY, timeout=840)
         rel = pool.pull("rel")
         assert rel <= 1e-5, f"ZeRO-3 + NVMe offload: relative weight difference {rel:.3g}"
-        # DeepSpeed swaps through files only for partitions above its I/O alignment: a 1M-parameter
-        # layer shows the optimizer state (fp32 master, exp_avg, exp_avg_sq) on disk mid-training.
+    # DeepSpeed swaps through files only for partitions above its I/O alignment: a 1M-parameter
+    # layer shows the optimizer state (fp32 master, exp_avg, exp_avg_sq) on disk mid-training.
+    # A fresh pool: one ZeRO-3 engine per process, as a notebook would have after %dist_restart.
+    with _pool(tmp_path, zero_stage=3, offload="nvme", config=config) as pool:
         pool.run(
-            "import os\nbig = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1))\n"
+            "import os, torch\nfrom torch import nn\n"
+            "big = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1))\n"
             "big_opt = torch.optim.Adam(big.parameters(), lr=1e-3)\n"
             "big, big_opt = shard.prepare(big, big_opt)\n"
             "shard.backward(big(torch.ones(4, 1024)).pow(2).mean()); shard.step()\n"
