@@ -277,6 +277,7 @@ def memory_report(device: torch.device | None = None) -> dict[str, int]:
         report["cuda_allocated"] = torch.cuda.memory_allocated(device)
         report["cuda_reserved"] = torch.cuda.memory_reserved(device)
         report["cuda_peak"] = torch.cuda.max_memory_allocated(device)
+        report["cuda_free"], report["cuda_total"] = torch.cuda.mem_get_info(device)
     return report
 
 
