@@ -14,16 +14,19 @@ import json
 import os
 import shutil
 import signal
+import sys
+import threading
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
 from jupyter_shard import _lifecycle
+from jupyter_shard.background import BackgroundRun, Gathering
 from jupyter_shard.launchers import RankLaunch, get_launcher
 from jupyter_shard.launchers.base import describe_exit
 from jupyter_shard.protocol import (
@@ -34,7 +37,15 @@ from jupyter_shard.protocol import (
     new_key,
 )
 from jupyter_shard.receiver import RankRecord, Receiver
-from jupyter_shard.results import DistributedError, PoolError, RankResult, RankState, RankStatus, RunResult
+from jupyter_shard.results import (
+    DistributedError,
+    PoolError,
+    RankActivity,
+    RankResult,
+    RankState,
+    RankStatus,
+    RunResult,
+)
 from jupyter_shard.spec import DEFAULT_TIMEOUT, LaunchSpec, format_ranks
 from jupyter_shard.widgets.rank_output import ConsoleSink, NotebookSink, RankSink
 
@@ -44,9 +55,16 @@ START_TIMEOUT = float(os.environ.get("JUPYTER_SHARD_START_TIMEOUT", "180"))
 INTERRUPT_GRACE = 2.0
 DESYNC_GRACE = 3.0
 OUTPUT_WAIT = 2.0
-HISTORY_LIMIT = 1_000_000
+WATCH_INTERVAL = 0.05
+STUCK_AFTER = 5.0
 
 _live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
+
+
+class Observer(Protocol):
+    """Something that shows the pool's state (a dashboard): called often, limits its own rate."""
+
+    def refresh(self, pool: Pool, final: bool) -> None: ...
 
 
 class Pool(Receiver):
@@ -67,13 +85,18 @@ class Pool(Receiver):
         self.spec = spec or LaunchSpec.create(
             nproc=nproc, device=device, strategy=strategy, timeout=timeout, launcher=launcher
         )
-        super().__init__(sink or (NotebookSink() if _in_kernel() else ConsoleSink()), HISTORY_LIMIT)
+        super().__init__(sink or (NotebookSink() if _in_kernel() else ConsoleSink()))
         self._log_root = Path(log_dir) if log_dir else None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._dir: Path | None = None
         self._lifeline_w: int | None = None
         self.log_dir: Path | None = None
         self._restart_reason: str | None = None
+        self.background: BackgroundRun | None = None
+        self.observers: list[Observer] = []
+        self._foreground = False
+        self._watcher: threading.Thread | None = None
+        self._watch_stop = threading.Event()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -125,11 +148,15 @@ class Pool(Receiver):
         _lifecycle.record_pool(self._dir, [h.pid for h in handles])
         _live_pools.add(self)
         try:
+            self._foreground = True
             self._wait_ready()
             self._share_registered_strategy()
         except BaseException:
             self.shutdown()
             raise
+        finally:
+            self._foreground = False
+        self._start_watcher()
 
     def _launch(self, rank: int, address: str, key: bytes, lifeline_r: int) -> RankLaunch:
         assert self._dir is not None and self.log_dir is not None
@@ -200,6 +227,7 @@ class Pool(Receiver):
 
     def shutdown(self) -> None:
         """Stop every rank (and its children) and release the socket, key and private directory."""
+        self._stop_watcher()
         if self._sock is not None and self._wire is not None:
             self._send(self._live(), "shutdown", {})
         deadline = time.monotonic() + 1.0
@@ -209,6 +237,9 @@ class Pool(Receiver):
         self._ranks.clear()
         self._teardown()
         _live_pools.discard(self)
+        run = self.background
+        if run is not None and run.running:
+            run.abandon("the pool was shut down")
 
     def _teardown(self) -> None:
         if self._sock is not None:
@@ -243,6 +274,51 @@ class Pool(Receiver):
         exec_count: int = 0,
     ) -> RunResult:
         """Run ``code`` on ``ranks`` (default: all); raise :class:`DistributedError` if any fails."""
+        self._refuse_while_background("run a cell")
+        self._foreground = True
+        try:
+            gathering = self._begin(code, ranks, timeout, exec_count)
+            try:
+                self._gather(gathering)
+            finally:
+                self._end(gathering)
+        finally:
+            self._foreground = False
+        if not gathering.result.ok:
+            raise DistributedError(gathering.result)
+        return gathering.result
+
+    def run_background(
+        self,
+        code: str,
+        ranks: Sequence[int] | None = None,
+        timeout: float | None = None,
+        exec_count: int = 0,
+        on_done: Callable[[BackgroundRun], None] | None = None,
+    ) -> BackgroundRun:
+        """Start ``code`` on the ranks and return at once; the pool's watcher thread follows it.
+
+        Output and ``on_done`` run in a copy of the caller's context (under ipykernel: the starting
+        cell). While it runs, other cells, pushes and pulls are refused; status and stacks work.
+        """
+        self._refuse_while_background("start another background run")
+        gathering = self._begin(code, ranks, timeout, exec_count)
+        run = BackgroundRun(gathering, exec_count, on_done)
+        self.background = run
+        self._start_watcher()
+        return run
+
+    def _refuse_while_background(self, what: str) -> None:
+        run = self.background
+        if run is not None and run.running:
+            raise PoolError(
+                f"cannot {what}: {run.describe()} is still running on the ranks; "
+                "%dist_wait waits for it, %dist_interrupt stops it"
+            )
+
+    def _begin(
+        self, code: str, ranks: Sequence[int] | None, timeout: float | None, exec_count: int
+    ) -> Gathering:
         if self._restart_reason is not None:
             self._notice(f"restarting the pool ({self._restart_reason}); rank state is lost")
             self.restart()
@@ -252,19 +328,10 @@ class Pool(Receiver):
         result = RunResult(cell_id, {r.rank: RankResult(r.rank) for r in targets})
         self._run = result
         self.sink.begin_cell()
-        started = time.monotonic()
-        body = {"cell_id": cell_id, "code": code, "exec_count": exec_count}
-        self._send(targets, "execute", body)
+        self._send(targets, "execute", {"cell_id": cell_id, "code": code, "exec_count": exec_count})
         for r in targets:
             r.state, r.cell = RankState.RUNNING, _head(code)
-        try:
-            self._gather(result, targets, started, timeout)
-        finally:
-            self.sink.end_cell()
-            self._run = None
-        if not result.ok:
-            raise DistributedError(result)
-        return result
+        return Gathering(result, [r.rank for r in targets], time.monotonic(), timeout)
 
     def _targets(self, ranks: Sequence[int] | None) -> list[RankRecord]:
         chosen = sorted(set(ranks)) if ranks is not None else sorted(self._ranks)
@@ -281,41 +348,137 @@ class Pool(Receiver):
             )
         return [self._ranks[r] for r in chosen]
 
-    def _gather(
-        self, result: RunResult, targets: list[RankRecord], started: float, timeout: float | None
-    ) -> None:
-        pending = {r.rank for r in targets}
+    def _end(self, gathering: Gathering) -> None:
+        self.sink.end_cell()
+        self._run = None
+        self._tick(final=True)
+
+    def _gather(self, gathering: Gathering) -> None:
         interrupted = False
-        while pending:
+        while True:
             try:
-                self._pump(0.05)
-                for r in targets:
-                    if r.rank in pending and self._check_exit(r, result):
-                        pending.discard(r.rank)
-                    if r.pending_done is not None and time.monotonic() - r.pending_since > OUTPUT_WAIT:
-                        self._finish(r, r.pending_done)  # output lost in transit must not hang the cell
-                pending = {k for k in pending if result.ranks[k].status == "pending"}
-                if not pending:
-                    break
-                failed = [f for f in result.ranks.values() if f.failed_at]
-                dead = [f.rank for f in failed if f.status == "dead"]
-                if dead:
-                    self._stop(result, pending, f"stopped because rank {format_ranks(dead)} died")
-                    break
-                if failed and time.monotonic() - min(f.failed_at for f in failed) > DESYNC_GRACE:
-                    self._stop(result, pending, "still running after another rank failed")
-                    break
-                if timeout is not None and time.monotonic() - started > timeout:
-                    self._stop(result, pending, f"still running after the {timeout:g} s timeout")
+                if self._gather_step(gathering, 0.05):
                     break
             except KeyboardInterrupt:
                 if interrupted:
                     continue
                 interrupted = True
-                self._stop(result, pending, "interrupted")
+                self._stop(gathering.result, gathering.pending, "interrupted")
                 break
         if interrupted:
-            result.notes.append("the cell was interrupted")
+            gathering.result.notes.append("the cell was interrupted")
+
+    def _gather_step(self, gathering: Gathering, wait: float) -> bool:
+        """Receive for up to ``wait`` seconds and act on what happened; True once the cell ended."""
+        result, pending = gathering.result, gathering.pending
+        self._pump(wait)
+        self._tick()
+        for k in list(pending):
+            r = self._ranks[k]
+            if self._check_exit(r, result):
+                pending.discard(k)
+            if r.pending_done is not None and time.monotonic() - r.pending_since > OUTPUT_WAIT:
+                self._finish(r, r.pending_done)  # output lost in transit must not hang the cell
+        pending.intersection_update(k for k in pending if result.ranks[k].status == "pending")
+        if not pending:
+            return True
+        failed = [f for f in result.ranks.values() if f.failed_at]
+        dead = [f.rank for f in failed if f.status == "dead"]
+        if dead:
+            self._stop(result, pending, f"stopped because rank {format_ranks(dead)} died")
+            return True
+        if failed and time.monotonic() - min(f.failed_at for f in failed) > DESYNC_GRACE:
+            self._stop(result, pending, "still running after another rank failed")
+            return True
+        timeout = gathering.timeout
+        if timeout is not None and time.monotonic() - gathering.started > timeout:
+            self._stop(result, pending, f"still running after the {timeout:g} s timeout")
+            return True
+        return False
+
+    # -- the watcher thread: background runs, and heartbeats and deaths between cells -------------
+
+    def _start_watcher(self) -> None:
+        if self._watcher is not None and self._watcher.is_alive():
+            return
+        self._watch_stop.clear()
+        self._watcher = threading.Thread(target=self._watch, name="jupyter_shard-watcher", daemon=True)
+        self._watcher.start()
+
+    def _stop_watcher(self) -> None:
+        self._watch_stop.set()
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(5.0)
+
+    def _watch(self) -> None:
+        while not self._watch_stop.wait(WATCH_INTERVAL):
+            with self._io_lock:
+                if self._sock is None or self._watch_stop.is_set():
+                    return
+                if self._foreground:
+                    continue
+                run = self.background
+                if run is None or not run.running:
+                    self._pump(0)
+                    for r in self._ranks.values():
+                        self._check_exit(r, None)
+                    self._tick()
+                    continue
+            run.context.run(self._background_step, run)
+
+    def _background_step(self, run: BackgroundRun) -> None:
+        gathering = run.gathering
+        if run.interrupt_requested:
+            run.interrupt_requested = False
+            self._stop(gathering.result, gathering.pending, "interrupted (%dist_interrupt)")
+            gathering.result.notes.append("the cell was interrupted")
+            ended = True
+        else:
+            ended = self._gather_step(gathering, 0.0)
+        if ended:
+            self._end(gathering)
+            run.finish()
+
+    def _tick(self, final: bool = False) -> None:
+        """Let observers (dashboards) redraw; each limits its own rate."""
+        for observer in list(self.observers):
+            try:
+                observer.refresh(self, final)
+            except Exception as exc:  # a broken display must not break the run
+                self.observers.remove(observer)
+                print(f"jupyter_shard: a dashboard stopped updating: {exc!r}", file=sys.__stderr__)
+
+    def activity(self) -> list[RankActivity]:
+        """Each rank's state, step, throughput, memory and heartbeat age; problems named."""
+        now, wall = time.monotonic(), time.time()
+        last_logs = {k: self.history.last(k) for k in self._ranks}
+        newest = max((v[1] for v in last_logs.values() if v is not None), default=0.0)
+        rows = []
+        for k, r in sorted(self._ranks.items()):
+            last = last_logs[k]
+            age = now - r.heartbeat if r.heartbeat else None
+            problem = ""
+            if r.state is RankState.DEAD:
+                problem = f"dead: {r.exit or 'exited'}"
+            elif r.state is RankState.RUNNING and age is not None and age > STUCK_AFTER:
+                problem = f"stuck: no heartbeat for {age:.0f} s (holding the GIL in native code?)"
+            elif r.state is RankState.RUNNING and last is not None and newest - last[1] > STUCK_AFTER * 3:
+                problem = f"stuck: no shard.log for {wall - last[1]:.0f} s while other ranks log"
+            rows.append(
+                RankActivity(
+                    rank=k,
+                    state=r.state,
+                    step=last[0] if last is not None else (float(r.step) if r.step else None),
+                    steps_per_s=self.history.throughput(k, wall),
+                    memory=dict(r.memory),
+                    heartbeat_age=age,
+                    cell=r.cell if r.state is RankState.RUNNING else "",
+                    last_line=r.last_line,
+                    problem=problem,
+                )
+            )
+        return rows
 
     def _stop(self, result: RunResult, pending: set[int], why: str) -> None:
         """SIGINT the pending ranks; kill those that do not stop within the grace period."""
@@ -354,6 +517,7 @@ class Pool(Receiver):
         """Copy kernel values to every rank (or ``ranks``) under the given names."""
         import cloudpickle
 
+        self._refuse_while_background("push values")
         self.start()
         names = list(values)
         buffers = [cloudpickle.dumps(values[n]) for n in names]
@@ -383,6 +547,7 @@ class Pool(Receiver):
     ) -> dict[int, Any]:
         import cloudpickle
 
+        self._refuse_while_background("pull values")
         self.start()
         body = {"name": name, "gather": gather}
         replies = self._request("pull", body, self._targets(None if gather else ranks), timeout=600.0)
@@ -437,7 +602,15 @@ class Pool(Receiver):
         return out
 
     def interrupt(self) -> None:
-        """Interrupt whatever the ranks are running (outside a foreground :meth:`run`)."""
+        """Interrupt whatever the ranks are running (outside a foreground :meth:`run`).
+
+        A background run is stopped by the watcher thread: SIGINT, then after the grace period the
+        stacks of ranks that did not stop and a kill; :meth:`BackgroundRun.wait` sees the end.
+        """
+        run = self.background
+        if run is not None and run.running:
+            run.interrupt_requested = True
+            return
         for r in self._live():
             if r.state is RankState.RUNNING:
                 r.handle.send_signal(signal.SIGINT)

@@ -55,6 +55,7 @@ MsgType = Literal[
     "result",
     "done",
     "metrics",
+    "heartbeat",
     "push_reply",
     "pull_reply",
     "stacks_reply",
@@ -67,6 +68,14 @@ class ExecuteBody(TypedDict):
     cell_id: str
     code: str
     exec_count: int
+
+
+class HeartbeatBody(TypedDict):
+    executing: bool
+    cell: str
+    running_for: float
+    memory: dict[str, int]
+    step: int
 
 
 class StreamBody(TypedDict):

@@ -13,18 +13,18 @@ import sys
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import zmq
 
+from jupyter_shard.history import History
 from jupyter_shard.launchers import RankHandle
 from jupyter_shard.launchers.base import describe_exit
 from jupyter_shard.protocol import Message, ProtocolError, Wire, io_identity, parse_identity, rank_identity
 from jupyter_shard.results import PoolError, RankState, RunResult
-from jupyter_shard.widgets.rank_output import RankSink
+from jupyter_shard.widgets.rank_output import RankSink, visible_text
 
 CAPTURE_LIMIT = 4 * 1024 * 1024
 
@@ -45,18 +45,23 @@ class RankRecord:
         self.log_path = log_path
         self.cell = ""
         self.exit = ""
+        # from the rank's heartbeat (every second, sent by its I/O thread)
+        self.heartbeat = 0.0
+        self.memory: dict[str, int] = {}
+        self.step = 0
+        self.last_line = ""
 
 
 class Receiver:
     """Sending to ranks and dispatching what they send; the pool's state that messages update."""
 
     sink: RankSink
-    history: deque[dict[str, Any]]
+    history: History
     on_notice: Callable[[str], None] | None
 
-    def __init__(self, sink: RankSink, history_limit: int) -> None:
+    def __init__(self, sink: RankSink) -> None:
         self.sink = sink
-        self.history = deque(maxlen=history_limit)
+        self.history = History()
         self.on_notice = None
         self.dropped = 0  # frames rejected on the pool socket (unknown peer, bad signature, replay)
         self._ranks: dict[int, RankRecord] = {}
@@ -166,6 +171,13 @@ class Receiver:
 
     def _on_ready(self, r: RankRecord, msg: Message) -> None:
         r.state, r.device = RankState.IDLE, str(msg.body["device"])
+        r.heartbeat = time.monotonic()
+
+    def _on_heartbeat(self, r: RankRecord, msg: Message) -> None:
+        r.heartbeat = time.monotonic()
+        r.memory = {str(k): int(v) for k, v in msg.body["memory"].items()}
+        r.step = int(msg.body["step"])
+        self.history.add_memory(r.rank, time.time(), r.memory)
 
     def _on_startup_failed(self, r: RankRecord, msg: Message) -> None:
         r.exit = str(msg.body["traceback"])
@@ -173,6 +185,10 @@ class Receiver:
     def _on_stream(self, r: RankRecord, msg: Message) -> None:
         name, text = str(msg.body["name"]), str(msg.body["text"])
         self.sink.stream(r.rank, name, text)
+        shown = [visible_text(line) for line in text.splitlines()]
+        shown = [line for line in shown if line.strip()]
+        if shown:
+            r.last_line = shown[-1][:200]
         if self._run is not None and r.rank in self._run.ranks:
             res = self._run.ranks[r.rank]
             if name == "stderr" and len(res.stderr) < CAPTURE_LIMIT:
@@ -212,8 +228,7 @@ class Receiver:
         res.failed_at = time.monotonic()
 
     def _on_metrics(self, r: RankRecord, msg: Message) -> None:
-        for record in msg.body["records"]:
-            self.history.append({"rank": r.rank, **record})
+        self.history.extend(r.rank, msg.body["records"])
 
     def _on_reply(self, r: RankRecord, msg: Message) -> None:
         bucket = self._replies.get(str(msg.body.get("req_id")))
@@ -225,6 +240,7 @@ _IO_REQUESTS = frozenset({"stacks", "status"})
 
 _HANDLERS: dict[str, Callable[[Receiver, RankRecord, Message], None]] = {
     "ready": Receiver._on_ready,
+    "heartbeat": Receiver._on_heartbeat,
     "startup_failed": Receiver._on_startup_failed,
     "stream": Receiver._on_stream,
     "display": Receiver._on_display,

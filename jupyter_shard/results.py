@@ -76,6 +76,21 @@ class RankStatus:
     exit: str = ""
 
 
+@dataclass
+class RankActivity:
+    """What the dashboard shows for one rank, from its heartbeats and logs (no request needed)."""
+
+    rank: int
+    state: RankState
+    step: float | None
+    steps_per_s: float | None
+    memory: dict[str, int]
+    heartbeat_age: float | None
+    cell: str
+    last_line: str
+    problem: str = ""  # "dead: ..." or "stuck: ..." when the rank needs attention
+
+
 class PoolError(RuntimeError):
     """The pool cannot do what was asked (not started, a rank is dead, start-up failed)."""
 

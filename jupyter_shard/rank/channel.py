@@ -3,8 +3,8 @@
 - :class:`ShellSocket` (identity ``rank-k``) belongs to the main thread: it receives cells, pushes
   and pulls and sends their replies directly, with no thread hand-off on the hot path.
 - :class:`Channel` (identity ``rank-k.io``) belongs to an I/O thread: it sends output (flushed on a
-  timer, so a cell blocked in native code still streams), metrics, and answers stack and status
-  requests while a cell runs.
+  timer, so a cell blocked in native code still streams), metrics, a heartbeat every second (memory,
+  what runs), and answers stack and status requests while a cell runs.
 
 Each socket signs with its own :class:`Wire`, so each has its own growing ``seq``. ``done`` carries
 how many messages the I/O thread had been given (``io_count``), and the kernel waits for those
@@ -29,6 +29,7 @@ import zmq
 from jupyter_shard.protocol import KERNEL, MAX_FRAME, Message, ProtocolError, Wire
 
 FLUSH_INTERVAL = 0.05
+HEARTBEAT_INTERVAL = 1.0
 
 Handler = Callable[[Message], None]
 
@@ -80,6 +81,7 @@ class Channel:
         self._sock = _connect(ctx, address, identity)
         self.io_handlers: dict[str, Handler] = {}
         self.flushers: list[Callable[[], None]] = []
+        self.heartbeat: Callable[[], dict[str, Any]] | None = None  # body of the periodic heartbeat
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="jupyter_shard-io", daemon=True)
 
@@ -123,12 +125,16 @@ class Channel:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        next_beat = 0.0
         while True:
             events = dict(poller.poll(int(FLUSH_INTERVAL * 1000)))
             if self._wake_r in events:
                 os.read(self._wake_r, 65536)
             for flush in self.flushers:
                 flush()
+            if self.heartbeat is not None and time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + HEARTBEAT_INTERVAL
+                self.enqueue("heartbeat", self.heartbeat(), [])
             self._drain_outbox()
             if self._sock in events:
                 self._receive()

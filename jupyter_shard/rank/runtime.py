@@ -70,6 +70,7 @@ def main() -> None:
     channel.flushers.extend([sys.stdout.flush, sys.stderr.flush])
     channel.io_handlers["stacks"] = lambda msg: _reply_stacks(channel, msg)
     channel.io_handlers["status"] = lambda msg: _reply_status(channel, msg, state)
+    channel.heartbeat = lambda: _status_body(state)
     channel.start()
     sys.argv = [""]
     try:
@@ -256,15 +257,18 @@ def _reply_stacks(channel: Channel, msg: Message) -> None:
     channel.enqueue("stacks_reply", {"req_id": msg.body["req_id"], "stacks": stacks}, [])
 
 
-def _reply_status(channel: Channel, msg: Message, state: RankState) -> None:
+def _status_body(state: RankState) -> dict[str, Any]:
     from jupyter_shard.rank.shard import current, memory_report
 
     helper = current()
-    body = {
-        "req_id": msg.body["req_id"],
+    return {
         "executing": state.executing,
         "cell": state.cell_head,
         "running_for": time.time() - state.started if state.executing else 0.0,
         "memory": memory_report(helper.device if helper else None),
+        "step": helper.global_step if helper else 0,
     }
-    channel.enqueue("status_reply", body, [])
+
+
+def _reply_status(channel: Channel, msg: Message, state: RankState) -> None:
+    channel.enqueue("status_reply", {"req_id": msg.body["req_id"], **_status_body(state)}, [])

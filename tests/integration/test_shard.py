@@ -66,10 +66,10 @@ def test_replicas_stay_identical_after_training(pool: Pool) -> None:
 
 
 def test_metrics_reach_the_kernel(pool: Pool) -> None:
-    records = [r for r in pool.history if "loss" in r["values"]]
+    records = [r for r in pool.history if "loss" in r]
     assert {r["rank"] for r in records} == {0, 1}
     assert len([r for r in records if r["rank"] == 0]) == 8
-    assert all(isinstance(r["values"]["loss"], float) for r in records)
+    assert all(isinstance(r["loss"], float) for r in records)
     steps = [r["step"] for r in records if r["rank"] == 1]
     assert steps == list(range(1, 9))
 

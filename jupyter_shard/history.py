@@ -1,0 +1,241 @@
+"""Every scalar the ranks passed to ``shard.log``, kept in the kernel, plus each rank's memory over time.
+
+Records are stored by column (one ``array('d')`` per rank for steps, times and each metric name), so a
+million logged points cost about 8 bytes per value rather than a dict each. Memory stays bounded: a
+rank past :data:`RECORD_LIMIT` records has its older half thinned to every other record (recent data
+stays at full resolution; :attr:`History.thinned` says it happened). :meth:`History.binned` gives the
+dashboard a few hundred points per series however long the run.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import tempfile
+import threading
+from array import array
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["History"]
+
+RECORD_LIMIT = 2_000_000
+MEMORY_SAMPLES = 20_000
+THROUGHPUT_WINDOW = 5.0
+
+Floats = npt.NDArray[np.float64]
+
+
+class _RankColumns:
+    """One rank's records: steps, wall times and one column per metric (NaN where not logged)."""
+
+    def __init__(self) -> None:
+        self.steps = array("d")
+        self.times = array("d")
+        self.values: dict[str, array[float]] = {}
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def append(self, step: float, ts: float, values: Mapping[str, float]) -> None:
+        n = len(self.steps)
+        for name, value in values.items():
+            column = self.values.get(name)
+            if column is None:
+                column = self.values[name] = array("d", [math.nan]) * n
+            column.append(value)
+        for column in self.values.values():
+            if len(column) == n:
+                column.append(math.nan)
+        self.steps.append(step)
+        self.times.append(ts)
+
+    def thin(self) -> None:
+        """Keep every other record of the older half."""
+        half = len(self.steps) // 2
+        for col in (self.steps, self.times, *self.values.values()):
+            col[:] = col[0:half:2] + col[half:]
+
+
+class History:
+    """Logged metrics (``jupyter_shard.history()``) and memory samples of a pool's ranks.
+
+    Iterating gives records ``{"rank", "step", "time", <metric>: value, ...}`` in arrival order per
+    rank; :meth:`to_csv` writes them; :meth:`series` gives one metric of one rank as numpy arrays.
+    """
+
+    def __init__(self, record_limit: int = RECORD_LIMIT) -> None:
+        self.record_limit = record_limit
+        self.thinned = False
+        self.version = 0  # grows with every change; the dashboard redraws only when it moved
+        self._ranks: dict[int, _RankColumns] = {}
+        self._memory: dict[int, deque[tuple[float, float, float]]] = {}
+        self._lock = threading.Lock()
+
+    # -- writing (the pool's receiving thread) ------------------------------------------------------
+
+    def extend(self, rank: int, records: Iterable[Mapping[str, Any]]) -> None:
+        """Add ``shard.log`` records ``{"step", "ts", "values"}`` of one rank."""
+        with self._lock:
+            columns = self._ranks.setdefault(rank, _RankColumns())
+            for record in records:
+                columns.append(float(record["step"]), float(record["ts"]), record["values"])
+            if len(columns) > self.record_limit:
+                columns.thin()
+                self.thinned = True
+            self.version += 1
+
+    def add_memory(self, rank: int, ts: float, memory: Mapping[str, int]) -> None:
+        """One heartbeat's memory: host RSS and (on GPU) CUDA allocated bytes."""
+        with self._lock:
+            samples = self._memory.setdefault(rank, deque(maxlen=MEMORY_SAMPLES))
+            samples.append((ts, float(memory.get("rss", 0)), float(memory.get("cuda_allocated", math.nan))))
+            self.version += 1
+
+    def clear(self) -> None:
+        with self._lock:
+            self._ranks.clear()
+            self._memory.clear()
+            self.thinned = False
+            self.version += 1
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self._ranks)
+
+    @property
+    def metrics(self) -> list[str]:
+        """Metric names in the order they were first logged."""
+        with self._lock:
+            names: dict[str, None] = {}
+            for columns in self._ranks.values():
+                names.update(dict.fromkeys(columns.values))
+            return list(names)
+
+    def __len__(self) -> int:
+        return sum(len(c) for c in self._ranks.values())
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.records())
+
+    def __repr__(self) -> str:
+        return f"<History: {len(self)} records from {len(self._ranks)} ranks; metrics {self.metrics}>"
+
+    def records(self) -> list[dict[str, Any]]:
+        with self._lock:
+            out: list[dict[str, Any]] = []
+            for rank in sorted(self._ranks):
+                columns = self._ranks[rank]
+                for i in range(len(columns)):
+                    record: dict[str, Any] = {"rank": rank, "step": _int(columns.steps[i])}
+                    record["time"] = columns.times[i]
+                    for name, column in columns.values.items():
+                        if not math.isnan(column[i]):
+                            record[name] = column[i]
+                    out.append(record)
+            return out
+
+    def to_csv(self, path: str | os.PathLike[str]) -> Path:
+        """Write every record (columns rank, step, time and one per metric); written atomically."""
+        target = Path(path)
+        names = self.metrics
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", newline="") as fh:
+                writer = csv.DictWriter(fh, fieldnames=["rank", "step", "time", *names], restval="")
+                writer.writeheader()
+                writer.writerows(self.records())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return target
+
+    def series(self, rank: int, name: str) -> tuple[Floats, Floats]:
+        """``(steps, values)`` of one metric of one rank, without the records that lack it."""
+        with self._lock:
+            columns = self._ranks.get(rank)
+            if columns is None or name not in columns.values:
+                return np.empty(0), np.empty(0)
+            steps = np.array(columns.steps, dtype=np.float64)
+            values = np.array(columns.values[name], dtype=np.float64)
+        keep = np.isfinite(values)
+        return steps[keep], values[keep]
+
+    def count(self, rank: int, name: str) -> int:
+        steps, _ = self.series(rank, name)
+        return len(steps)
+
+    def last(self, rank: int) -> tuple[float, float] | None:
+        """``(step, wall time)`` of the rank's last record."""
+        columns = self._ranks.get(rank)
+        if columns is None or not len(columns):
+            return None
+        return columns.steps[-1], columns.times[-1]
+
+    def throughput(self, rank: int, now: float) -> float | None:
+        """Steps per second over the last few seconds (None before two records)."""
+        with self._lock:
+            columns = self._ranks.get(rank)
+            if columns is None or len(columns) < 2 or now - columns.times[-1] > THROUGHPUT_WINDOW:
+                return None
+            times = np.frombuffer(columns.times, dtype=np.float64)
+            first = int(np.searchsorted(times, columns.times[-1] - THROUGHPUT_WINDOW))
+            first = min(first, len(columns) - 2)
+            span = columns.times[-1] - columns.times[first]
+            return (columns.steps[-1] - columns.steps[first]) / span if span > 0 else None
+
+    def memory(self, rank: int) -> tuple[Floats, Floats, Floats]:
+        """``(wall times, rss bytes, cuda allocated bytes or NaN)`` of the rank's heartbeats."""
+        with self._lock:
+            samples = list(self._memory.get(rank, ()))
+        if not samples:
+            return np.empty(0), np.empty(0), np.empty(0)
+        data = np.array(samples, dtype=np.float64)
+        return data[:, 0], data[:, 1], data[:, 2]
+
+    @property
+    def memory_ranks(self) -> list[int]:
+        return sorted(self._memory)
+
+
+def binned(x: Floats, y: Floats, lo: float, hi: float, bins: int) -> tuple[Floats, Floats]:
+    """At most ``bins`` points: the raw points if few, else the mean of ``x`` and ``y`` per bin of x."""
+    if len(x) <= bins or hi <= lo:
+        return x, y
+    index = np.clip(((x - lo) / (hi - lo) * bins).astype(np.int64), 0, bins - 1)
+    counts = np.bincount(index, minlength=bins)
+    used = counts > 0
+    xs = np.bincount(index, weights=x, minlength=bins)[used] / counts[used]
+    ys = np.bincount(index, weights=y, minlength=bins)[used] / counts[used]
+    return xs, ys
+
+
+def mean_across(
+    series: list[tuple[Floats, Floats]], lo: float, hi: float, bins: int
+) -> tuple[Floats, Floats]:
+    """The mean over ranks against step: exact per step when short, per bin of steps when long."""
+    series = [(x, y) for x, y in series if len(x)]
+    if not series:
+        return np.empty(0), np.empty(0)
+    xs = np.concatenate([x for x, _ in series])
+    ys = np.concatenate([y for _, y in series])
+    if len(np.unique(xs)) <= bins or hi <= lo:
+        steps, index = np.unique(xs, return_inverse=True)
+        return steps, np.bincount(index, weights=ys) / np.bincount(index)
+    per_rank = [binned(x, y, lo, hi, bins) for x, y in series]
+    return binned(
+        np.concatenate([x for x, _ in per_rank]), np.concatenate([y for _, y in per_rank]), lo, hi, bins
+    )
+
+
+def _int(step: float) -> int | float:
+    return int(step) if step.is_integer() else step
