@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
 
     from jupyter_shard.checkpoint import consolidate
+    from jupyter_shard.metrics import History
     from jupyter_shard.pool import Pool
     from jupyter_shard.rank.shard import Shard
     from jupyter_shard.results import DistributedError, PoolError, RunResult
@@ -33,6 +34,7 @@ __all__ = [
     "SpecError",
     "__version__",
     "consolidate",
+    "history",
     "load_ipython_extension",
     "register_strategy",
     "shard",
@@ -65,6 +67,20 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'jupyter_shard' has no attribute {name!r}")
+
+
+def history() -> History:
+    """Every scalar logged with ``shard.log`` by the most recently started pool (also after it stopped).
+
+    Iterate for records ``{"rank", "step", "time", <metric>: value}``, or ``.to_csv(path)``.
+    """
+    from jupyter_shard.pool import latest_pool
+    from jupyter_shard.results import PoolError
+
+    pool = latest_pool()
+    if pool is None:
+        raise PoolError("no pool has run in this process yet; start one with a %%distributed cell")
+    return pool.history
 
 
 def load_ipython_extension(ipython: InteractiveShell) -> None:

@@ -79,7 +79,7 @@ class BackgroundRun:
         return self.result
 
     def finish(self, error: DistributedError | PoolError | None = None) -> None:
-        """Record the end (called once, by the pool) and report it through ``on_done``."""
+        """Record the end (called once, by the pool, inside :attr:`context`) and call ``on_done``."""
         if not self.running:
             return
         self.ended = time.monotonic()
@@ -88,7 +88,7 @@ class BackgroundRun:
         self.error = error
         self._done.set()
         if self.on_done is not None:
-            self.context.run(self.on_done, self)
+            self.on_done(self)
 
     def abandon(self, why: str) -> None:
         """The pool went away under the run: every rank still pending is reported lost."""
@@ -97,4 +97,4 @@ class BackgroundRun:
             if res.status == "pending":
                 res.status, res.evalue, res.failed_at = "dead", f"rank {rank}: {why}", time.monotonic()
                 res.traceback = [f"rank {rank}: {why} while the background cell ran"]
-        self.finish()
+        self.context.run(self.finish)

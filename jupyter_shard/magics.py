@@ -17,10 +17,15 @@ from typing import Any, NoReturn
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.display import DisplayHandle, display
 
+from jupyter_shard.background import BackgroundRun
 from jupyter_shard.pool import Pool
-from jupyter_shard.results import DistributedError, PoolError, RankStatus
+from jupyter_shard.results import DistributedError, PoolError, RankStatus, RunResult
 from jupyter_shard.spec import LaunchSpec, SpecError, parse_ranks
+from jupyter_shard.widgets.dashboard import CellDashboard, Dashboard
+
+INTERRUPT_WAIT = 10.0  # seconds %dist_interrupt and an interrupted %dist_wait wait for a background run
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,6 +55,8 @@ def _distributed_parser() -> _Parser:
     p.add_argument("--config")
     p.add_argument("--accumulate", type=int)
     p.add_argument("--clip-grad-norm", type=float, dest="clip_grad_norm")
+    p.add_argument("--bg", action="store_true", default=None)
+    p.add_argument("--no-dashboard", action="store_true", default=None, dest="no_dashboard")
     return p
 
 
@@ -68,6 +75,9 @@ def _parse(parser: _Parser, line: str) -> argparse.Namespace:
     return namespace
 
 
+_RUN_OPTIONS = ("ranks", "timeout", "bg", "no_dashboard")  # options of the cell, not of the pool
+
+
 class _Value:
     """Shows a rank's last-expression value as the cell's Out[n]."""
 
@@ -83,7 +93,9 @@ class DistributedMagics(Magics):
     def __init__(self, shell: InteractiveShell) -> None:
         super().__init__(shell)
         self.pool: Pool | None = None
+        self.default_line = ""  # options of a bare %%distributed (set from the picker)
         self._parser = _distributed_parser()
+        self._dashboard: tuple[Dashboard, DisplayHandle] | None = None
 
     # -- running cells ---------------------------------------------------------------------------
 
@@ -91,14 +103,20 @@ class DistributedMagics(Magics):
     def distributed(self, line: str, cell: str) -> Any:
         """Run the cell on every rank: %%distributed [--nproc N | --gpus N] [--device auto|cpu|cuda]
         [--strategy none|ddp|fsdp|deepspeed] [--ranks SPEC] [--timeout SECONDS] ..."""
-        opts = _parse(self._parser, line)
+        opts = _parse(self._parser, line or self.default_line)
+        self._report_unseen_background_failure()
         try:
             spec = self._resolve(opts)
             ranks = parse_ranks(opts.ranks, spec.nproc) if opts.ranks else None
         except SpecError as exc:
             raise UsageError(str(exc)) from None
+        if self.pool is not None:
+            self.pool._refuse_while_background("run a cell")
         pool = self._pool_for(spec)
-        return self._run(f"%%distributed {line}".strip(), pool, cell, ranks, opts.timeout)
+        magic = f"%%distributed {line}".strip()
+        if opts.bg:
+            return self._run_background(magic, pool, cell, ranks, opts.timeout, not opts.no_dashboard)
+        return self._run(magic, pool, cell, ranks, opts.timeout, not opts.no_dashboard)
 
     @cell_magic
     def rank(self, line: str, cell: str) -> Any:
@@ -108,27 +126,58 @@ class DistributedMagics(Magics):
             ranks = parse_ranks(line.strip() or "0", pool.world_size)
         except SpecError as exc:
             raise UsageError(str(exc)) from None
-        return self._run(f"%%rank {line}".strip(), pool, cell, ranks, None)
+        return self._run(f"%%rank {line}".strip(), pool, cell, ranks, None, True)
 
     def _run(
-        self, magic: str, pool: Pool, cell: str, ranks: tuple[int, ...] | None, timeout: float | None
+        self,
+        magic: str,
+        pool: Pool,
+        cell: str,
+        ranks: tuple[int, ...] | None,
+        timeout: float | None,
+        dashboard: bool,
     ) -> Any:
+        if dashboard:
+            pool.observers.append(CellDashboard(pool, show_now="shard.log" in cell))
+        result = pool.run(_code(magic, cell), ranks, timeout=timeout, exec_count=self._count())
+        return _value(result)
+
+    def _run_background(
+        self,
+        magic: str,
+        pool: Pool,
+        cell: str,
+        ranks: tuple[int, ...] | None,
+        timeout: float | None,
+        dashboard: bool,
+    ) -> None:
+        if dashboard:
+            pool.observers.append(CellDashboard(pool, show_now=True))
+        pool.run_background(
+            _code(magic, cell), ranks, timeout=timeout, exec_count=self._count(), on_done=_report_background
+        )
+        print(
+            f"jupyter_shard: running in the background on {pool.spec.describe()}; "
+            "%dist_wait waits for it, %dist_interrupt stops it",
+            file=sys.stderr,
+        )
+
+    def _count(self) -> int:
         # IPython counts the running cell before executing it, so the running cell is count - 1.
-        count = max(self.shell.execution_count - 1, 0) if self.shell is not None else 0
-        # The magic line, as a comment, keeps traceback line numbers equal to the notebook's; a body that
-        # starts with a cell magic of its own (%%time) must keep it on its first line.
-        code = cell if cell.startswith("%%") else f"# {magic}\n{cell}"
-        result = pool.run(code, ranks, timeout=timeout, exec_count=count)
-        lowest = min(result.ranks)
-        value = result.ranks[lowest].result
-        if value is None:
-            return None
-        if lowest != 0:
-            value = {**value, "text/plain": f"[rank {lowest}] {value.get('text/plain', '')}"}
-        return _Value(value)
+        return max(self.shell.execution_count - 1, 0) if self.shell is not None else 0
+
+    def _report_unseen_background_failure(self) -> None:
+        run = self.pool.background if self.pool is not None else None
+        if run is not None and not run.running and run.error is not None and not run.reported:
+            run.reported = True
+            print(
+                f"jupyter_shard: {run.describe()} failed: {run.error.args[0]} "
+                "(its traceback is under that cell)",
+                file=sys.stderr,
+            )
 
     def _resolve(self, opts: argparse.Namespace) -> LaunchSpec:
-        given = {k: v for k, v in vars(opts).items() if v is not None and k not in ("ranks", "timeout")}
+        given = {k: v for k, v in vars(opts).items() if v is not None and k not in _RUN_OPTIONS}
         current = self.pool.spec if self.pool is not None else None
         if current is not None and not given:
             return current
@@ -162,6 +211,58 @@ class DistributedMagics(Magics):
             print(f"jupyter_shard: starting {spec.describe()} …", file=sys.stderr, flush=True)
             pool.start()
         return pool
+
+    @line_magic
+    def dist_wait(self, line: str) -> Any:
+        """Wait for the background run to end; show its value, or raise its error: %dist_wait [--timeout S]"""
+        parser = _Parser("dist_wait", "%")
+        parser.add_argument("--timeout", type=float)
+        opts = _parse(parser, line)
+        run = self._require_pool().background
+        if run is None:
+            raise UsageError("no background run to wait for; start one with %%distributed --bg")
+        try:
+            result = run.wait(opts.timeout)
+        except TimeoutError as exc:
+            raise UsageError(
+                f"{exc} after --timeout {opts.timeout:g} s; wait again or %dist_interrupt"
+            ) from None
+        except KeyboardInterrupt:
+            self._require_pool().interrupt()
+            result = run.wait(INTERRUPT_WAIT)
+        return _value(result)
+
+    @line_magic
+    def dist_dashboard(self, line: str) -> None:
+        """Live dashboard of the pool: per-rank status, every shard.log scalar, memory."""
+        pool = self._require_pool()
+        if self._dashboard is not None:
+            old, handle = self._dashboard
+            if old in pool.observers:
+                pool.observers.remove(old)
+            handle.update(old.static_bundle(), raw=True)
+            old.close()
+        dashboard = Dashboard(pool)
+        pool.observers.append(dashboard)
+        handle = display(dashboard, display_id=True)
+        self._dashboard = (dashboard, handle)
+
+    @line_magic
+    def dist_picker(self, line: str) -> Any:
+        """Strategy picker: %dist_picker [MODEL_VARIABLE | PARAMETER_COUNT like 1.3B]"""
+        from jupyter_shard.widgets.picker import picker
+
+        def set_default(options: str) -> None:
+            self.default_line = options.removeprefix("%%distributed").strip()
+            print(
+                f"jupyter_shard: %%distributed without options now means: %%distributed {self.default_line}"
+            )
+
+        ns = self.shell.user_ns if self.shell is not None else {}
+        try:
+            return picker(line.strip(), ns, self.pool, set_default)
+        except SpecError as exc:
+            raise UsageError(str(exc)) from None
 
     def _require_pool(self) -> Pool:
         if self.pool is None or not self.pool.started:
@@ -225,8 +326,17 @@ class DistributedMagics(Magics):
 
     @line_magic
     def dist_interrupt(self, line: str) -> None:
-        """Send KeyboardInterrupt to ranks that are running."""
-        self._require_pool().interrupt()
+        """Send KeyboardInterrupt to ranks that are running (and stop a background run)."""
+        pool = self._require_pool()
+        pool.interrupt()
+        run = pool.background
+        if run is not None and run.running:
+            try:
+                run.wait(INTERRUPT_WAIT)
+            except TimeoutError:
+                print(f"jupyter_shard: {run.describe()} has not stopped yet", file=sys.stderr)
+            except (DistributedError, PoolError):
+                print(f"jupyter_shard: stopped {run.describe()}", file=sys.stderr)
 
     @line_magic
     def dist_restart(self, line: str) -> None:
@@ -243,6 +353,39 @@ class DistributedMagics(Magics):
             self.pool.shutdown()
             self.pool = None
             print("jupyter_shard: pool shut down")
+
+
+def _code(magic: str, cell: str) -> str:
+    # The magic line, as a comment, keeps traceback line numbers equal to the notebook's; a body that
+    # starts with a cell magic of its own (%%time) must keep it on its first line.
+    return cell if cell.startswith("%%") else f"# {magic}\n{cell}"
+
+
+def _value(result: RunResult) -> _Value | None:
+    """The cell's Out[n]: the last expression's value from the lowest rank that ran it."""
+    lowest = min(result.ranks)
+    value = result.ranks[lowest].result
+    if value is None:
+        return None
+    if lowest != 0:
+        value = {**value, "text/plain": f"[rank {lowest}] {value.get('text/plain', '')}"}
+    return _Value(value)
+
+
+def _report_background(run: BackgroundRun) -> None:
+    """Runs in the background cell's context when it ends: its outcome goes under that cell."""
+    shell = InteractiveShell.instance() if InteractiveShell.initialized() else None
+    if run.error is None:
+        print(f"jupyter_shard: the background run finished in {run.elapsed:.1f} s", file=sys.stderr)
+        value = _value(run.result)
+        if value is not None:
+            display(value)
+        return
+    if shell is not None:
+        run.reported = True
+        _show_error(shell, type(run.error), run.error, None)
+    else:
+        print(str(run.error), file=sys.stderr)
 
 
 def _change(old: LaunchSpec, new: LaunchSpec) -> str:

@@ -61,6 +61,14 @@ STUCK_AFTER = 5.0
 _live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
 
 
+_latest: Pool | None = None
+
+
+def latest_pool() -> Pool | None:
+    """The pool started most recently in this process (kept after shutdown for its history)."""
+    return _latest
+
+
 class Observer(Protocol):
     """Something that shows the pool's state (a dashboard): called often, limits its own rate."""
 
@@ -147,6 +155,8 @@ class Pool(Receiver):
             self.sink.log_paths[handle.rank] = str(launch.log_path)
         _lifecycle.record_pool(self._dir, [h.pid for h in handles])
         _live_pools.add(self)
+        global _latest
+        _latest = self
         try:
             self._foreground = True
             self._wait_ready()

@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from jupyter_shard.history import History
+from jupyter_shard.metrics import History
 from jupyter_shard.launchers import RankHandle
 from jupyter_shard.launchers.base import describe_exit
 from jupyter_shard.protocol import Message, ProtocolError, Wire, io_identity, parse_identity, rank_identity

@@ -56,6 +56,7 @@ class Kernel:
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
         self.closed = False
+        self.messages: list[tuple[float, dict[str, Any]]] = []  # every iopub message read, with its time
 
     @property
     def pid(self) -> int:
@@ -68,7 +69,7 @@ class Kernel:
         msg_id = self.kc.execute(code)
         run = CellRun(reply={})
         while True:
-            msg = self.kc.get_iopub_msg(timeout=timeout)
+            msg = self._next(timeout)
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind = msg["msg_type"]
@@ -84,6 +85,31 @@ class Kernel:
             run.reply = self.kc.get_shell_msg(timeout=timeout)
         run.elapsed = time.monotonic() - started
         return run
+
+    def _next(self, timeout: float) -> dict[str, Any]:
+        msg: dict[str, Any] = self.kc.get_iopub_msg(timeout=timeout)
+        self.messages.append((time.monotonic(), msg))
+        return msg
+
+    def drain(self, seconds: float) -> list[dict[str, Any]]:
+        """Read iopub for ``seconds`` (output of background work arrives while the kernel is idle)."""
+        import queue
+
+        deadline, got = time.monotonic() + seconds, []
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                got.append(self._next(left))
+            except queue.Empty:
+                break
+        return got
+
+    def comm_updates(self, since: float = 0.0) -> list[tuple[float, dict[str, Any]]]:
+        """Widget state updates (``comm_msg`` with method ``update``) read since ``since``."""
+        return [
+            (t, m)
+            for t, m in self.messages
+            if t >= since and m["msg_type"] == "comm_msg" and m["content"]["data"].get("method") == "update"
+        ]
 
     def shutdown(self) -> None:
         """Ask the kernel to shut down as Jupyter does; kill it if it does not. Idempotent."""
