@@ -86,7 +86,7 @@ class History:
             columns = self._ranks.setdefault(rank, _RankColumns())
             for record in records:
                 columns.append(float(record["step"]), float(record["ts"]), record["values"])
-            if len(columns) > self.record_limit:
+            while len(columns) > self.record_limit:
                 columns.thin()
                 self.thinned = True
             self.version += 1
@@ -226,9 +226,9 @@ def mean_across(
     series = [(x, y) for x, y in series if len(x)]
     if not series:
         return np.empty(0), np.empty(0)
-    xs = np.concatenate([x for x, _ in series])
-    ys = np.concatenate([y for _, y in series])
-    if len(np.unique(xs)) <= bins or hi <= lo:
+    if max(len(x) for x, _ in series) <= bins or hi <= lo:
+        xs = np.concatenate([x for x, _ in series])
+        ys = np.concatenate([y for _, y in series])
         steps, index = np.unique(xs, return_inverse=True)
         return steps, np.bincount(index, weights=ys) / np.bincount(index)
     per_rank = [binned(x, y, lo, hi, bins) for x, y in series]

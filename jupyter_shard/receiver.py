@@ -19,9 +19,9 @@ from typing import Any
 
 import zmq
 
-from jupyter_shard.metrics import History
 from jupyter_shard.launchers import RankHandle
 from jupyter_shard.launchers.base import describe_exit
+from jupyter_shard.metrics import History
 from jupyter_shard.protocol import Message, ProtocolError, Wire, io_identity, parse_identity, rank_identity
 from jupyter_shard.results import PoolError, RankState, RunResult
 from jupyter_shard.widgets.rank_output import RankSink, visible_text

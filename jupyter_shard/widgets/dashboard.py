@@ -1,8 +1,9 @@
 """The live dashboard: per-rank status, every ``shard.log`` scalar by rank and their mean, memory.
 
-One ``ipywidgets.HTML`` carries the whole view, so a redraw is one comm message however many ranks
-and charts; redraws are coalesced to at most :data:`MIN_INTERVAL` apart (and happen only when
-something changed). The pool calls :meth:`Dashboard.refresh` from whichever thread is receiving:
+One ``ipywidgets.HTML`` carries the whole view, so a redraw is one comm message however many
+ranks and charts; redraws are coalesced to at most :data:`MIN_INTERVAL` apart, happen only when
+something changed, and space out further when drawing is slow (long series), so the kernel stays
+responsive. The pool calls :meth:`Dashboard.refresh` from whichever thread is receiving:
 the cell's own thread in the foreground, the watcher thread for background runs and between cells.
 
 :class:`CellDashboard` is the compact one a ``%%distributed`` cell shows when it logs: once the
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from jupyter_shard.pool import Pool
 
 MIN_INTERVAL = 0.2  # seconds between redraws of one dashboard: at most 5 a second
+RENDER_SHARE = 0.1  # and longer apart when drawing is slow, so drawing takes at most 10% of the kernel
 IDLE_INTERVAL = 1.0  # heartbeat ages change even when no metric does
 BINS = 300  # points drawn per series, however long it is
 COMPACT_METRICS = 2
@@ -157,16 +159,18 @@ class Dashboard(ipywidgets.VBox):  # type: ignore[misc]
         self._pool = pool
         self._drawn_at = time.monotonic()
         self._drawn_version = pool.history.version
+        self._interval = MIN_INTERVAL
 
     def refresh(self, pool: Pool, final: bool = False) -> None:
         now = time.monotonic()
-        if not final and now - self._drawn_at < MIN_INTERVAL:
+        if not final and now - self._drawn_at < self._interval:
             return
         changed = pool.history.version != self._drawn_version
         if not (final or changed or now - self._drawn_at >= IDLE_INTERVAL):
             return
         self._drawn_at, self._drawn_version = now, pool.history.version
         markup = render(pool, compact=self.compact)
+        self._interval = max(MIN_INTERVAL, (time.monotonic() - now) / RENDER_SHARE)
         if markup != self._view.value:
             self._view.value = markup
             self.redraws += 1

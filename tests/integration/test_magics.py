@@ -150,10 +150,11 @@ def test_images_from_ranks_keep_png_and_a_text_fallback(nb: Any) -> None:
     assert shown["text/plain"].startswith("[rank 0] <Figure")
 
 
-def test_progress_bar_is_one_live_line_per_rank(nb: Any) -> None:
+@pytest.mark.parametrize("module", ["tqdm", "tqdm.auto"])
+def test_progress_bar_is_one_live_line_per_rank(nb: Any, module: str) -> None:
     run = nb.execute(
         "%%distributed\n"
-        "from tqdm import tqdm\nimport time\n"
+        f"from {module} import tqdm\nimport time\n"
         "for _ in tqdm(range(40), mininterval=0): time.sleep(0.01)\n"
     )
     assert run.ok, run.outputs

@@ -1,0 +1,118 @@
+"""Background runs and the live per-rank view through the Python API, with real ranks.
+
+``Pool.run_background`` returns at once; the pool's watcher thread follows the run, notices deaths
+and escalates an interrupt. ``Pool.activity`` is what the dashboard shows: it must name dead and
+stuck ranks from heartbeats alone.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from jupyter_shard import DistributedError, Pool, PoolError
+from jupyter_shard.background import BackgroundRun
+from jupyter_shard.widgets.rank_output import ConsoleSink
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    with Pool(
+        nproc=2, device="cpu", log_dir=tmp_path_factory.mktemp("logs"), sink=ConsoleSink(io.StringIO())
+    ) as p:
+        yield p
+
+
+def test_background_run_returns_at_once_and_wait_gives_the_value(pool: Pool) -> None:
+    ended: list[BackgroundRun] = []
+    started = time.monotonic()
+    run = pool.run_background(
+        "import time\nfor i in range(20):\n    shard.log(loss=1.0 / (i + 1))\n    time.sleep(0.05)\n'done'",
+        on_done=ended.append,
+    )
+    assert time.monotonic() - started < 0.5
+    assert run.running
+    with pytest.raises(PoolError, match=r"cannot run a cell: the background run of cell \[0\].*%dist_wait"):
+        pool.run("1")
+    with pytest.raises(PoolError, match="cannot push values"):
+        pool.push(x=1)
+    status = pool.status()  # status works while the ranks are busy
+    assert [row.state.value for row in status] == ["running", "running"]
+    result = run.wait(30)
+    assert result.value == {"text/plain": "'done'"}
+    assert ended == [run] and run.error is None
+    assert len([r for r in pool.history if r["rank"] == 0]) == 20
+    assert pool.run("2").value == {"text/plain": "2"}  # the pool is free again
+
+
+def test_background_error_is_kept_and_raised_by_wait(pool: Pool) -> None:
+    run = pool.run_background("if shard.rank == 1:\n    raise ValueError('bad batch')\n")
+    with pytest.raises(DistributedError, match="rank 1 failed first: ValueError: bad batch"):
+        run.wait(30)
+    assert run.error is not None and run.reported
+
+
+def test_interrupt_stops_a_background_run_within_the_grace_period(pool: Pool) -> None:
+    run = pool.run_background("import time\nwhile True:\n    time.sleep(0.05)\n")
+    time.sleep(0.5)
+    asked = time.monotonic()
+    pool.interrupt()
+    with pytest.raises(DistributedError, match="interrupted: KeyboardInterrupt on rank 0-1"):
+        run.wait(10)
+    assert time.monotonic() - asked < 3.0
+    assert pool.run("'alive'").value == {"text/plain": "'alive'"}
+
+
+def test_shutdown_during_a_background_run_reports_it_lost(pool: Pool) -> None:
+    run = pool.run_background("import time\ntime.sleep(60)\n")
+    time.sleep(0.3)
+    pool.shutdown()
+    with pytest.raises(DistributedError, match="the pool was shut down"):
+        run.wait(5)
+
+
+def test_activity_names_a_rank_that_died_between_cells(pool: Pool) -> None:
+    victim = pool.status()[1].pid
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 3.0
+    rows = pool.activity()
+    while not rows[1].problem and time.monotonic() < deadline:
+        time.sleep(0.05)
+        rows = pool.activity()
+    assert rows[1].problem.startswith("dead: was killed by SIGKILL"), rows[1]
+    assert rows[0].problem == ""
+
+
+def test_activity_calls_a_rank_stuck_when_its_heartbeat_stops(pool: Pool) -> None:
+    # ctypes.PyDLL keeps the GIL during the call: the rank's I/O thread cannot send heartbeats.
+    run = pool.run_background("import ctypes\nif shard.rank == 0:\n    ctypes.PyDLL(None).sleep(8)\n")
+    deadline = time.monotonic() + 12.0
+    rows = pool.activity()
+    while not rows[0].problem and time.monotonic() < deadline:
+        time.sleep(0.2)
+        rows = pool.activity()
+    assert rows[0].problem.startswith("stuck: no heartbeat for"), rows[0]
+    assert rows[1].problem == "" and rows[1].heartbeat_age is not None and rows[1].heartbeat_age < 2.5
+    run.wait(15)
+    assert pool.activity()[0].problem == ""
+
+
+def test_heartbeats_bring_memory_and_step(pool: Pool) -> None:
+    pool.run(
+        "import torch\nm = torch.nn.Linear(4, 1)\n"
+        "model, opt = shard.prepare(m, torch.optim.SGD(m.parameters(), 0.1))\n"
+        "for _ in range(3):\n    shard.backward(model(torch.ones(2, 4)).sum()); shard.step()\n"
+    )
+    time.sleep(1.5)
+    rows = pool.activity()
+    assert all(row.memory["rss"] > 50 * 2**20 for row in rows)
+    assert all(row.step == 3 for row in rows), rows
+    times, rss, _ = pool.history.memory(0)
+    assert len(times) >= 1 and rss[-1] > 0

@@ -1,0 +1,101 @@
+"""The kernel's metrics store: records by column, bounded memory, binning for display."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jupyter_shard.metrics import History, binned, mean_across
+
+
+def _log(h: History, rank: int, n: int, start: int = 1, **extra: float) -> None:
+    h.extend(
+        rank,
+        [
+            {"step": s, "ts": 1000.0 + s, "values": {"loss": 1.0 / s, **extra}}
+            for s in range(start, start + n)
+        ],
+    )
+
+
+def test_records_come_back_per_rank_with_only_the_metrics_logged() -> None:
+    h = History()
+    h.extend(
+        0, [{"step": 1, "ts": 10.0, "values": {"loss": 0.5}}, {"step": 2, "ts": 11.0, "values": {"acc": 0.9}}]
+    )
+    h.extend(1, [{"step": 1, "ts": 10.5, "values": {"loss": 0.25, "acc": 0.8}}])
+    assert h.records() == [
+        {"rank": 0, "step": 1, "time": 10.0, "loss": 0.5},
+        {"rank": 0, "step": 2, "time": 11.0, "acc": 0.9},
+        {"rank": 1, "step": 1, "time": 10.5, "loss": 0.25, "acc": 0.8},
+    ]
+    assert h.metrics == ["loss", "acc"] and len(h) == 3
+    steps, values = h.series(0, "acc")
+    assert steps.tolist() == [2.0] and values.tolist() == [0.9]
+    assert h.series(5, "loss")[0].size == 0
+
+
+def test_to_csv_writes_every_record_atomically(tmp_path: Path) -> None:
+    h = History()
+    _log(h, 0, 3)
+    _log(h, 1, 2, lr=0.1)
+    path = h.to_csv(tmp_path / "m.csv")
+    with path.open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 5 and rows[0].keys() == {"rank", "step", "time", "loss", "lr"}
+    assert rows[0]["lr"] == "" and rows[3]["lr"] == "0.1"
+    assert [p.name for p in tmp_path.iterdir()] == ["m.csv"]
+
+
+def test_memory_stays_bounded_by_thinning_the_older_half() -> None:
+    h = History(record_limit=1000)
+    for start in range(1, 5001, 50):  # batches as the ranks send them
+        _log(h, 0, 50, start=start)
+    assert len(h) <= 1000 and h.thinned
+    steps, _ = h.series(0, "loss")
+    assert steps[-1] == 5000 and steps[0] == 1
+    assert np.all(np.diff(steps) > 0)
+    recent = steps[-300:]
+    assert np.all(np.diff(recent) == 1), "recent records must stay at full resolution"
+
+
+def test_throughput_is_steps_per_second_over_the_last_seconds() -> None:
+    h = History()
+    h.extend(0, [{"step": s, "ts": 100.0 + s * 0.1, "values": {"loss": 1.0}} for s in range(100)])
+    rate = h.throughput(0, now=100.0 + 99 * 0.1)
+    assert rate == pytest.approx(10.0)
+    assert h.throughput(0, now=200.0) is None  # nothing logged lately
+
+
+def test_binned_keeps_short_series_and_means_long_ones() -> None:
+    x = np.arange(10, dtype=float)
+    assert binned(x, x, 0, 9, 300)[0] is x
+    x = np.arange(100_000, dtype=float)
+    bx, by = binned(x, 2 * x, 0, 99_999, 300)
+    assert len(bx) <= 300 and np.allclose(by, 2 * bx)
+
+
+def test_mean_across_ranks_is_exact_per_step_when_short() -> None:
+    a = (np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0, 3.0]))
+    b = (np.array([1.0, 2.0]), np.array([3.0, 4.0]))
+    steps, mean = mean_across([a, b], 1, 3, 300)
+    assert steps.tolist() == [1.0, 2.0, 3.0] and mean.tolist() == [2.0, 3.0, 3.0]
+
+
+def test_mean_across_long_series_weights_each_rank_equally() -> None:
+    x = np.arange(50_000, dtype=float)
+    steps, mean = mean_across([(x, np.zeros_like(x)), (x[::5], np.full(10_000, 4.0))], 0, 49_999, 200)
+    assert len(steps) <= 200 and np.allclose(mean, 2.0)
+
+
+def test_memory_samples_keep_cuda_as_nan_on_cpu() -> None:
+    h = History()
+    h.add_memory(0, 5.0, {"rss": 100})
+    h.add_memory(0, 6.0, {"rss": 200, "cuda_allocated": 50})
+    t, rss, cuda = h.memory(0)
+    assert t.tolist() == [5.0, 6.0] and rss.tolist() == [100.0, 200.0]
+    assert math.isnan(cuda[0]) and cuda[1] == 50.0
