@@ -192,14 +192,19 @@ class CellDashboard:
 
     def __init__(self, pool: Pool, *, show_now: bool = False) -> None:
         self._pool = pool
-        self._baseline = -1 if show_now else len(pool.history)
+        self._baseline = len(pool.history)
         self.dashboard: Dashboard | None = None
         self._handle: DisplayHandle | None = None
+        if show_now:
+            self._show()
+
+    def _show(self) -> None:
+        self.dashboard = Dashboard(self._pool, compact=True)
+        self._handle = display(self.dashboard, display_id=True)
 
     def refresh(self, pool: Pool, final: bool) -> None:
         if self.dashboard is None and len(pool.history) > self._baseline:
-            self.dashboard = Dashboard(pool, compact=True)
-            self._handle = display(self.dashboard, display_id=True)
+            self._show()
         if self.dashboard is not None:
             self.dashboard.refresh(pool, final)
         if final:

@@ -1,0 +1,111 @@
+"""How much memory is free for each rank, found without importing CUDA in the notebook kernel.
+
+Why it exists: the picker compares each strategy's per-rank memory with what is free, but the kernel
+must never create a CUDA context (it would hold GPU memory and break forked tools). Sources, in order:
+a running pool's ranks report ``cuda_free``/``cuda_total``; else ``nvidia-smi`` runs as a separate
+process; host RAM (CPU ranks, CPU offload) comes from ``psutil``. Every source can be replaced in tests.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import psutil
+
+from jupyter_shard.spec import Device
+
+if TYPE_CHECKING:
+    from jupyter_shard.results import RankStatus
+
+
+class StatusSource(Protocol):
+    def status(self) -> Sequence[RankStatus]: ...
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """Free memory as seen now: (free, total) bytes per GPU in rank order, and available host RAM."""
+
+    gpus: tuple[tuple[int, int], ...] = ()
+    host_available: int | None = None
+    gpu_source: str = ""  # "the running pool" or "nvidia-smi"
+
+    def free_for(self, device: Device, nproc: int) -> FreeMemory | None:
+        """What each of ``nproc`` ranks on ``device`` may use; None when it is unknown."""
+        if device is Device.CUDA:
+            if not self.gpus:
+                return None
+            free = min(f for f, _ in (self.gpus[:nproc] or self.gpus))
+            return FreeMemory(device, free, self.host_available, self.gpu_source)
+        if self.host_available is None:
+            return None  # CPU ranks all share the host's RAM
+        return FreeMemory(device, self.host_available // nproc, self.host_available, "psutil")
+
+
+@dataclass(frozen=True)
+class FreeMemory:
+    device: Device
+    per_rank: int  # bytes on each rank's device (CPU ranks: available host RAM / ranks)
+    host: int | None  # host RAM available to all ranks together (for CPU offload)
+    source: str
+
+
+def parse_nvidia_smi(text: str, visible: str | None = None) -> tuple[tuple[int, int], ...]:
+    """``memory.free, memory.total`` lines in MiB -> (free, total) bytes; ``visible`` is
+    CUDA_VISIBLE_DEVICES (indices keep those GPUs in that order; UUIDs keep all)."""
+    gpus: list[tuple[int, int]] = []
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 2 and all(f.isdigit() for f in fields):
+            gpus.append((int(fields[0]) << 20, int(fields[1]) << 20))
+    indices = [e.strip() for e in (visible or "").split(",") if e.strip()]
+    if visible is not None and all(i.isdigit() for i in indices):
+        return tuple(gpus[int(i)] for i in indices if int(i) < len(gpus))
+    return tuple(gpus)
+
+
+def run_nvidia_smi(timeout: float = 5.0) -> str | None:
+    """nvidia-smi's free/total memory query (a separate process: the kernel never imports CUDA)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    query = ["--query-gpu=memory.free,memory.total", "--format=csv,noheader,nounits"]
+    try:
+        done = subprocess.run([exe, *query], capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def host_available() -> int | None:
+    try:
+        return int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError):
+        return None
+
+
+def probe_memory(
+    pool: StatusSource | None = None,
+    smi: Callable[[], str | None] = run_nvidia_smi,
+    host: Callable[[], int | None] = host_available,
+) -> MemorySnapshot:
+    """GPU memory from a running pool's ranks, else from nvidia-smi; host RAM from psutil."""
+    gpus: tuple[tuple[int, int], ...] = ()
+    source = ""
+    if pool is not None:
+        try:
+            rows = sorted(pool.status(), key=lambda r: r.rank)
+        except Exception:  # a dead or stopping pool: fall back to the other sources
+            rows = []
+        gpus = tuple((r.memory["cuda_free"], r.memory["cuda_total"]) for r in rows if "cuda_free" in r.memory)
+        source = "the running pool" if gpus else ""
+    if not gpus:
+        text = smi()
+        gpus = parse_nvidia_smi(text, os.environ.get("CUDA_VISIBLE_DEVICES")) if text else ()
+        source = "nvidia-smi" if gpus else ""
+    return MemorySnapshot(gpus, host(), source)

@@ -1,0 +1,241 @@
+"""jupyter_shard.widgets.picker: the %dist_picker form follows its fields and its buttons do what they say."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch import nn
+
+from jupyter_shard.estimate import CAVEAT, plans
+from jupyter_shard.free_memory import MemorySnapshot
+from jupyter_shard.results import RankState, RankStatus
+from jupyter_shard.spec import LaunchSpec, SpecError
+from jupyter_shard.widgets.picker import Picker, picker
+from jupyter_shard.widgets.picker_choice import ModelInfo
+
+GIB = 2**30
+FOUR_GPUS = MemorySnapshot(((70 * GIB, 80 * GIB),) * 4, 200 * GIB, "nvidia-smi")
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+
+
+def make(
+    parameters: int | None = 124_000_000,
+    memory: MemorySnapshot = FOUR_GPUS,
+    gpu_count: int = 4,
+    deepspeed: bool = True,
+    defaults: list[str] | None = None,
+    **model: Any,
+) -> Picker:
+    sink = defaults if defaults is not None else []
+    info = ModelInfo(parameters, **model)
+    return Picker(info, sink.append, memory=memory, gpu_count=gpu_count, deepspeed=deepspeed)
+
+
+def test_it_opens_on_the_recommendation() -> None:
+    p = make()
+    assert p.line == "%%distributed --strategy ddp --gpus 4 --precision bf16-mixed"
+    assert p.recommendation == (
+        f"DDP: 124M parameters need 1.8 GiB per rank and fit in 70.0 GiB free; fastest. {CAVEAT}"
+    )
+    assert [e.plan for e in p.estimates] == plans()
+    assert p.current is not None and p.current.device_bytes == 16 * 124_000_000
+    assert p.text.value == p.line
+    assert "Free: 70.0 GiB per GPU, from nvidia-smi" in p.outputs["advice"].value
+
+
+def test_a_bigger_model_moves_the_form_to_the_new_recommendation() -> None:
+    p = make()
+    p.fields["count"].value = "10B"  # of 56 GiB usable: DDP needs 149 GiB, ZeRO-1 65.2 GiB, ZeRO-2 51.2 GiB
+    assert p.line == "%%distributed --strategy deepspeed --zero-stage 2 --gpus 4 --precision bf16-mixed"
+    assert p.recommendation.startswith(
+        "ZeRO-2: 10B parameters need 51.2 GiB per rank and fit in 70.0 GiB free"
+    )
+    p.fields["count"].value = "13B"  # ZeRO-2 needs 66.6 GiB
+    assert p.line == "%%distributed --strategy fsdp --gpus 4 --precision bf16-mixed"
+    p.fields["count"].value = "70B"
+    assert p.line.startswith("%%distributed --strategy deepspeed --zero-stage 3 --gpus 4")
+    assert p.line.endswith("--offload nvme")
+    assert p.config == {"nvme_path": "/local_nvme"}
+    assert any("press “Write ds_config.json”" in n for n in p.notes)
+
+
+def test_without_deepspeed_only_ddp_and_fsdp_are_recommended() -> None:
+    p = make(parameters=10_000_000_000, deepspeed=False)
+    assert p.line == "%%distributed --strategy fsdp --gpus 4 --precision bf16-mixed"
+    assert p.config == {"sharding": "SHARD_GRAD_OP"}
+    assert p.advice is not None and p.advice.choice is not None
+    assert p.advice.choice.plan.label == "FSDP SHARD_GRAD_OP"
+    assert "deepspeed is not installed" in p.recommendation
+
+
+def test_fields_update_the_line_and_the_table() -> None:
+    p = make()
+    table = p.outputs["table"].value
+    p.fields["strategy"].value = "deepspeed"
+    p.fields["zero_stage"].value = 3
+    assert p.line == "%%distributed --strategy deepspeed --zero-stage 3 --gpus 4 --precision bf16-mixed"
+    assert "<td>▶</td><td>ZeRO-3</td>" in p.outputs["table"].value
+    assert "<td>★</td><td>DDP</td>" in p.outputs["table"].value
+    p.fields["nproc"].value = 2
+    p.fields["precision"].value = "32"
+    assert p.line == "%%distributed --strategy deepspeed --zero-stage 3 --gpus 2"  # chosen by hand: kept
+    assert p.current is not None and p.current.device_bytes == 16 * 124_000_000 // 2
+    assert p.outputs["table"].value != table
+    p.fields["device"].value = "cpu"
+    assert p.line == "%%distributed --strategy deepspeed --zero-stage 3 --nproc 2 --device cpu"
+    p.fields["offload"].value = "cpu"
+    assert p.line.endswith("--offload cpu")
+
+
+def test_zero_stage_and_sharding_are_only_for_their_strategy() -> None:
+    p = make()
+    assert p.fields["zero_stage"].disabled and p.fields["sharding"].disabled
+    p.fields["zero_stage"].value = 2
+    assert "ZeRO stage 2 applies only to --strategy deepspeed; ignored for ddp." in p.notes
+    assert "--zero-stage" not in p.line
+    assert "ZeRO stage 2 applies only" in p.outputs["notes"].value
+    p.fields["strategy"].value = "fsdp"
+    assert p.fields["zero_stage"].disabled and not p.fields["sharding"].disabled
+
+
+def test_gpus_without_gpus_become_cpu_ranks() -> None:
+    p = make(memory=MemorySnapshot((), 24 * GIB), gpu_count=0)
+    assert p.line == "%%distributed --strategy ddp --nproc 2 --device cpu"
+    p.fields["device"].value = "cuda"
+    assert p.line == "%%distributed --strategy ddp --nproc 2 --device cpu"
+    assert "No CUDA device is visible here" in p.notes[0]
+    assert "host RAM per rank" in p.outputs["advice"].value
+
+
+def test_use_recommended_resets_a_hand_made_choice() -> None:
+    p = make()
+    p.fields["strategy"].value = "fsdp"
+    p.fields["count"].value = "125M"  # chosen by hand: the form stays on fsdp
+    assert "--strategy fsdp" in p.line
+    p.buttons["recommended"].click()
+    assert p.line == "%%distributed --strategy ddp --gpus 4 --precision bf16-mixed"
+    p.fields["count"].value = "10B"  # following again
+    assert "--zero-stage 2" in p.line
+
+
+def test_nvme_path_must_be_a_directory(tmp_path: Path) -> None:
+    p = make()
+    p.fields["strategy"].value = "deepspeed"
+    p.fields["zero_stage"].value = 3
+    p.fields["offload"].value = "nvme"
+    assert any(n.startswith("NVMe path /local_nvme is not a directory here") for n in p.notes)
+    p.fields["nvme_path"].value = str(tmp_path)
+    assert not any("is not a directory" in n for n in p.notes)
+    assert p.config == {"nvme_path": str(tmp_path)}
+
+
+def test_a_failing_default_is_shown_in_the_form() -> None:
+    def refuse(line: str) -> None:
+        raise ValueError("--gpus 4 asked for, but 0 CUDA device(s) are visible")
+
+    p = Picker(ModelInfo(1000), refuse, memory=FOUR_GPUS, gpu_count=4, deepspeed=True)
+    p.use_as_default()
+    assert "Could not set the default: --gpus 4 asked for" in p.outputs["done"].value
+
+
+def test_use_as_default_calls_back_with_the_line() -> None:
+    calls: list[str] = []
+    p = make(defaults=calls)
+    p.buttons["default"].click()
+    assert calls == [p.line]
+    assert "Default set" in p.outputs["done"].value
+
+
+def test_insert_sends_the_line_to_the_frontend(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = make()
+    sent: list[dict[str, Any]] = []
+    monkeypatch.setattr(p, "send", lambda content, buffers=None: sent.append(content))
+    p.buttons["insert"].click()
+    assert sent == [{"event": "insert-cell", "code": p.line}]
+
+
+def test_the_textarea_is_read_only() -> None:
+    p = make()
+    p.text.value = "%%distributed --strategy nonsense"
+    assert p.text.value == p.line
+
+
+def test_the_copy_button_carries_the_line() -> None:
+    p = make()
+    assert f"navigator.clipboard.writeText({json.dumps(p.line)})" in html.unescape(p.outputs["copy"].value)
+
+
+def test_write_config_then_the_line_carries_it(tmp_path: Path) -> None:
+    p = make(classes=frozenset({"Block", "Net"}), blocks=("Block",))
+    p.fields["strategy"].value = "fsdp"
+    p.fields["sharding"].value = "SHARD_GRAD_OP"
+    p.fields["checkpoint"].value = "Block"
+    assert p.buttons["write"].description == "Write fsdp_options.json"
+    assert "--config" not in p.line
+    assert '"sharding": "SHARD_GRAD_OP"' in html.unescape(p.outputs["config"].value)
+    p.buttons["write"].click()
+    written = json.loads((tmp_path / "fsdp_options.json").read_text())
+    assert written == p.config == {"sharding": "SHARD_GRAD_OP", "activation_checkpointing": ["Block"]}
+    assert p.line.endswith("--config fsdp_options.json")
+    assert LaunchSpec.create(strategy="fsdp", gpus=4, config="fsdp_options.json", gpu_count=4).config
+    p.fields["nproc"].value = 2  # the config is unchanged: still carried
+    assert p.line.endswith("--config fsdp_options.json")
+    p.fields["sharding"].value = "NO_SHARD"  # changed: the file is stale until written again
+    assert "--config" not in p.line
+    p.fields["config_name"].value = "mine.json"
+    p.buttons["write"].click()
+    assert p.line.endswith("--config mine.json")
+    assert json.loads((tmp_path / "mine.json").read_text())["sharding"] == "NO_SHARD"
+
+
+def test_a_bad_config_name_falls_back() -> None:
+    p = make()
+    p.fields["strategy"].value = "fsdp"
+    p.fields["sharding"].value = "NO_SHARD"
+    p.fields["config_name"].value = "../evil"
+    assert p.config_file == "fsdp_options.json"
+    assert any("is not a plain file name" in n for n in p.notes)
+
+
+def test_no_count_yet_then_typed() -> None:
+    p = make(parameters=None)
+    assert p.estimates == [] and p.current is None
+    assert p.recommendation.startswith("Type the parameter count")
+    p.fields["count"].value = "1.3b"
+    assert len(p.estimates) == len(plans())
+    p.fields["count"].value = "lots"
+    assert p.estimates == []
+    assert "Parameter count 'lots' is not valid; write it like 124M, 1.3B, 7e9 or 350000000." in p.notes
+
+
+class FakePool:
+    spec = LaunchSpec(nproc=2)
+
+    def status(self) -> list[RankStatus]:
+        memory = {"rss": 1, "cuda_free": 10 * GIB, "cuda_total": 80 * GIB}
+        return [RankStatus(k, k, "h", f"cuda:{k}", RankState.IDLE, memory, "", "") for k in range(2)]
+
+
+def test_picker_reads_the_model_and_the_pool() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(10, 10)
+
+    p = picker("net", {"net": Net()}, FakePool(), lambda line: None)  # type: ignore[arg-type]
+    assert p.model.parameters == 110
+    assert p.memory.gpu_source == "the running pool"
+    assert p.fields["nproc"].value == 2 and p.fields["device"].value == "cpu"
+
+
+def test_picker_bad_argument_is_a_spec_error() -> None:
+    with pytest.raises(SpecError, match=r"^%dist_picker: no variable 'model' in the notebook; pass a model"):
+        picker("model", {}, None, lambda line: None)
