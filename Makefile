@@ -10,7 +10,7 @@ TORCH  := torch==2.13.0
 QUICKSTART := notebooks/00_quickstart.ipynb
 LINT_PATHS := jupyter_shard tests benchmarks notebooks/run_headless.py
 # Collected after tests/unit; each must exist and hold tests, so none is skipped silently.
-SUITES := tests/integration tests/faults tests/notebooks tests/gpu
+SUITES := tests/integration tests/faults tests/notebooks tests/gpu tests/ui
 PIP_FLAGS := $(if $(CI),--progress-bar off,)
 # JupyterLab refuses to run as root (containers, CI) without this flag.
 LAB_FLAGS := $(if $(filter 0,$(shell id -u)),--allow-root,)
@@ -44,9 +44,9 @@ LINT_SH = status=0; \
 lint: setup
 	@$(LINT_SH); exit $$status
 
-# lint, then tests/unit (fast), then the real-process suites and the notebooks (nbval compares the
-# stored outputs). Every stage runs; the target fails if any stage failed. pytest's exit code 5
-# (no tests collected) counts as a failure.
+# lint, then tests/unit (fast), then the real-process suites, the browser tests and the notebooks
+# (nbval compares the stored outputs). Every stage runs; the target fails if any stage failed.
+# pytest's exit code 5 (no tests collected) counts as a failure.
 test: setup
 	@failed=""; \
 	run_pytest() { \
@@ -63,6 +63,6 @@ test: setup
 		fi; \
 	done; \
 	run_pytest integration+faults+notebooks $(foreach s,$(SUITES),$(wildcard $(s))) notebooks \
-		--nbval --nbval-current-env; \
+		--nbval --nbval-current-env --nbval-sanitize-with tests/notebooks/nbval_sanitize.cfg; \
 	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed"; exit 1; fi; \
 	echo "make test: all stages passed"

@@ -1,0 +1,1 @@
+"""Browser tests against a real JupyterLab (see conftest.py)."""
