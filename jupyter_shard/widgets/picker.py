@@ -187,6 +187,9 @@ class Picker(widgets.VBox):  # type: ignore[misc]
     def _parameters(self, text: str, notes: list[str]) -> int | None:
         if not text.strip():
             return None
+        exact = self.model.parameters
+        if exact and text.strip() == est.format_count(exact):
+            return exact  # the field shows a model's count rounded; estimate with the exact one
         try:
             return est.parse_count(text)
         except SpecError as exc:

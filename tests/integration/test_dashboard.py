@@ -163,3 +163,24 @@ def test_history_is_kept_in_the_kernel_and_written_as_csv(nb: Any, tmp_path: Pat
     assert rows[0].keys() == {"rank", "step", "time", "loss", "lr"}
     assert {r["rank"] for r in rows} == {"0", "1"}
     assert all(float(r["lr"]) == 0.1 for r in rows)
+
+
+def test_picker_counts_a_kernel_model_and_its_line_becomes_the_default(nb: Any) -> None:
+    run = nb.execute("import torch\nmodel = torch.nn.Linear(1000, 1000)\n%dist_picker model")
+    assert run.ok, run.outputs
+    (bundle,) = run.data("execute_result")
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    check = nb.execute(
+        "p = _\n"
+        "psi, n = 1000 * 1000 + 1000, 2\n"
+        "by = {e.plan.label: e.device_bytes for e in p.estimates}\n"
+        "# fp32 Adam on CPU ranks: params 4, grads 4, optimizer 8 bytes per parameter\n"
+        "print(by['DDP'] == 16 * psi, by['ZeRO-2'] == 4 * psi + 12 * psi // n, p.line)"
+    )
+    assert check.ok, check.outputs
+    assert check.stream() == "True True %%distributed --strategy ddp --nproc 2 --device cpu\n"
+    nb.execute("p.use_as_default()")
+    used = nb.execute("%%distributed\nshard.strategy, shard.world_size")
+    assert used.data("execute_result") == [{"text/plain": "('ddp', 2)"}]
+    bad = nb.execute("%dist_picker nonsense")
+    assert "no variable 'nonsense' in the notebook" in bad.stream("stderr")

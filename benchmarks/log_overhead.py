@@ -1,0 +1,170 @@
+"""What ``shard.log`` every step costs, and how many dashboard messages reach the notebook, in one run.
+
+A real kernel (jupyter_client) with ``%load_ext jupyter_shard`` runs a 2-rank CPU pool. Each rank
+times a loop of small steps (a matmul sized so that one step takes about 100 µs, i.e. 10k steps per
+second) in two variants, alternated ``--repeats`` times so drift hits both alike:
+
+* **no logging**: the loop alone;
+* **logging**: the same loop calling ``shard.log(loss=t)`` with a 0-dim tensor every step, while the
+  kernel receives the records and the cell's dashboard redraws.
+
+Reported: median time per step of each variant (per rank, then the median over ranks and repeats),
+their ratio, and the dashboard's widget updates on iopub during the logging runs (the most in any
+1-second window, and the mean rate). Also checked: every logged record arrived in the kernel's
+history. The markdown table goes to stdout and to ``--results`` (default ``benchmarks/LOGGING.md``).
+
+(Not named ``logging.py``: in this folder that name would shadow the standard library's ``logging``
+for every script here, since a script's own folder comes first on ``sys.path``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import os
+import platform
+import queue
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from jupyter_client.manager import KernelManager
+
+SETUP = """%%distributed --nproc {nproc} --device cpu --no-dashboard
+import time, torch
+torch.set_num_threads(1)
+a = torch.randn({size}, {size}) / {size}
+
+def one_step():
+    return (a @ a)[0, 0]
+
+def timed(n, log):
+    t0 = time.perf_counter()
+    for _ in range(n):
+        loss = one_step()
+        if log:
+            shard.log(loss=loss)
+    return (time.perf_counter() - t0) / n
+
+for _ in range(3000):
+    one_step()
+print("STEP_US", timed(3000, False) * 1e6)
+"""
+RUN = "%%distributed\nprint('STEP_US', timed({steps}, {log}) * 1e6)\n"
+STEP_LINE = re.compile(r"\[rank (\d+)\] STEP_US ([0-9.]+)")
+
+
+class Kernel:
+    def __init__(self) -> None:
+        self.km = KernelManager(kernel_name="python3")
+        self.km.kernel_cmd = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+        self.km.start_kernel(env={**os.environ, "JUPYTER_SHARD_LOG_DIR": tempfile.mkdtemp()})
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    def execute(self, code: str) -> tuple[str, list[float]]:
+        """Run a cell; its stdout, and the arrival times of widget updates during it."""
+        msg_id = self.kc.execute(code)
+        out, updates = [], []
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=600)
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "comm_msg" and content["data"].get("method") == "update":
+                updates.append(time.monotonic())
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if kind == "error":
+                raise RuntimeError("\n".join(content["traceback"]))
+            if kind == "stream" and content["name"] == "stdout":
+                out.append(content["text"])
+            if kind == "status" and content["execution_state"] == "idle":
+                break
+        with contextlib.suppress(queue.Empty):
+            self.kc.get_shell_msg(timeout=5)
+        return "".join(out), updates
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
+
+
+def step_times(text: str) -> dict[int, float]:
+    return {int(rank): float(us) for rank, us in STEP_LINE.findall(text)}
+
+
+def busiest_second(times: list[float]) -> int:
+    return max((sum(1 for u in times if t <= u < t + 1.0) for t in times), default=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30_000, help="steps per timed run")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each variant, alternated")
+    parser.add_argument("--size", type=int, default=0, help="matmul size (0: pick for ~100 µs a step)")
+    parser.add_argument("--results", default=str(Path(__file__).with_name("LOGGING.md")))
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()
+    kernel = Kernel()
+    try:
+        kernel.execute("%load_ext jupyter_shard")
+        size = args.size or 64
+        while True:
+            text, _ = kernel.execute(SETUP.format(nproc=args.nproc, size=size))
+            base = statistics.median(step_times(text).values())
+            if args.size or 80 <= base <= 130 or size <= 8 or size >= 512:
+                break
+            size = max(8, int(size * (100 / base) ** (1 / 3)))
+        plain: list[float] = []
+        logged: list[float] = []
+        updates: list[float] = []
+        spans: list[float] = []
+        for _ in range(args.repeats):
+            for log in (False, True):
+                started = time.monotonic()
+                text, seen = kernel.execute(RUN.format(steps=args.steps, log=log))
+                (logged if log else plain).extend(step_times(text).values())
+                if log:
+                    updates.extend(seen)
+                    spans.append(time.monotonic() - started)
+        count, _ = kernel.execute("import jupyter_shard\nprint(len(jupyter_shard.history()))")
+        expected = args.repeats * args.steps * args.nproc
+    finally:
+        kernel.close()
+    plain_us, logged_us = statistics.median(plain), statistics.median(logged)
+    rows = [
+        ("step time, no logging (median µs)", f"{plain_us:.1f}"),
+        ("step time, shard.log every step (median µs)", f"{logged_us:.1f}"),
+        ("logging / no logging", f"{logged_us / plain_us:.3f} ({(logged_us / plain_us - 1) * 100:+.1f}%)"),
+        ("shard.log calls per second per rank", f"{1e6 / logged_us:,.0f}"),
+        ("dashboard updates on iopub, busiest second", str(busiest_second(updates))),
+        ("dashboard updates on iopub, mean per second", f"{len(updates) / sum(spans):.1f}"),
+        ("records in the kernel's history / logged", f"{int(count.strip())} / {expected}"),
+    ]
+    table = "\n".join(["| measure | value |", "|---|---|", *[f"| {a} | {b} |" for a, b in rows]])
+    machine = (
+        f"{platform.platform()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+        f"{args.nproc} CPU ranks, matmul {size}×{size}, "
+        f"{args.steps} steps × {args.repeats} repeats per variant; "
+        f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}"
+    )
+    report = (
+        f"# shard.log overhead and dashboard message rate\n\n{dt.date.today()}: {machine}\n\n{table}\n\n"
+        f"Per-run step times (µs), no logging: {', '.join(f'{t:.1f}' for t in plain)}\n\n"
+        f"Per-run step times (µs), logging: {', '.join(f'{t:.1f}' for t in logged)}\n"
+    )
+    print(report)
+    if args.results != "-":
+        Path(args.results).write_text(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
