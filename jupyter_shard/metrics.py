@@ -73,7 +73,7 @@ class History:
     def __init__(self, record_limit: int = RECORD_LIMIT) -> None:
         self.record_limit = record_limit
         self.thinned = False
-        self.version = 0  # grows with every change; the dashboard redraws only when it moved
+        self.version = 0  # grows with every logged batch; the dashboard redraws soon when it moved
         self._ranks: dict[int, _RankColumns] = {}
         self._memory: dict[int, deque[tuple[float, float, float]]] = {}
         self._lock = threading.Lock()
@@ -96,7 +96,6 @@ class History:
         with self._lock:
             samples = self._memory.setdefault(rank, deque(maxlen=MEMORY_SAMPLES))
             samples.append((ts, float(memory.get("rss", 0)), float(memory.get("cuda_allocated", math.nan))))
-            self.version += 1
 
     def clear(self) -> None:
         with self._lock:

@@ -21,7 +21,7 @@ import ipywidgets
 from IPython.display import DisplayHandle, display
 
 from jupyter_shard.metrics import History, binned, mean_across
-from jupyter_shard.results import RankActivity
+from jupyter_shard.results import RankActivity, RankState
 from jupyter_shard.widgets.charts import Trace, fmt, line_chart
 
 if TYPE_CHECKING:
@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 MIN_INTERVAL = 0.2  # seconds between redraws of one dashboard: at most 5 a second
 RENDER_SHARE = 0.1  # and longer apart when drawing is slow, so drawing takes at most 10% of the kernel
-IDLE_INTERVAL = 1.0  # heartbeat ages change even when no metric does
+BUSY_INTERVAL = 1.0  # while ranks run, status and memory move even when no metric does
+IDLE_INTERVAL = 5.0  # between cells, only heartbeats move
 BINS = 300  # points drawn per series, however long it is
 COMPACT_METRICS = 2
 
@@ -165,9 +166,12 @@ class Dashboard(ipywidgets.VBox):  # type: ignore[misc]
         now = time.monotonic()
         if not final and now - self._drawn_at < self._interval:
             return
-        changed = pool.history.version != self._drawn_version
-        if not (final or changed or now - self._drawn_at >= IDLE_INTERVAL):
-            return
+        if not final and pool.history.version == self._drawn_version:
+            if now - self._drawn_at < BUSY_INTERVAL:
+                return
+            running = any(row.state is RankState.RUNNING for row in pool.activity())
+            if not running and now - self._drawn_at < IDLE_INTERVAL:
+                return
         self._drawn_at, self._drawn_version = now, pool.history.version
         markup = render(pool, compact=self.compact)
         self._interval = max(MIN_INTERVAL, (time.monotonic() - now) / RENDER_SHARE)

@@ -69,3 +69,21 @@ def test_ddp_training_step_on_gpu(tmp_path: Path) -> None:
         )
         sums = pool.pull_all("checksum")
         assert len(set(sums.values())) == 1
+
+
+def test_dashboard_shows_cuda_memory_from_heartbeats(tmp_path: Path) -> None:
+    import time
+
+    from jupyter_shard import Pool
+    from jupyter_shard.widgets.dashboard import render
+    from jupyter_shard.widgets.rank_output import ConsoleSink
+
+    sink = ConsoleSink(io.StringIO(), io.StringIO())
+    with Pool(nproc=1, device="cuda", log_dir=tmp_path, sink=sink) as pool:
+        pool.run("import torch\nx = torch.zeros(64, 1024, 1024, device=shard.device)")  # 256 MiB
+        time.sleep(2.5)  # two heartbeats
+        (row,) = pool.activity()
+        assert row.memory["cuda_allocated"] >= 256 * 2**20
+        assert row.memory["cuda_total"] >= row.memory["cuda_free"] > 0
+        markup = render(pool, compact=False)
+        assert "memory per rank: CUDA allocated, MiB" in markup and "cuda 256 / " in markup
