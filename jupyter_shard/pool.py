@@ -157,15 +157,15 @@ class Pool(Receiver):
         _live_pools.add(self)
         global _latest
         _latest = self
+        foreground, self._foreground = self._foreground, True
         try:
-            self._foreground = True
             self._wait_ready()
             self._share_registered_strategy()
         except BaseException:
             self.shutdown()
             raise
         finally:
-            self._foreground = False
+            self._foreground = foreground
         self._start_watcher()
 
     def _launch(self, rank: int, address: str, key: bytes, lifeline_r: int) -> RankLaunch:
@@ -285,7 +285,7 @@ class Pool(Receiver):
     ) -> RunResult:
         """Run ``code`` on ``ranks`` (default: all); raise :class:`DistributedError` if any fails."""
         self._refuse_while_background("run a cell")
-        self._foreground = True
+        foreground, self._foreground = self._foreground, True  # the watcher thread stands aside
         try:
             gathering = self._begin(code, ranks, timeout, exec_count)
             try:
@@ -293,7 +293,7 @@ class Pool(Receiver):
             finally:
                 self._end(gathering)
         finally:
-            self._foreground = False
+            self._foreground = foreground
         if not gathering.result.ok:
             raise DistributedError(gathering.result)
         return gathering.result
