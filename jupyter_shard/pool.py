@@ -34,6 +34,7 @@ from jupyter_shard.protocol import (
     KEY_ENV,
     MAX_FRAME,
     Wire,
+    cell_head,
     new_key,
 )
 from jupyter_shard.receiver import RankRecord, Receiver
@@ -340,7 +341,7 @@ class Pool(Receiver):
         self.sink.begin_cell()
         self._send(targets, "execute", {"cell_id": cell_id, "code": code, "exec_count": exec_count})
         for r in targets:
-            r.state, r.cell = RankState.RUNNING, _head(code)
+            r.state, r.cell = RankState.RUNNING, cell_head(code)
         return Gathering(result, [r.rank for r in targets], time.monotonic(), timeout)
 
     def _targets(self, ranks: Sequence[int] | None) -> list[RankRecord]:
@@ -626,11 +627,6 @@ class Pool(Receiver):
                 r.handle.send_signal(signal.SIGINT)
 
     # -- plumbing --------------------------------------------------------------------------------
-
-
-def _head(code: str) -> str:
-    lines = [ln for ln in code.strip().splitlines() if ln.strip()]
-    return lines[0][:80] if lines else ""
 
 
 def _tail(path: Path, limit: int = 4000) -> str:

@@ -233,3 +233,9 @@ def parse_identity(identity: bytes) -> tuple[int, bool]:
     if prefix != "rank" or not number.isdigit() or len(number) > 6:
         return -1, False
     return int(number), io
+
+
+def cell_head(code: str) -> str:
+    """How a cell is named in status and heartbeats: its first line of code (not the magic comment)."""
+    lines = [ln for ln in code.splitlines() if ln.strip() and not ln.startswith("# %%")]
+    return lines[0].strip()[:80] if lines else ""

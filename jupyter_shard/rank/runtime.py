@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from jupyter_shard.protocol import KEY_ENV, MAX_FRAME, Message, io_identity, rank_identity
+from jupyter_shard.protocol import KEY_ENV, MAX_FRAME, Message, cell_head, io_identity, rank_identity
 from jupyter_shard.rank.channel import Channel, ShellSocket, watch_lifeline
 from jupyter_shard.rank.output import RankStream
 
@@ -41,8 +41,7 @@ class RankState:
 
     def begin(self, cell_id: str, code: str) -> None:
         self.cell_id = cell_id
-        lines = [ln for ln in code.strip().splitlines() if ln.strip()]
-        self.cell_head = lines[0][:80] if lines else ""
+        self.cell_head = cell_head(code)
         self.started = time.time()
         self.executing = True
 

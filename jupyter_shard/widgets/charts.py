@@ -17,7 +17,8 @@ from jupyter_shard.metrics import Floats
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 MEAN_COLOR = "#222"
-MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 54, 12, 24, 30
+MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 54, 12, 36, 30
+PAD = 0.05  # share of the value range left free above and below the lines
 
 
 @dataclass
@@ -80,6 +81,8 @@ def line_chart(
         y_lo, y_hi = y_lo - 0.5 * max(1.0, abs(y_lo)), y_hi + 0.5 * max(1.0, abs(y_hi))
     if x_hi <= x_lo:
         x_lo, x_hi = x_lo - 1, x_hi + 1
+    span = y_hi - y_lo
+    y_lo, y_hi = y_lo - PAD * span, y_hi + PAD * span
     plot_w = width - MARGIN_LEFT - MARGIN_RIGHT
     plot_h = height - MARGIN_TOP - MARGIN_BOTTOM
 
@@ -135,12 +138,13 @@ def _axes(x_lo: float, x_hi: float, y_lo: float, y_hi: float, width: int, height
 
 
 def _legend(traces: list[Trace], width: int) -> str:
+    """One row under the title, right-aligned."""
     out, x = [], width - MARGIN_RIGHT
     for trace in reversed(traces):
         label = "mean" if trace.label == "mean" else f"rank {trace.label}"
         x -= 8 + 6 * len(label) + 14
         out.append(
-            f'<rect x="{x}" y="8" width="10" height="3" fill="{trace.color}"/>'
-            f'<text x="{x + 13}" y="13" fill="#444">{label}</text>'
+            f'<rect x="{x}" y="23" width="10" height="3" fill="{trace.color}"/>'
+            f'<text x="{x + 13}" y="28" fill="#444">{label}</text>'
         )
     return "".join(out)

@@ -35,6 +35,7 @@ BINS = 300  # points drawn per series, however long it is
 COMPACT_METRICS = 2
 
 COLUMNS = ("rank", "state", "step", "steps/s", "memory", "heartbeat", "cell", "last line")
+_CELL = ' style="padding: 1px 8px; text-align: left"'
 _STATE_COLORS = {"dead": "#fde2e1", "stuck": "#fff3cd"}
 
 
@@ -91,7 +92,7 @@ def status_table(rows: list[RankActivity]) -> str:
             row.cell or "-",
             row.last_line or "",
         ]
-        tds = "".join(f"<td>{html.escape(c)}</td>" for c in cells)
+        tds = "".join(f"<td{_CELL}>{html.escape(c)}</td>" for c in cells)
         body.append(f'<tr data-rank="{row.rank}" data-state="{kind or row.state.value}"{style}>{tds}</tr>')
     return (
         '<table class="jshard-status" style="font-size: 12px; border-collapse: collapse">'

@@ -565,3 +565,12 @@ def test_fuzz_signed_json(msg_type: Any, sender: Any, seq: Any, body: Any, extra
     assert (msg is not None) == valid
     if msg is not None:
         assert (msg.type, msg.sender, msg.seq) == (msg_type, sender, seq)
+
+
+def test_cell_head_names_a_cell_by_its_first_line_of_code() -> None:
+    from jupyter_shard.protocol import cell_head
+
+    code = "# %%distributed --nproc 2\n\n  for step in range(10):\n    pass"
+    assert cell_head(code) == "for step in range(10):"
+    assert cell_head("# a comment of the user\nx = 1") == "# a comment of the user"
+    assert cell_head("") == "" and len(cell_head("y = " + "1" * 200)) == 80
