@@ -2,16 +2,20 @@
 
 A real kernel (jupyter_client) with ``%load_ext jupyter_shard`` runs a 2-rank CPU pool. Each rank
 times a loop of small steps (a matmul sized so that one step takes about 100 µs, i.e. 10k steps per
-second) in two variants, alternated ``--repeats`` times so drift hits both alike:
+second) with and without ``shard.log(loss=t)`` (a 0-dim tensor) every step, two ways:
 
-* **no logging**: the loop alone;
-* **logging**: the same loop calling ``shard.log(loss=t)`` with a 0-dim tensor every step, while the
-  kernel receives the records and the cell's dashboard redraws.
+* **paired blocks** (the cost inside a rank): one cell alternates blocks of ``--block`` steps without
+  and with logging, ``--pairs`` times (order swapped every pair), while the kernel receives the
+  records and the cell's dashboard redraws; the ratio is the median over pairs of the two blocks'
+  step times, then the median over ranks and ``--repeats`` cells. Drift between blocks a fraction
+  of a second apart is small, so this resolves a 1–2% difference on a noisy machine.
+* **separate cells** (cost to the whole machine): ``--steps`` steps per cell, cells without and with
+  logging alternated ``--repeats`` times. With 2 ranks on 2 cores the kernel's work for the
+  dashboard (receiving, drawing, sending) takes CPU from the ranks, which shows up here.
 
-Reported: median time per step of each variant (per rank, then the median over ranks and repeats),
-their ratio, and the dashboard's widget updates on iopub during the logging runs (the most in any
-1-second window, and the mean rate). Also checked: every logged record arrived in the kernel's
-history. The markdown table goes to stdout and to ``--results`` (default ``benchmarks/LOGGING.md``).
+Also reported: the dashboard's widget updates on iopub during the logging cells (the most in any
+1-second window, and the mean rate), and that every logged record arrived in the kernel's history.
+The markdown table goes to stdout and to ``--results`` (default ``benchmarks/LOGGING.md``).
 
 (Not named ``logging.py``: in this folder that name would shadow the standard library's ``logging``
 for every script here, since a script's own folder comes first on ``sys.path``.)
@@ -50,12 +54,22 @@ def timed(n, log):
             shard.log(loss=loss)
     return (time.perf_counter() - t0) / n
 
+def paired(pairs, block):
+    import statistics
+    plain, logged, ratios = [], [], []
+    for i in range(pairs):
+        t = {{log: timed(block, log) for log in ((False, True) if i % 2 == 0 else (True, False))}}
+        plain.append(t[False]); logged.append(t[True]); ratios.append(t[True] / t[False])
+    return statistics.median(plain) * 1e6, statistics.median(logged) * 1e6, statistics.median(ratios)
+
 for _ in range(3000):
     one_step()
 print("STEP_US", timed(3000, False) * 1e6)
 """
 RUN = "%%distributed\nprint('STEP_US', timed({steps}, {log}) * 1e6)\n"
+PAIRED = "%%distributed\nprint('PAIRED', *paired({pairs}, {block}))\n"
 STEP_LINE = re.compile(r"\[rank (\d+)\] STEP_US ([0-9.]+)")
+PAIRED_LINE = re.compile(r"\[rank (\d+)\] PAIRED ([0-9.]+) ([0-9.]+) ([0-9.]+)")
 
 
 class Kernel:
@@ -106,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30_000, help="steps per timed run")
-    parser.add_argument("--repeats", type=int, default=5, help="runs of each variant, alternated")
+    parser.add_argument("--steps", type=int, default=30_000, help="steps per separate cell")
+    parser.add_argument("--repeats", type=int, default=3, help="cells of each kind")
+    parser.add_argument("--pairs", type=int, default=60, help="block pairs per paired cell")
+    parser.add_argument("--block", type=int, default=2000, help="steps per block")
     parser.add_argument("--size", type=int, default=0, help="matmul size (0: pick for ~100 µs a step)")
     parser.add_argument("--results", default=str(Path(__file__).with_name("LOGGING.md")))
     args = parser.parse_args(argv)
@@ -126,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         logged: list[float] = []
         updates: list[float] = []
         spans: list[float] = []
+        paired: list[tuple[float, float, float]] = []
+        for _ in range(args.repeats):
+            text, _ = kernel.execute(PAIRED.format(pairs=args.pairs, block=args.block))
+            paired.extend((float(a), float(b), float(c)) for _, a, b, c in PAIRED_LINE.findall(text))
         for _ in range(args.repeats):
             for log in (False, True):
                 started = time.monotonic()
@@ -135,14 +155,27 @@ def main(argv: list[str] | None = None) -> int:
                     updates.extend(seen)
                     spans.append(time.monotonic() - started)
         count, _ = kernel.execute("import jupyter_shard\nprint(len(jupyter_shard.history()))")
-        expected = args.repeats * args.steps * args.nproc
+        expected = args.repeats * args.nproc * (args.steps + args.pairs * args.block)
     finally:
         kernel.close()
     plain_us, logged_us = statistics.median(plain), statistics.median(logged)
+    ratio = statistics.median(r for _, _, r in paired)
     rows = [
-        ("step time, no logging (median µs)", f"{plain_us:.1f}"),
-        ("step time, shard.log every step (median µs)", f"{logged_us:.1f}"),
-        ("logging / no logging", f"{logged_us / plain_us:.3f} ({(logged_us / plain_us - 1) * 100:+.1f}%)"),
+        (
+            "paired blocks: step time, no logging (median µs)",
+            f"{statistics.median(a for a, _, _ in paired):.1f}",
+        ),
+        (
+            "paired blocks: step time, shard.log every step (median µs)",
+            f"{statistics.median(b for _, b, _ in paired):.1f}",
+        ),
+        ("**paired blocks: logging / no logging**", f"**{ratio:.3f} ({(ratio - 1) * 100:+.1f}%)**"),
+        ("separate cells: step time, no logging (median µs)", f"{plain_us:.1f}"),
+        ("separate cells: step time, shard.log every step (median µs)", f"{logged_us:.1f}"),
+        (
+            "separate cells: logging / no logging",
+            f"{logged_us / plain_us:.3f} ({(logged_us / plain_us - 1) * 100:+.1f}%)",
+        ),
         ("shard.log calls per second per rank", f"{1e6 / logged_us:,.0f}"),
         ("dashboard updates on iopub, busiest second", str(busiest_second(updates))),
         ("dashboard updates on iopub, mean per second", f"{len(updates) / sum(spans):.1f}"),
@@ -152,13 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     machine = (
         f"{platform.platform()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
         f"{args.nproc} CPU ranks, matmul {size}×{size}, "
-        f"{args.steps} steps × {args.repeats} repeats per variant; "
+        f"{args.repeats} paired cells of {args.pairs} × 2 blocks of {args.block} steps, "
+        f"{args.repeats} separate cells of {args.steps} steps each way; "
         f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}"
     )
     report = (
         f"# shard.log overhead and dashboard message rate\n\n{dt.date.today()}: {machine}\n\n{table}\n\n"
-        f"Per-run step times (µs), no logging: {', '.join(f'{t:.1f}' for t in plain)}\n\n"
-        f"Per-run step times (µs), logging: {', '.join(f'{t:.1f}' for t in logged)}\n"
+        f"Paired-block ratios per rank and cell: {', '.join(f'{r:.3f}' for _, _, r in paired)}\n\n"
+        f"Separate-cell step times (µs), no logging: {', '.join(f'{t:.1f}' for t in plain)}\n\n"
+        f"Separate-cell step times (µs), logging: {', '.join(f'{t:.1f}' for t in logged)}\n"
     )
     print(report)
     if args.results != "-":

@@ -43,18 +43,18 @@ class _RankColumns:
     def __len__(self) -> int:
         return len(self.steps)
 
-    def append(self, step: float, ts: float, values: Mapping[str, float]) -> None:
-        n = len(self.steps)
-        for name, value in values.items():
-            column = self.values.get(name)
-            if column is None:
-                column = self.values[name] = array("d", [math.nan]) * n
-            column.append(value)
-        for column in self.values.values():
-            if len(column) == n:
-                column.append(math.nan)
-        self.steps.append(step)
-        self.times.append(ts)
+    def extend(self, steps: array[float], times: array[float], values: Mapping[str, array[float]]) -> None:
+        """Add ``len(steps)`` records; a metric not in ``values`` is NaN for them."""
+        before, added = len(self.steps), len(steps)
+        for name, column in values.items():
+            if name not in self.values:
+                self.values[name] = array("d", [math.nan]) * before
+            self.values[name].extend(column)
+        for name, column in self.values.items():
+            if name not in values:
+                column.extend(array("d", [math.nan]) * added)
+        self.steps.extend(steps)
+        self.times.extend(times)
 
     def thin(self) -> None:
         """Keep every other record of the older half."""
@@ -81,11 +81,19 @@ class History:
     # -- writing (the pool's receiving thread) ------------------------------------------------------
 
     def extend(self, rank: int, records: Iterable[Mapping[str, Any]]) -> None:
-        """Add ``shard.log`` records ``{"step", "ts", "values"}`` of one rank."""
+        """Add ``shard.log`` records ``{"step", "ts", "values"}`` of one rank (one per call)."""
+        for record in records:
+            values = {name: array("d", [float(v)]) for name, v in record["values"].items()}
+            step, ts = array("d", [float(record["step"])]), array("d", [float(record["ts"])])
+            self.extend_columns(rank, step, ts, values)
+
+    def extend_columns(
+        self, rank: int, steps: array[float], times: array[float], values: Mapping[str, array[float]]
+    ) -> None:
+        """Add a batch of records as columns (what the ranks send): steps, wall times, values by name."""
         with self._lock:
             columns = self._ranks.setdefault(rank, _RankColumns())
-            for record in records:
-                columns.append(float(record["step"]), float(record["ts"]), record["values"])
+            columns.extend(steps, times, values)
             while len(columns) > self.record_limit:
                 columns.thin()
                 self.thinned = True

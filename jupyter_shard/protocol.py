@@ -108,9 +108,12 @@ class ReadyBody(TypedDict):
 
 
 class MetricsBody(TypedDict):
-    step: int
-    values: dict[str, float]
-    ts: float
+    """``count`` records logged with the same ``names``; the buffers are float64 columns (native byte
+    order, both ends are on one machine or the same platform): steps, wall times, then one per name."""
+
+    rank: int
+    names: list[str]
+    count: int
 
 
 class ProtocolError(Exception):

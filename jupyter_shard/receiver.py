@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import uuid
+from array import array
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -228,7 +229,13 @@ class Receiver:
         res.failed_at = time.monotonic()
 
     def _on_metrics(self, r: RankRecord, msg: Message) -> None:
-        self.history.extend(r.rank, msg.body["records"])
+        names, count = [str(n) for n in msg.body["names"]], int(msg.body["count"])
+        if len(msg.buffers) != 2 + len(names) or any(len(b) != 8 * count for b in msg.buffers):
+            self.dropped += 1
+            print(f"jupyter_shard: dropped malformed metrics from rank {r.rank}", file=sys.__stderr__)
+            return
+        steps, times, *values = (array("d", bytes(b)) for b in msg.buffers)
+        self.history.extend_columns(r.rank, steps, times, dict(zip(names, values, strict=True)))
 
     def _on_reply(self, r: RankRecord, msg: Message) -> None:
         bucket = self._replies.get(str(msg.body.get("req_id")))

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -53,9 +54,9 @@ class Shard:
         self._optimizer: torch.optim.Optimizer | None = None
         self._step = 0
         self._micro = 0
-        self._log_count = 0
-        # (step or None, count, wall time, values): appended by ``log``, drained by the I/O thread
-        self._metrics: deque[tuple[int | None, int, float, dict[str, float]]] = deque()
+        self._logged = 0
+        # (step, wall time, values) per ``log`` call; drained by the I/O thread
+        self._metrics: deque[tuple[float, float, dict[str, float]]] = deque()
 
     def __repr__(self) -> str:
         return (
@@ -182,30 +183,39 @@ class Shard:
         """Send scalars (numbers or one-element tensors) to the kernel's dashboard and history.
 
         ``step`` defaults to a count of ``log`` calls. Cheap enough to call every step (about a
-        microsecond): records are queued here and sent by the I/O thread in batches.
+        microsecond): the record is queued here (one atomic append, no lock) and the I/O thread
+        sends the queue in batches.
         """
-        values: dict[str, float] = {}
         for name, value in scalars.items():
             kind = type(value)
-            if kind is float or kind is int:
-                values[name] = value  # type: ignore[assignment]
-            elif isinstance(value, torch.Tensor):
-                if value.numel() != 1:
-                    raise ValueError(f"shard.log({name}=...) needs a scalar, got shape {tuple(value.shape)}")
-                values[name] = value.item()
-            else:
-                values[name] = float(value)
-        self._log_count += 1
-        self._metrics.append((step, self._log_count, time.time(), values))
+            if kind is torch.Tensor and value.numel() == 1:  # type: ignore[union-attr]
+                scalars[name] = value.item()  # type: ignore[union-attr]
+            elif kind is not float:
+                scalars[name] = _scalar(name, value)
+        self._logged += 1
+        record = (self._logged if step is None else step, time.time(), scalars)
+        self._metrics.append(record)  # type: ignore[arg-type]
 
     def flush_metrics(self) -> None:
-        """Send queued ``log`` records (called on the I/O thread)."""
-        queue, records = self._metrics, []
-        while queue:
-            step, count, ts, values = queue.popleft()
-            records.append({"step": count if step is None else int(step), "ts": ts, "values": values})
-        if records:
-            self._send("metrics", {"rank": self.rank, "records": records}, [])
+        """Send queued records (on the I/O thread) as float64 columns, a message per set of names."""
+        queue = self._metrics
+        batch = [queue.popleft() for _ in range(len(queue))]
+        if not batch:
+            return
+        keysets = {tuple(values) for _, _, values in batch}
+        groups = (
+            {keysets.pop(): batch}
+            if len(keysets) == 1
+            else {names: [r for r in batch if tuple(r[2]) == names] for names in keysets}
+        )
+        for names, records in groups.items():
+            columns = [
+                array("d", [step for step, _, _ in records]),
+                array("d", [ts for _, ts, _ in records]),
+                *(array("d", [values[name] for _, _, values in records]) for name in names),
+            ]
+            body = {"rank": self.rank, "names": list(names), "count": len(records)}
+            self._send("metrics", body, [c.tobytes() for c in columns])
 
     def memory(self) -> dict[str, int]:
         """Bytes: ``rss``; ``parameters``/``gradients``/``optimizer`` as this rank holds them; CUDA on GPU."""
@@ -276,6 +286,19 @@ def _meta_copy(model: nn.Module) -> nn.Module | None:
         return copy.deepcopy(model).to("meta")
     except Exception:
         return None
+
+
+def _scalar(name: str, value: object) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"shard.log({name}=...) needs a scalar, got shape {tuple(value.shape)}")
+        return float(value.item())
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"shard.log({name}=...) needs a number or a one-element tensor, got {value!r}"
+        ) from None
 
 
 def memory_report(device: torch.device | None = None) -> dict[str, int]:

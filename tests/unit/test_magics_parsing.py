@@ -48,6 +48,7 @@ class _FakePool:
         self.spec = LaunchSpec.create(nproc=nproc, device="cpu", gpu_count=0)
         self.started = True
         self.world_size = nproc
+        self.background = None
         self.calls: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
