@@ -114,9 +114,7 @@ class DistributedMagics(Magics):
             self.pool._refuse_while_background("run a cell")
         pool = self._pool_for(spec)
         magic = f"%%distributed {line}".strip()
-        if opts.bg:
-            return self._run_background(magic, pool, cell, ranks, opts.timeout, not opts.no_dashboard)
-        return self._run(magic, pool, cell, ranks, opts.timeout, not opts.no_dashboard)
+        return self._run(magic, pool, cell, ranks, opts.timeout, not opts.no_dashboard, bool(opts.bg))
 
     @cell_magic
     def rank(self, line: str, cell: str) -> Any:
@@ -136,31 +134,20 @@ class DistributedMagics(Magics):
         ranks: tuple[int, ...] | None,
         timeout: float | None,
         dashboard: bool,
+        background: bool = False,
     ) -> Any:
         if dashboard:
-            pool.observers.append(CellDashboard(pool, show_now="shard.log" in cell))
-        result = pool.run(_code(magic, cell), ranks, timeout=timeout, exec_count=self._count())
-        return _value(result)
-
-    def _run_background(
-        self,
-        magic: str,
-        pool: Pool,
-        cell: str,
-        ranks: tuple[int, ...] | None,
-        timeout: float | None,
-        dashboard: bool,
-    ) -> None:
-        if dashboard:
-            pool.observers.append(CellDashboard(pool, show_now=True))
-        pool.run_background(
-            _code(magic, cell), ranks, timeout=timeout, exec_count=self._count(), on_done=_report_background
-        )
+            pool.observers.append(CellDashboard(pool, show_now=background or "shard.log" in cell))
+        code, count = _code(magic, cell), self._count()
+        if not background:
+            return _value(pool.run(code, ranks, timeout=timeout, exec_count=count))
+        pool.run_background(code, ranks, timeout=timeout, exec_count=count, on_done=_report_background)
         print(
             f"jupyter_shard: running in the background on {pool.spec.describe()}; "
             "%dist_wait waits for it, %dist_interrupt stops it",
             file=sys.stderr,
         )
+        return None
 
     def _count(self) -> int:
         # IPython counts the running cell before executing it, so the running cell is count - 1.

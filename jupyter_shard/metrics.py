@@ -12,16 +12,17 @@ from __future__ import annotations
 import csv
 import math
 import os
-import tempfile
 import threading
 from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import numpy.typing as npt
+
+from jupyter_shard._atomic import write_atomic
 
 __all__ = ["History"]
 
@@ -152,19 +153,14 @@ class History:
 
     def to_csv(self, path: str | os.PathLike[str]) -> Path:
         """Write every record (columns rank, step, time and one per metric); written atomically."""
-        target = Path(path)
         names = self.metrics
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", newline="") as fh:
-                writer = csv.DictWriter(fh, fieldnames=["rank", "step", "time", *names], restval="")
-                writer.writeheader()
-                writer.writerows(self.records())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return target
+
+        def write(fh: TextIO) -> None:
+            writer = csv.DictWriter(fh, fieldnames=["rank", "step", "time", *names], restval="")
+            writer.writeheader()
+            writer.writerows(self.records())
+
+        return write_atomic(path, write)
 
     def series(self, rank: int, name: str) -> tuple[Floats, Floats]:
         """``(steps, values)`` of one metric of one rank, without the records that lack it."""

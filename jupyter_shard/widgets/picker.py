@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as widgets
 
 from jupyter_shard import estimate as est
+from jupyter_shard._atomic import write_atomic
 from jupyter_shard.free_memory import FreeMemory, MemorySnapshot, probe_memory
 from jupyter_shard.spec import Device, Offload, Precision, SpecError, visible_gpus
 from jupyter_shard.widgets.picker_choice import (
@@ -31,7 +32,6 @@ from jupyter_shard.widgets.picker_choice import (
     distributed_line,
     model_info,
     strategy_config,
-    write_atomic,
 )
 
 if TYPE_CHECKING:

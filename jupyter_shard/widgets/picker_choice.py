@@ -11,14 +11,11 @@ from __future__ import annotations
 import html
 import json
 import numbers
-import os
 import re
 import shlex
-import tempfile
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from jupyter_shard import estimate as est
@@ -116,20 +113,6 @@ def copy_button(text: str, label: str = "Copy") -> str:
     """A button that copies ``text``: a JSON string literal, HTML-escaped for the attribute."""
     script = html.escape(f"navigator.clipboard.writeText({json.dumps(text)})", quote=True)
     return f'<button class="jp-Button" onclick="{script}">{html.escape(label)}</button>'
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file: readers see the old file or the new one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclass

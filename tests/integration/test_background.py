@@ -17,6 +17,7 @@ import pytest
 
 from jupyter_shard import DistributedError, Pool, PoolError
 from jupyter_shard.background import BackgroundRun
+from jupyter_shard.results import RankActivity
 from jupyter_shard.widgets.rank_output import ConsoleSink
 
 pytestmark = pytest.mark.timeout(180)
@@ -78,14 +79,20 @@ def test_shutdown_during_a_background_run_reports_it_lost(pool: Pool) -> None:
         run.wait(5)
 
 
+def _activity_once_flagged(pool: Pool, rank: int, within: float) -> list[RankActivity]:
+    """``pool.activity()`` as soon as ``rank`` has a problem, or after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    rows = pool.activity()
+    while not rows[rank].problem and time.monotonic() < deadline:
+        time.sleep(0.05)
+        rows = pool.activity()
+    return rows
+
+
 def test_activity_names_a_rank_that_died_between_cells(pool: Pool) -> None:
     victim = pool.status()[1].pid
     os.kill(victim, signal.SIGKILL)
-    deadline = time.monotonic() + 3.0
-    rows = pool.activity()
-    while not rows[1].problem and time.monotonic() < deadline:
-        time.sleep(0.05)
-        rows = pool.activity()
+    rows = _activity_once_flagged(pool, 1, within=3.0)
     assert rows[1].problem.startswith("dead: was killed by SIGKILL"), rows[1]
     assert rows[0].problem == ""
 
@@ -93,11 +100,7 @@ def test_activity_names_a_rank_that_died_between_cells(pool: Pool) -> None:
 def test_activity_calls_a_rank_stuck_when_its_heartbeat_stops(pool: Pool) -> None:
     # ctypes.PyDLL keeps the GIL during the call: the rank's I/O thread cannot send heartbeats.
     run = pool.run_background("import ctypes\nif shard.rank == 0:\n    ctypes.PyDLL(None).sleep(8)\n")
-    deadline = time.monotonic() + 12.0
-    rows = pool.activity()
-    while not rows[0].problem and time.monotonic() < deadline:
-        time.sleep(0.2)
-        rows = pool.activity()
+    rows = _activity_once_flagged(pool, 0, within=12.0)
     assert rows[0].problem.startswith("stuck: no heartbeat for"), rows[0]
     assert rows[1].problem == "" and rows[1].heartbeat_age is not None and rows[1].heartbeat_age < 2.5
     run.wait(15)

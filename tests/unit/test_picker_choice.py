@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from jupyter_shard._atomic import write_atomic
 from jupyter_shard.estimate import Plan
 from jupyter_shard.magics import _distributed_parser
 from jupyter_shard.spec import Device, LaunchSpec, Offload, Precision, SpecError
@@ -22,7 +23,6 @@ from jupyter_shard.widgets.picker_choice import (
     distributed_line,
     model_info,
     strategy_config,
-    write_atomic,
 )
 
 CPU, NVME = Offload.CPU, Offload.NVME
