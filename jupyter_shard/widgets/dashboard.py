@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from jupyter_shard.pool import Pool
 
 MIN_INTERVAL = 0.2  # seconds between redraws of one dashboard: at most 5 a second
-RENDER_SHARE = 0.1  # and longer apart when drawing is slow, so drawing takes at most 10% of the kernel
+RENDER_SHARE = 0.05  # and longer apart when drawing is slow: drawing takes at most 5% of a core
 BUSY_INTERVAL = 1.0  # while ranks run, status and memory move even when no metric does
 IDLE_INTERVAL = 5.0  # between cells, only heartbeats move
 BINS = 300  # points drawn per series, however long it is
