@@ -1,0 +1,71 @@
+"""The Binder environment, built from ``binder/`` alone in a fresh virtual environment, runs the quickstart.
+
+As repo2docker does: ``pip install -r binder/requirements.txt`` from the repository root, on top of
+JupyterLab (which the Binder image already has). Then the quickstart is executed headlessly with
+that environment's Python and must print the per-rank lines. Slow (a few minutes: torch and the
+package are installed from scratch), so it is marked ``slow``; CI runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import venv
+from pathlib import Path
+
+import pytest
+
+from jupyter_shard.spec import visible_gpus
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(1200),
+    pytest.mark.skipif(visible_gpus() > 0, reason="expects the CPU pool (2 ranks); GPUs change the output"),
+]
+
+
+def test_binder_environment_runs_the_quickstart(tmp_path: Path) -> None:
+    env_dir = tmp_path / "binder-env"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env.update(
+        {"PIP_PROGRESS_BAR": "off", "PIP_RETRIES": "1", "JUPYTER_SHARD_LOG_DIR": str(tmp_path / "logs")}
+    )
+    install = subprocess.run(
+        [str(python), "-m", "pip", "install", "-r", "binder/requirements.txt", "jupyterlab"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+    check = subprocess.run(
+        [str(python), "-c", "import torch, jupyter_shard; print(torch.__version__, jupyter_shard.__file__)"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert check.returncode == 0, check.stderr
+    version, location = check.stdout.split()
+    assert version.startswith("2.13.0") and "cu" not in version.split("+")[-1], version
+    assert location.startswith(str(env_dir)), f"the package must come from the Binder environment: {location}"
+    run = subprocess.run(
+        [
+            str(python),
+            str(ROOT / "notebooks" / "run_headless.py"),
+            str(ROOT / "notebooks" / "00_quickstart.ipynb"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "[rank 0] rank 0 of 2 on cpu: all_reduce sum = 3" in run.stdout
