@@ -24,6 +24,7 @@ from jupyter_shard.pool import Pool
 from jupyter_shard.results import DistributedError, PoolError, RankStatus, RunResult
 from jupyter_shard.spec import LaunchSpec, SpecError, parse_ranks
 from jupyter_shard.widgets.dashboard import CellDashboard, Dashboard
+from jupyter_shard.widgets.panel import register_comm
 
 INTERRUPT_WAIT = 10.0  # seconds %dist_interrupt and an interrupted %dist_wait wait for a background run
 
@@ -437,6 +438,7 @@ def _show_error(
 def load(shell: InteractiveShell) -> None:
     shell.register_magics(DistributedMagics)
     shell.set_custom_exc((DistributedError, PoolError), _show_error)
+    register_comm(shell, shell.magics_manager.registry["DistributedMagics"])
 
 
 def unload(shell: InteractiveShell) -> None:

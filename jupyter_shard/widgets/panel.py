@@ -1,0 +1,155 @@
+"""The kernel end of the JupyterLab extension: the ``jupyter_shard`` comm its side panel talks through.
+
+The panel opens one comm per notebook kernel and polls it (``{"request": "status"}`` every 2 s while
+visible); buttons send ``interrupt``, ``restart``, ``shutdown`` or ``stacks``. Every request gets one
+reply: the pool summary (``{"reply": "status", ...}``), the stacks text, or ``{"reply": "error"}`` with
+one line saying what went wrong. No HTTP endpoint: the comm is the kernel's own channel, so the panel
+sees exactly the pool of the notebook it belongs to. While a foreground cell runs the kernel answers
+nothing; the panel keeps its last status and says the kernel is busy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from jupyter_shard.pool import Pool
+from jupyter_shard.results import RankState
+
+COMM_TARGET = "jupyter_shard"
+log = logging.getLogger(__name__)
+
+
+class Comm(Protocol):
+    """The part of ``comm.base_comm.BaseComm`` used here (a fake in the unit tests)."""
+
+    def send(self, data: dict[str, Any]) -> None: ...
+
+    def on_msg(self, callback: Callable[[dict[str, Any]], None]) -> None: ...
+
+    def on_close(self, callback: Callable[[dict[str, Any]], None]) -> None: ...
+
+
+class PoolHolder(Protocol):
+    """What the panel needs from :class:`~jupyter_shard.magics.DistributedMagics`: its pool."""
+
+    pool: Pool | None
+
+
+def summary(pool: Pool | None) -> dict[str, Any]:
+    """The status reply: the pool's description, its overall state and one row per rank."""
+    if pool is None or not pool.started:
+        return {"reply": "status", "pool": None, "state": "no pool", "ranks": []}
+    rows = pool.activity()
+    states = {row.state for row in rows}
+    if RankState.RUNNING in states or (pool.background is not None and pool.background.running):
+        state = "running"
+    elif states & {RankState.DEAD, RankState.FAILED}:
+        state = "failed"
+    elif RankState.STARTING in states:
+        state = "starting"
+    else:
+        state = "idle"
+    ranks = [
+        {
+            "rank": row.rank,
+            "state": row.state.value,
+            "step": row.step,
+            "memory": {
+                "rss": row.memory.get("rss"),
+                "cuda": row.memory.get("cuda_allocated"),
+            },
+            "heartbeat_age": row.heartbeat_age,
+            "cell": row.cell,
+            "problem": row.problem,
+        }
+        for row in rows
+    ]
+    return {"reply": "status", "pool": pool.spec.describe(), "state": state, "ranks": ranks}
+
+
+class PanelComm:
+    """Answers one frontend's requests; requests dispatch through a table, an unknown one is an error."""
+
+    def __init__(self, comm: Comm, holder: PoolHolder) -> None:
+        self.comm = comm
+        self.holder = holder
+        self._handlers: dict[str, Callable[[], dict[str, Any]]] = {
+            "status": self._status,
+            "interrupt": self._interrupt,
+            "restart": self._restart,
+            "shutdown": self._shutdown,
+            "stacks": self._stacks,
+        }
+        comm.on_msg(self.on_msg)
+
+    def on_msg(self, msg: dict[str, Any]) -> None:
+        data = msg.get("content", {}).get("data", {})
+        request = data.get("request") if isinstance(data, dict) else None
+        handler = self._handlers.get(request) if isinstance(request, str) else None
+        if handler is None:
+            allowed = ", ".join(self._handlers)
+            self.comm.send({"reply": "error", "error": f"unknown request {request!r}; allowed: {allowed}"})
+            return
+        try:
+            reply = handler()
+        except Exception as exc:  # the panel shows the error; the kernel carries on
+            log.debug("jupyter_shard panel request %s failed", request, exc_info=True)
+            reply = {"reply": "error", "request": request, "error": f"{request} failed: {exc}"}
+        self.comm.send(reply)
+
+    def _pool(self, action: str) -> Pool:
+        pool = self.holder.pool
+        if pool is None or not pool.started:
+            raise RuntimeError(f"no pool to {action}; start one with a %%distributed cell")
+        return pool
+
+    def _status(self, message: str = "") -> dict[str, Any]:
+        reply = summary(self.holder.pool)
+        reply["message"] = message
+        return reply
+
+    def _interrupt(self) -> dict[str, Any]:
+        self._pool("interrupt").interrupt()
+        return self._status("interrupt sent")
+
+    def _restart(self) -> dict[str, Any]:
+        pool = self._pool("restart")
+        pool.restart()
+        return self._status(f"restarted {pool.spec.describe()}; rank state is lost")
+
+    def _shutdown(self) -> dict[str, Any]:
+        pool = self.holder.pool
+        if pool is not None:
+            pool.shutdown()
+            self.holder.pool = None
+        return self._status("pool shut down")
+
+    def _stacks(self) -> dict[str, Any]:
+        stacks = self._pool("show stacks of").stacks()
+        text = "\n".join(f"──── rank {rank} ────\n{stack}" for rank, stack in stacks.items())
+        return {"reply": "stacks", "text": text}
+
+
+_open: list[PanelComm] = []
+
+
+def frontend_attached() -> bool:
+    """Whether a JupyterLab extension opened the comm in this kernel."""
+    return bool(_open)
+
+
+def register_comm(shell: Any, holder: PoolHolder) -> None:
+    """Accept ``jupyter_shard`` comms from the frontend; a shell without a kernel (plain IPython) has none."""
+    if getattr(shell, "kernel", None) is None:
+        return
+    from comm import get_comm_manager
+
+    def on_open(comm: Comm, open_msg: dict[str, Any]) -> None:
+        panel = PanelComm(comm, holder)
+        _open.append(panel)
+        comm.on_close(lambda _msg: _open.remove(panel) if panel in _open else None)
+        panel.on_msg(open_msg)
+
+    get_comm_manager().register_target(COMM_TARGET, on_open)

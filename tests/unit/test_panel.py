@@ -1,0 +1,168 @@
+"""The kernel end of the side panel: replies to status and control requests over a fake comm."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import jupyter_shard
+from jupyter_shard.results import RankActivity, RankState
+from jupyter_shard.widgets import panel
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FakeComm:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.handler: Callable[[dict[str, Any]], None] | None = None
+        self.closer: Callable[[dict[str, Any]], None] | None = None
+
+    def send(self, data: dict[str, Any]) -> None:
+        json.dumps(data)  # what the comm would put on the wire
+        self.sent.append(data)
+
+    def on_msg(self, callback: Callable[[dict[str, Any]], None]) -> None:
+        self.handler = callback
+
+    def on_close(self, callback: Callable[[dict[str, Any]], None]) -> None:
+        self.closer = callback
+
+    def request(self, name: str) -> dict[str, Any]:
+        assert self.handler is not None
+        self.handler({"content": {"data": {"request": name}}})
+        return self.sent[-1]
+
+
+class FakePool:
+    def __init__(self, states: list[RankState]) -> None:
+        self.started = True
+        self.background = None
+        self.spec = SimpleNamespace(describe=lambda: f"{len(states)} CPU ranks · ddp")
+        self.states = states
+        self.calls: list[str] = []
+
+    def activity(self) -> list[RankActivity]:
+        return [
+            RankActivity(k, s, 3.0, None, {"rss": 2**20}, 0.4, "", "", "dead: exit 1" if s == "dead" else "")
+            for k, s in enumerate(self.states)
+        ]
+
+    def interrupt(self) -> None:
+        self.calls.append("interrupt")
+
+    def restart(self) -> None:
+        self.calls.append("restart")
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+    def stacks(self) -> dict[int, str]:
+        return {0: "MainThread:\n  File x", 1: "MainThread:\n  File y"}
+
+
+def _panel(pool: FakePool | None) -> tuple[FakeComm, Any]:
+    comm = FakeComm()
+    holder = SimpleNamespace(pool=pool)
+    panel.PanelComm(comm, holder)  # type: ignore[arg-type]
+    return comm, holder
+
+
+def test_status_lists_every_rank_and_the_pool_state() -> None:
+    comm, _ = _panel(FakePool([RankState.IDLE, RankState.IDLE]))
+    reply = comm.request("status")
+    assert reply["reply"] == "status"
+    assert reply["pool"] == "2 CPU ranks · ddp"
+    assert reply["state"] == "idle"
+    assert [r["rank"] for r in reply["ranks"]] == [0, 1]
+    assert reply["ranks"][0] == {
+        "rank": 0,
+        "state": "idle",
+        "step": 3.0,
+        "memory": {"rss": 2**20, "cuda": None},
+        "heartbeat_age": 0.4,
+        "cell": "",
+        "problem": "",
+    }
+
+
+def test_state_is_running_if_any_rank_runs_and_failed_if_one_died() -> None:
+    comm, _ = _panel(FakePool([RankState.IDLE, RankState.RUNNING]))
+    assert comm.request("status")["state"] == "running"
+    comm, _ = _panel(FakePool([RankState.IDLE, RankState.DEAD]))
+    reply = comm.request("status")
+    assert reply["state"] == "failed"
+    assert reply["ranks"][1]["problem"] == "dead: exit 1"
+
+
+def test_no_pool() -> None:
+    comm, _ = _panel(None)
+    assert comm.request("status") == {
+        "reply": "status",
+        "pool": None,
+        "state": "no pool",
+        "ranks": [],
+        "message": "",
+    }
+    reply = comm.request("interrupt")
+    assert reply["reply"] == "error"
+    assert "no pool to interrupt" in reply["error"]
+
+
+def test_controls_reach_the_pool() -> None:
+    pool = FakePool([RankState.IDLE])
+    comm, holder = _panel(pool)
+    assert comm.request("interrupt")["message"] == "interrupt sent"
+    assert "rank state is lost" in comm.request("restart")["message"]
+    reply = comm.request("shutdown")
+    assert pool.calls == ["interrupt", "restart", "shutdown"]
+    assert holder.pool is None
+    assert reply["state"] == "no pool"
+
+
+def test_stacks_text_names_every_rank() -> None:
+    comm, _ = _panel(FakePool([RankState.RUNNING, RankState.RUNNING]))
+    reply = comm.request("stacks")
+    assert reply["reply"] == "stacks"
+    assert "──── rank 0 ────" in reply["text"] and "File y" in reply["text"]
+
+
+def test_unknown_request_and_failing_action_are_one_error_line() -> None:
+    pool = FakePool([RankState.IDLE])
+    comm, _ = _panel(pool)
+    assert "unknown request 'explode'" in comm.request("explode")["error"]
+
+    def broken() -> None:
+        raise RuntimeError("rank 1 is dead")
+
+    pool.restart = broken  # type: ignore[method-assign]
+    reply = comm.request("restart")
+    assert reply == {"reply": "error", "request": "restart", "error": "restart failed: rank 1 is dead"}
+
+
+def test_register_comm_without_a_kernel_does_nothing() -> None:
+    panel.register_comm(SimpleNamespace(), SimpleNamespace(pool=None))  # type: ignore[arg-type]
+
+
+def test_register_comm_opens_a_panel_that_answers_the_open_message(monkeypatch: Any) -> None:
+    targets: dict[str, Any] = {}
+    manager = SimpleNamespace(register_target=lambda name, fn: targets.__setitem__(name, fn))
+    monkeypatch.setattr("comm.get_comm_manager", lambda: manager)
+    panel.register_comm(SimpleNamespace(kernel=object()), SimpleNamespace(pool=None))  # type: ignore[arg-type]
+    comm = FakeComm()
+    targets[panel.COMM_TARGET](comm, {"content": {"data": {"request": "status"}}})
+    assert comm.sent[-1]["state"] == "no pool"
+    assert panel.frontend_attached()
+    assert comm.closer is not None
+    comm.closer({})
+    assert not panel.frontend_attached()
+
+
+def test_extension_version_is_the_python_version() -> None:
+    package = json.loads((ROOT / "labextension" / "package.json").read_text())
+    assert package["version"] == jupyter_shard.__version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+", package["version"])
