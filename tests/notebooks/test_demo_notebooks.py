@@ -37,8 +37,18 @@ def test_stored_with_outputs_and_no_errors(path: Path) -> None:
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code, "no code cells"
     assert all(c.execution_count is not None for c in code), "run the notebook and save it with outputs"
-    errors = [o for c in code for o in c.outputs if o.output_type == "error"]
+    # A cell may store an error only when it is marked as failing on purpose (the cell tag that
+    # nbclient and nbval both honour, or nbval's comment marker) and the notebook says so.
+    errors = [o for c in code if not _raises_on_purpose(c) for o in c.outputs if o.output_type == "error"]
     assert not errors, f"stored error output: {errors[0].get('ename')}: {errors[0].get('evalue')}"
+    for cell in filter(_raises_on_purpose, code):
+        assert any(o.output_type == "error" for o in cell.outputs), "a raises-exception cell stored no error"
+        tags = cell.metadata.get("tags", [])
+        assert "raises-exception" in tags, "tag failing cells raises-exception, so Run All goes on"
+
+
+def _raises_on_purpose(cell: nbformat.NotebookNode) -> bool:
+    return "raises-exception" in cell.metadata.get("tags", []) or "# NBVAL_RAISES_EXCEPTION" in cell.source
 
 
 def _load_runner() -> ModuleType:
