@@ -39,7 +39,11 @@ LINT_SH = status=0; \
 	echo "+ ruff format --check $(LINT_PATHS)"; $(VENV)/bin/ruff format --check $(LINT_PATHS) || status=1; \
 	echo "+ mypy (strict, jupyter_shard)"; $(VENV)/bin/mypy || status=1; \
 	echo "+ mypy --strict notebooks/run_headless.py"; \
-	$(VENV)/bin/mypy --strict notebooks/run_headless.py || status=1
+	$(VENV)/bin/mypy --strict notebooks/run_headless.py || status=1; \
+	echo "+ nbqa ruff notebooks (cells under %%distributed and %%rank included)"; \
+	$(VENV)/bin/nbqa ruff notebooks || status=1; \
+	echo "+ nbqa 'ruff format --check' notebooks"; \
+	$(VENV)/bin/nbqa "ruff format --check" notebooks || status=1
 
 lint: setup
 	@$(LINT_SH); exit $$status
