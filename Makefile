@@ -17,7 +17,21 @@ LAB_FLAGS := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: setup quickstart quickstart-headless lint test
 
-setup: $(STAMP)
+LABEXT := jupyter_shard/labextension/package.json
+LABEXT_LINK := $(VENV)/share/jupyter/labextensions/jupyter_shard
+
+setup: $(STAMP) $(LABEXT)
+
+# The JupyterLab extension: labextension/ (TypeScript) built into jupyter_shard/labextension, which the
+# venv's share/jupyter/labextensions/jupyter_shard points to (as `jupyter labextension develop` does).
+# `pip install -e` builds it once; this rebuilds it when its sources change. Without npm the prebuilt
+# output, if present, is used.
+$(LABEXT): $(STAMP) labextension/package.json labextension/package-lock.json $(wildcard labextension/src/*.ts labextension/style/*)
+	@if command -v npm >/dev/null 2>&1; then \
+		echo "+ build labextension"; \
+		(cd labextension && npm install --no-audit --no-fund && PATH="$(CURDIR)/$(VENV)/bin:$$PATH" npm run build) || exit 1; \
+	else echo "npm not found: using the prebuilt jupyter_shard/labextension (if present)"; fi
+	@if [ -f $@ ]; then rm -rf $(LABEXT_LINK) && ln -s $(CURDIR)/jupyter_shard/labextension $(LABEXT_LINK) && touch $@; fi
 
 # Re-runs only when pyproject.toml changes (or the venv is missing).
 $(STAMP): pyproject.toml
@@ -61,6 +75,10 @@ test: setup
 	}; \
 	$(LINT_SH); [ $$status -eq 0 ] || failed="$$failed lint"; \
 	run_pytest unit tests/unit; \
+	if command -v npm >/dev/null 2>&1; then \
+		echo "+ npm test (labextension, Jest)"; (cd labextension && npm test) || failed="$$failed jest"; \
+	elif [ -n "$(CI)" ]; then echo "error: npm not found; the extension's Jest tests need Node"; failed="$$failed jest"; \
+	else echo "npm not found: skipping the extension's Jest tests"; fi; \
 	for suite in $(SUITES); do \
 		if ! find $$suite \( -name 'test_*.py' -o -name '*_test.py' \) 2>/dev/null | grep -q .; then \
 			echo "error: $$suite has no test files"; failed="$$failed $$suite(missing)"; \

@@ -1,0 +1,121 @@
+/**
+ * Pure formatting of what the kernel's `jupyter_shard` comm replies (no JupyterLab imports, so the
+ * Jest tests run it directly). The shapes mirror `jupyter_shard/widgets/panel.py`.
+ */
+
+export interface IRankRow {
+  rank: number;
+  state: string;
+  step: number | null;
+  memory: { rss: number | null; cuda: number | null };
+  heartbeat_age: number | null;
+  cell: string;
+  problem: string;
+}
+
+export interface IStatusReply {
+  reply: 'status';
+  pool: string | null;
+  state: string;
+  ranks: IRankRow[];
+  message?: string;
+}
+
+export interface IStacksReply {
+  reply: 'stacks';
+  text: string;
+}
+
+export interface IErrorReply {
+  reply: 'error';
+  error: string;
+  request?: string;
+}
+
+export type Reply = IStatusReply | IStacksReply | IErrorReply;
+
+export type Request = 'status' | 'interrupt' | 'restart' | 'shutdown' | 'stacks';
+
+/** A reply from the kernel, or null when the data is not one (another tool's message). */
+export function parseReply(data: unknown): Reply | null {
+  if (typeof data !== 'object' || data === null) {
+    return null;
+  }
+  const reply = (data as { reply?: unknown }).reply;
+  return reply === 'status' || reply === 'stacks' || reply === 'error' ? (data as Reply) : null;
+}
+
+export function formatBytes(bytes: number | null | undefined): string {
+  if (bytes === null || bytes === undefined) {
+    return '–';
+  }
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
+  let value = bytes;
+  let unit = 0;
+  while (value >= 1024 && unit < units.length - 1) {
+    value /= 1024;
+    unit += 1;
+  }
+  return `${value >= 100 || unit === 0 ? value.toFixed(0) : value.toFixed(1)} ${units[unit]}`;
+}
+
+export function formatAge(seconds: number | null | undefined): string {
+  if (seconds === null || seconds === undefined) {
+    return '–';
+  }
+  return seconds < 10 ? `${seconds.toFixed(1)} s` : `${seconds.toFixed(0)} s`;
+}
+
+export function formatStep(step: number | null | undefined): string {
+  if (step === null || step === undefined) {
+    return '–';
+  }
+  return Number.isInteger(step) ? String(step) : step.toFixed(1);
+}
+
+/** The status-bar text: "2 CPU ranks · ddp · idle", with "kernel busy" when the kernel cannot answer. */
+export function statusBarText(status: IStatusReply | null, kernelBusy: boolean): string {
+  if (status === null || status.pool === null) {
+    return '';
+  }
+  return `${status.pool} · ${status.state}${kernelBusy ? ' (kernel busy)' : ''}`;
+}
+
+/** One table row of the side panel for a rank, in column order. */
+export function rankCells(row: IRankRow): string[] {
+  const memory =
+    row.memory.cuda !== null && row.memory.cuda !== undefined
+      ? `${formatBytes(row.memory.rss)} · cuda ${formatBytes(row.memory.cuda)}`
+      : formatBytes(row.memory.rss);
+  return [
+    String(row.rank),
+    row.state,
+    formatStep(row.step),
+    memory,
+    formatAge(row.heartbeat_age),
+    row.problem || row.cell
+  ];
+}
+
+export const RANK_COLUMNS = ['rank', 'state', 'step', 'memory', 'heartbeat', 'cell / problem'];
+
+/** Whether a rank row needs attention (drawn red or yellow). */
+export function rankLevel(row: IRankRow): 'ok' | 'warn' | 'error' {
+  if (row.state === 'dead' || row.state === 'failed' || row.problem.startsWith('dead')) {
+    return 'error';
+  }
+  return row.problem ? 'warn' : 'ok';
+}
+
+/** The picker's widget message asking for a new cell, or null for any other message. */
+export function insertCellCode(data: unknown): string | null {
+  if (typeof data !== 'object' || data === null) {
+    return null;
+  }
+  const { method, content } = data as { method?: unknown; content?: unknown };
+  if (method !== 'custom' || typeof content !== 'object' || content === null) {
+    return null;
+  }
+  const { event, code } = content as { event?: unknown; code?: unknown };
+  return event === 'insert-cell' && typeof code === 'string' ? code : null;
+}

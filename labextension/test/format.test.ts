@@ -1,0 +1,90 @@
+import {
+  formatAge,
+  formatBytes,
+  formatStep,
+  insertCellCode,
+  IRankRow,
+  IStatusReply,
+  parseReply,
+  rankCells,
+  rankLevel,
+  statusBarText
+} from '../src/format';
+
+const row = (over: Partial<IRankRow> = {}): IRankRow => ({
+  rank: 0,
+  state: 'idle',
+  step: null,
+  memory: { rss: 300 * 2 ** 20, cuda: null },
+  heartbeat_age: 0.42,
+  cell: '',
+  problem: '',
+  ...over
+});
+
+const status = (over: Partial<IStatusReply> = {}): IStatusReply => ({
+  reply: 'status',
+  pool: '2 CPU ranks · ddp',
+  state: 'idle',
+  ranks: [row(), row({ rank: 1 })],
+  ...over
+});
+
+describe('status bar', () => {
+  it('names the pool and its state', () => {
+    expect(statusBarText(status(), false)).toBe('2 CPU ranks · ddp · idle');
+    expect(statusBarText(status({ state: 'running' }), true)).toBe(
+      '2 CPU ranks · ddp · running (kernel busy)'
+    );
+  });
+
+  it('is empty without a pool', () => {
+    expect(statusBarText(null, false)).toBe('');
+    expect(statusBarText(status({ pool: null, state: 'no pool', ranks: [] }), false)).toBe('');
+  });
+});
+
+describe('rank rows', () => {
+  it('formats memory, step and heartbeat', () => {
+    expect(rankCells(row({ step: 12 }))).toEqual(['0', 'idle', '12', '300 MiB', '0.4 s', '']);
+    const gpu = row({ memory: { rss: 2 ** 30, cuda: 3.5 * 2 ** 30 }, cell: 'loss = ...' });
+    expect(rankCells(gpu)[3]).toBe('1.0 GiB · cuda 3.5 GiB');
+    expect(rankCells(gpu)[5]).toBe('loss = ...');
+  });
+
+  it('shows the problem rather than the cell and marks the row', () => {
+    const stuck = row({ state: 'running', cell: 'x', problem: 'stuck: no heartbeat for 7 s' });
+    expect(rankCells(stuck)[5]).toBe('stuck: no heartbeat for 7 s');
+    expect(rankLevel(stuck)).toBe('warn');
+    expect(rankLevel(row({ state: 'dead', problem: 'dead: exit 1' }))).toBe('error');
+    expect(rankLevel(row())).toBe('ok');
+  });
+
+  it('formats numbers for people', () => {
+    expect(formatBytes(null)).toBe('–');
+    expect(formatBytes(512)).toBe('512 B');
+    expect(formatBytes(1536)).toBe('1.5 KiB');
+    expect(formatAge(null)).toBe('–');
+    expect(formatAge(12.6)).toBe('13 s');
+    expect(formatStep(2.25)).toBe('2.3');
+  });
+});
+
+describe('messages', () => {
+  it('accepts only kernel replies', () => {
+    expect(parseReply(status())).toEqual(status());
+    expect(parseReply({ reply: 'stacks', text: 't' })).toEqual({ reply: 'stacks', text: 't' });
+    expect(parseReply({ reply: 'other' })).toBeNull();
+    expect(parseReply('status')).toBeNull();
+    expect(parseReply(null)).toBeNull();
+  });
+
+  it("finds the picker's insert-cell message among widget messages", () => {
+    const line = '%%distributed --nproc 2 --strategy ddp';
+    expect(insertCellCode({ method: 'custom', content: { event: 'insert-cell', code: line } })).toBe(line);
+    expect(insertCellCode({ method: 'update', state: {} })).toBeNull();
+    expect(insertCellCode({ method: 'custom', content: { event: 'other', code: line } })).toBeNull();
+    expect(insertCellCode({ method: 'custom', content: { event: 'insert-cell' } })).toBeNull();
+    expect(insertCellCode(undefined)).toBeNull();
+  });
+});
