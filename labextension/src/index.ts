@@ -8,6 +8,7 @@ import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/no
 import { KernelMessage } from '@jupyterlab/services';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { LabIcon } from '@jupyterlab/ui-components';
+import { Signal } from '@lumino/signaling';
 import { Widget } from '@lumino/widgets';
 
 import { ShardClient } from './client';
@@ -57,24 +58,33 @@ const plugin: JupyterFrontEndPlugin<void> = {
     statusBar: IStatusBar | null
   ) => {
     const clients = new Map<NotebookPanel, ShardClient>();
-    tracker.widgetAdded.connect((_, panel) => {
-      const client = new ShardClient(panel.sessionContext);
-      clients.set(panel, client);
+    const lastRefresh = new Map<ShardClient, number>();
+    // The tracker may announce a notebook as current before it reports it added: create on demand.
+    const clientFor = (panel: NotebookPanel): ShardClient => {
+      let client = clients.get(panel);
+      if (client) {
+        return client;
+      }
+      const created = new ShardClient(panel.sessionContext);
+      client = created;
+      clients.set(panel, created);
+      lastRefresh.set(created, 0);
       watchPicker(panel);
       // After a cell finishes, refresh once so the status bar follows without the panel open.
       panel.sessionContext.statusChanged.connect((_, status) => {
-        if (status === 'idle' && Date.now() - lastRefresh.get(client)! > POLL_MS) {
-          lastRefresh.set(client, Date.now());
-          client.request('status');
+        if (status === 'idle' && Date.now() - (lastRefresh.get(created) ?? 0) > POLL_MS) {
+          lastRefresh.set(created, Date.now());
+          created.request('status');
         }
       });
-      lastRefresh.set(client, 0);
       panel.disposed.connect(() => {
         clients.delete(panel);
-        client.dispose();
+        lastRefresh.delete(created);
+        created.dispose();
       });
-    });
-    const lastRefresh = new Map<ShardClient, number>();
+      return created;
+    };
+    tracker.widgetAdded.connect((_, panel) => void clientFor(panel));
 
     const sidePanel = new DistributedPanel();
     sidePanel.title.icon = shardIcon;
@@ -83,7 +93,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
     const item = new Widget();
     item.addClass('jp-ShardStatus');
     let followed: ShardClient | null = null;
+    const itemActive = new Signal<Widget, void>(item);
     const renderItem = () => {
+      itemActive.emit();
       item.node.textContent = followed ? statusBarText(followed.status, followed.kernelBusy) : '';
       item.node.title = 'jupyter_shard rank pool: click for the Distributed panel';
     };
@@ -91,7 +103,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
 
     const follow = () => {
       const panel = tracker.currentWidget;
-      const client = panel ? (clients.get(panel) ?? null) : null;
+      const client = panel ? clientFor(panel) : null;
       followed?.changed.disconnect(renderItem);
       followed = client;
       client?.changed.connect(renderItem);
@@ -106,7 +118,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
         item,
         align: 'left',
         rank: 4,
-        isActive: () => !!followed?.status?.pool
+        isActive: () => !!followed?.status?.pool,
+        activeStateChanged: itemActive
       });
     }
     void labShell;

@@ -1,0 +1,116 @@
+"""The jupyter_shard JupyterLab extension in a real JupyterLab: side panel, status bar, insert-cell.
+
+The quickstart's last cell shuts the pool down, so after Run All the panel says "no pool"; running
+the hello cell again starts 2 ranks, which the panel (polling the kernel's ``jupyter_shard`` comm)
+shows idle. The picker's "Insert as new cell" button goes through the extension into the notebook.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.ui.conftest import OpenNotebook
+from tests.ui.notebook import SECOND, Notebook
+
+pytestmark = pytest.mark.timeout(300)
+
+PANEL = "#jupyter-shard-panel"
+
+
+def run_cell(nb: Notebook, index: int) -> None:
+    """Select code cell ``index`` and run it (Run → Run Selected Cell), as a user would."""
+    nb.page.evaluate(
+        """(arg) => {
+            const panel = Array.from(window.jupyterapp.shell.widgets('main'))
+                .find((w) => w.context && w.context.path === arg.path);
+            const cells = panel.content.widgets;
+            const code = cells.filter((c) => c.model.type === 'code');
+            panel.content.activeCellIndex = cells.indexOf(code[arg.index]);
+            return window.jupyterapp.commands.execute('notebook:run-cell');
+        }""",
+        {"path": nb.path, "index": index},
+    )
+
+
+def open_panel(nb: Notebook) -> None:
+    """Click the "Distributed" tab of the right sidebar."""
+    nb.page.locator('.jp-SideBar .lm-TabBar-tab[data-id="jupyter-shard-panel"]').click()
+    nb.page.locator(PANEL).wait_for(state="visible", timeout=10 * SECOND)
+
+
+def test_side_panel_shows_the_pool_and_picker_inserts_a_cell(open_nb: OpenNotebook) -> None:
+    nb = open_nb("00_quickstart.ipynb")
+    nb.run_all()
+    nb.wait_all_settled()
+    assert not nb.error_outputs(), nb.error_outputs()
+
+    open_panel(nb)
+    state = nb.page.locator(f"{PANEL} .jp-ShardPanel-state")
+    nb.wait_for(
+        "return document.querySelector('#jupyter-shard-panel .jp-ShardPanel-state')"
+        ".textContent.startsWith('no pool');",
+        timeout=10 * SECOND,
+        what="the panel to say 'no pool' after %dist_shutdown",
+    )
+
+    hello = nb.find_code_cell("all_reduce(t)")
+    run_cell(nb, hello)
+    nb.wait_finished(hello)
+    nb.wait_for(
+        "return document.querySelectorAll('#jupyter-shard-panel tr[data-state=\"idle\"]').length === 2;",
+        timeout=15 * SECOND,
+        what="the panel to show 2 idle ranks (it polls every 2 s)",
+    )
+    assert nb.page.locator(f"{PANEL} .jp-ShardPanel-header").inner_text() == "2 CPU ranks · ddp"
+    assert state.inner_text() == "idle"
+    ranks = nb.page.locator(f"{PANEL} tbody tr")
+    assert [ranks.nth(k).locator("td").first.inner_text() for k in range(2)] == ["0", "1"]
+    status_item = nb.page.locator(".jp-ShardStatus")
+    assert status_item.is_visible()
+    assert status_item.inner_text() == "2 CPU ranks · ddp · idle"
+    nb.screenshot("side-panel", show=nb.code_cell(hello))
+
+    nb.page.locator(f'{PANEL} button[data-request="stacks"]').click()
+    nb.wait_for(
+        "return document.querySelector('#jupyter-shard-panel .jp-ShardPanel-stacks')"
+        ".textContent.includes('──── rank 1 ────');",
+        timeout=15 * SECOND,
+        what="the stacks of both ranks in the panel",
+    )
+
+    # The picker's button: the extension inserts its %%distributed line as a new cell below.
+    cells_before = nb.code_cell_count()
+    picker = nb.find_code_cell("%dist_status")
+    set_source(nb, picker, "%dist_picker 1.3B")
+    run_cell(nb, picker)
+    nb.wait_finished(picker)
+    nb.code_cell(picker).get_by_role("button", name="Insert as new cell").click()
+    nb.wait_for(
+        f"return codeCells().length === {cells_before + 1};",
+        timeout=10 * SECOND,
+        what="a new code cell from the picker",
+    )
+    inserted = nb.page.evaluate(
+        """(arg) => {
+            const panel = Array.from(window.jupyterapp.shell.widgets('main'))
+                .find((w) => w.context && w.context.path === arg.path);
+            const code = panel.content.widgets.filter((c) => c.model.type === 'code');
+            return code[arg.index + 1].model.sharedModel.getSource();
+        }""",
+        {"path": nb.path, "index": picker},
+    )
+    assert inserted.startswith("%%distributed"), inserted
+    nb.screenshot("picker-inserted-cell", show=nb.code_cell(picker + 1))
+
+
+def set_source(nb: Notebook, index: int, source: str) -> None:
+    """Replace code cell ``index``'s source (as typing would)."""
+    nb.page.evaluate(
+        """(arg) => {
+            const panel = Array.from(window.jupyterapp.shell.widgets('main'))
+                .find((w) => w.context && w.context.path === arg.path);
+            const code = panel.content.widgets.filter((c) => c.model.type === 'code');
+            code[arg.index].model.sharedModel.setSource(arg.source);
+        }""",
+        {"path": nb.path, "index": index, "source": source},
+    )
