@@ -5,18 +5,23 @@ into whole lines and a "live" partial line (text after a ``\\r``, as tqdm writes
 them: :class:`ConsoleSink` writes to this process's stdout/stderr (scripts, tests);
 :class:`NotebookSink` writes lines to the cell's streams and shows each live line as one display
 that is updated in place (at most 10 times a second), so a progress bar is one line, not thousands.
+Once the JupyterLab extension announced itself (it opened the ``jupyter_shard`` comm), a cell's
+lines go instead into one display of :data:`RANK_OUTPUT_MIME` (rendered as rank tabs) with the same
+``[rank k] …`` lines as its ``text/plain`` fallback, updated in place at most 10 times a second.
 """
 
 from __future__ import annotations
 
 import html
 import sys
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 LIVE_INTERVAL = 0.1
+RANK_OUTPUT_MIME = "application/vnd.jupyter-shard.rank-output+json"
 MAX_LINES_SHOWN = 5000
 MAX_BYTES_SHOWN = 2 * 1024 * 1024
 
@@ -154,16 +159,85 @@ class _Live:
     shown: str = field(default="")
 
 
+class RankOutputDisplay:
+    """One cell's rank lines as one display, updated in place at most every ``LIVE_INTERVAL`` s.
+
+    The first lines show at once; lines arriving sooner than that after an update are shown by a
+    timer thread (display updates go by display id, so they reach the cell from any thread).
+    """
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[int, str, str]] = []
+        self._handle: Any = None
+        self._shown_at = 0.0
+        self._dirty = False
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+
+    def data(self) -> dict[str, Any]:
+        text = "".join(f"[rank {rank}] {line}\n" for rank, _, line in self.lines)
+        bundle = {"version": 1, "lines": [list(entry) for entry in self.lines]}
+        return {RANK_OUTPUT_MIME: bundle, "text/plain": text}
+
+    def add(self, rank: int, name: str, lines: list[str]) -> None:
+        with self._lock:
+            self.lines.extend((rank, name, line) for line in lines)
+            self._dirty = True
+            if time.monotonic() - self._shown_at >= LIVE_INTERVAL:
+                self._show()
+            elif self._timer is None:
+                self._timer = threading.Timer(LIVE_INTERVAL, self.flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._dirty:
+                self._show()
+
+    def _show(self) -> None:
+        from IPython.display import DisplayHandle
+
+        data = self.data()
+        if self._handle is None:
+            self._handle = DisplayHandle()
+            self._handle.display(data, raw=True)
+        else:
+            self._handle.update(data, raw=True)
+        self._shown_at, self._dirty = time.monotonic(), False
+
+
+def _frontend_attached() -> bool:
+    from jupyter_shard.widgets.panel import frontend_attached
+
+    return frontend_attached()
+
+
 class NotebookSink(RankSink):
     """Inside a Jupyter kernel: streams to the cell, live lines and rich output as displays."""
 
     def __init__(self) -> None:
         super().__init__()
         self._live: dict[tuple[int, str], _Live] = {}
+        self._lines: RankOutputDisplay | None = None
 
     def begin_cell(self) -> None:
         super().begin_cell()
         self._live.clear()
+        self._lines = RankOutputDisplay() if _frontend_attached() else None
+
+    def end_cell(self) -> None:
+        super().end_cell()
+        self._lines = None
+
+    def _write_lines(self, rank: int, name: str, lines: list[str]) -> None:
+        if self._lines is None:
+            super()._write_lines(rank, name, lines)
+        elif lines:
+            self._lines.add(rank, name, lines)
 
     def write(self, name: str, text: str) -> None:
         (sys.stderr if name == "stderr" else sys.stdout).write(text)
@@ -190,6 +264,8 @@ class NotebookSink(RankSink):
     def flush(self) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
+        if self._lines is not None:
+            self._lines.flush()
         for live in self._live.values():
             if live.shown != live.text:
                 live.handle.update({"text/plain": live.text}, raw=True)

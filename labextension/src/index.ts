@@ -6,6 +6,7 @@
 import { ILabShell, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
 import { KernelMessage } from '@jupyterlab/services';
+import { IRenderMimeRegistry } from '@jupyterlab/rendermime';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { LabIcon } from '@jupyterlab/ui-components';
 import { Signal } from '@lumino/signaling';
@@ -14,6 +15,7 @@ import { Widget } from '@lumino/widgets';
 import { ShardClient } from './client';
 import { insertCellCode, statusBarText } from './format';
 import { DistributedPanel, POLL_MS } from './panel';
+import { rankOutputRenderer } from './renderer';
 
 const ICON_SVG =
   '<svg xmlns="http://www.w3.org/2000/svg" width="16" height="16" viewBox="0 0 16 16">' +
@@ -50,13 +52,16 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description: 'Side panel and status bar for jupyter_shard rank pools',
   autoStart: true,
   requires: [INotebookTracker],
-  optional: [ILabShell, IStatusBar],
+  optional: [ILabShell, IStatusBar, IRenderMimeRegistry],
   activate: (
     app: JupyterFrontEnd,
     tracker: INotebookTracker,
     labShell: ILabShell | null,
-    statusBar: IStatusBar | null
+    statusBar: IStatusBar | null,
+    rendermime: IRenderMimeRegistry | null
   ) => {
+    // Notebook outputs render through this registry: add the rank-output renderer to it.
+    rendermime?.addFactory(rankOutputRenderer);
     const clients = new Map<NotebookPanel, ShardClient>();
     const lastRefresh = new Map<ShardClient, number>();
     // The tracker may announce a notebook as current before it reports it added: create on demand.

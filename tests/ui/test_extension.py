@@ -15,6 +15,7 @@ from tests.ui.notebook import SECOND, Notebook
 pytestmark = pytest.mark.timeout(300)
 
 PANEL = "#jupyter-shard-panel"
+RANK_OUTPUT_MIME = "application/vnd.jupyter-shard.rank-output+json"
 
 
 def run_cell(nb: Notebook, index: int) -> None:
@@ -69,6 +70,18 @@ def test_side_panel_shows_the_pool_and_picker_inserts_a_cell(open_nb: OpenNotebo
     assert status_item.is_visible()
     assert status_item.inner_text() == "2 CPU ranks · ddp · idle"
     nb.screenshot("side-panel", show=nb.code_cell(hello))
+
+    # The comm is open, so the hello cell's lines came as one rank-output display: tabs, with the
+    # `[rank k]` lines in the default "all ranks" tab and as the saved text/plain fallback.
+    bundles = [o for o in nb.outputs(hello) if RANK_OUTPUT_MIME in o.get("data", {})]
+    assert len(bundles) == 1, nb.outputs(hello)
+    assert "[rank 1] rank 1 of 2 on cpu: all_reduce sum = 3" in bundles[0]["data"]["text/plain"]
+    tabs = nb.code_cell(hello).locator(".jp-ShardRankOutput-tab")
+    assert tabs.all_inner_texts() == ["all ranks", "rank 0", "rank 1"]
+    assert "[rank 0] rank 0 of 2 on cpu: all_reduce sum = 3" in nb.output_text(hello)
+    tabs.nth(2).click()
+    assert nb.output_text(hello).strip().endswith("rank 1 of 2 on cpu: all_reduce sum = 3")
+    nb.screenshot("rank-tabs", show=nb.code_cell(hello))
 
     nb.page.locator(f'{PANEL} button[data-request="stacks"]').click()
     nb.wait_for(

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
+
+import pytest
 
 import jupyter_shard
 from jupyter_shard.results import RankActivity, RankState
 from jupyter_shard.widgets import panel
+from jupyter_shard.widgets.rank_output import RANK_OUTPUT_MIME, NotebookSink, RankOutputDisplay
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -166,3 +170,64 @@ def test_extension_version_is_the_python_version() -> None:
     package = json.loads((ROOT / "labextension" / "package.json").read_text())
     assert package["version"] == jupyter_shard.__version__
     assert re.fullmatch(r"\d+\.\d+\.\d+", package["version"])
+
+
+class FakeHandle:
+    shown: ClassVar[list[tuple[str, dict[str, Any]]]] = []
+
+    def display(self, data: dict[str, Any], raw: bool = False) -> None:
+        self.shown.append(("display", json.loads(json.dumps(data))))
+
+    def update(self, data: dict[str, Any], raw: bool = False) -> None:
+        self.shown.append(("update", json.loads(json.dumps(data))))
+
+
+@pytest.fixture
+def handles(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
+    FakeHandle.shown = []
+    monkeypatch.setattr("IPython.display.DisplayHandle", FakeHandle)
+    return FakeHandle.shown
+
+
+def test_without_the_extension_the_sink_writes_plain_rank_lines(
+    handles: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert not panel.frontend_attached()
+    sink = NotebookSink()
+    sink.begin_cell()
+    sink.stream(0, "stdout", "hello\n")
+    sink.end_cell()
+    assert capsys.readouterr().out == "[rank 0] hello\n"
+    assert handles == []
+
+
+def test_with_the_extension_one_display_holds_the_cell_and_a_text_fallback(
+    handles: list[Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(panel, "_open", [object()])
+    sink = NotebookSink()
+    sink.begin_cell()
+    sink.stream(0, "stdout", "epoch 1\n")
+    sink.stream(1, "stdout", "epoch 1\n")  # within 0.1 s: held back, shown by the timer or the end
+    sink.stream(1, "stderr", "warning\n")
+    sink.end_cell()
+    assert capsys.readouterr().out == ""
+    kinds = [kind for kind, _ in handles]
+    assert kinds[0] == "display" and set(kinds[1:]) <= {"update"} and len(kinds) <= 3
+    final = handles[-1][1]
+    assert final[RANK_OUTPUT_MIME] == {
+        "version": 1,
+        "lines": [[0, "stdout", "epoch 1"], [1, "stdout", "epoch 1"], [1, "stderr", "warning"]],
+    }
+    assert final["text/plain"] == "[rank 0] epoch 1\n[rank 1] epoch 1\n[rank 1] warning\n"
+
+
+def test_rank_output_display_updates_at_most_ten_times_a_second(handles: list[Any]) -> None:
+    lines = RankOutputDisplay()
+    start = time.monotonic()
+    while time.monotonic() - start < 0.35:
+        lines.add(0, "stdout", ["x"])
+        time.sleep(0.005)
+    time.sleep(0.15)  # the timer shows what was held back
+    assert 3 <= len(handles) <= 6
+    assert len(handles[-1][1][RANK_OUTPUT_MIME]["lines"]) == len(lines.lines)
