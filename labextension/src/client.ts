@@ -53,6 +53,14 @@ export class ShardClient {
       this._changed.emit();
       return;
     }
+    if (request === 'interrupt' && kernel.status === 'busy') {
+      // A foreground cell holds the kernel, which answers comms only between cells; a kernel
+      // interrupt reaches the cell, and %%distributed passes it on to the ranks.
+      void kernel.interrupt();
+      this.message = 'interrupted the running cell';
+      this._changed.emit();
+      return;
+    }
     const comm = this._comm ?? this._open(kernel, request);
     if (comm && comm !== this._justOpened) {
       comm.send({ request });

@@ -27,7 +27,7 @@ def run_cell(nb: Notebook, index: int) -> None:
             const cells = panel.content.widgets;
             const code = cells.filter((c) => c.model.type === 'code');
             panel.content.activeCellIndex = cells.indexOf(code[arg.index]);
-            return window.jupyterapp.commands.execute('notebook:run-cell');
+            void window.jupyterapp.commands.execute("notebook:run-cell");
         }""",
         {"path": nb.path, "index": index},
     )
@@ -127,3 +127,42 @@ def set_source(nb: Notebook, index: int, source: str) -> None:
         }""",
         {"path": nb.path, "index": index, "source": source},
     )
+
+
+def test_panel_follows_and_interrupts_a_running_cell(open_nb: OpenNotebook) -> None:
+    nb = open_nb("00_quickstart.ipynb")
+    for source in ("%load_ext jupyter_shard", "all_reduce(t)"):
+        index = nb.find_code_cell(source)
+        run_cell(nb, index)
+        nb.wait_finished(index)
+    open_panel(nb)
+    nb.wait_for(
+        "return document.querySelectorAll('#jupyter-shard-panel tr[data-state=\"idle\"]').length === 2;",
+        timeout=15 * SECOND,
+        what="the panel to show 2 idle ranks",
+    )
+
+    slow = nb.find_code_cell("%dist_status")
+    set_source(nb, slow, "%%distributed\nimport time\nfor _ in range(1200):\n    time.sleep(0.1)")
+    run_cell(nb, slow)
+    nb.wait_running(slow)
+    # Either the kernel answers between its own steps (the ranks show running) or it holds the
+    # request until the cell ends (the panel keeps the last status and says "kernel busy").
+    nb.wait_for(
+        "const state = document.querySelector('#jupyter-shard-panel .jp-ShardPanel-state').textContent;"
+        "return state.includes('kernel busy') || (state === 'running'"
+        " && document.querySelectorAll('#jupyter-shard-panel tr[data-state=\"running\"]').length === 2);",
+        timeout=15 * SECOND,
+        what="the panel to show the running cell (or say the kernel is busy)",
+    )
+    nb.screenshot("running", show=nb.code_cell(slow))
+    nb.page.locator(f'{PANEL} button[data-request="interrupt"]').click()
+    nb.wait_finished(slow, timeout=30 * SECOND)
+    assert "KeyboardInterrupt" in nb.output_text(slow)
+    nb.wait_for(
+        "return document.querySelectorAll('#jupyter-shard-panel tr[data-state=\"failed\"]').length === 2"
+        " && document.querySelector('#jupyter-shard-panel .jp-ShardPanel-state').textContent === 'failed';",
+        timeout=15 * SECOND,
+        what="the panel to show both ranks' last cell failed (interrupted), the kernel no longer busy",
+    )
+    nb.screenshot("after-interrupt", show=nb.code_cell(slow))
