@@ -4,8 +4,10 @@ The panel opens one comm per notebook kernel and polls it (``{"request": "status
 visible); buttons send ``interrupt``, ``restart``, ``shutdown`` or ``stacks``. Every request gets one
 reply: the pool summary (``{"reply": "status", ...}``), the stacks text, or ``{"reply": "error"}`` with
 one line saying what went wrong. No HTTP endpoint: the comm is the kernel's own channel, so the panel
-sees exactly the pool of the notebook it belongs to. While a foreground cell runs the kernel answers
-nothing; the panel keeps its last status and says the kernel is busy.
+sees exactly the pool of the notebook it belongs to. While a cell runs, the kernel may answer only
+when the cell yields (ipykernel 7 dispatches comm messages between a cell's steps) or not at all;
+the panel then keeps its last status and says the kernel is busy. Restart and shutdown are refused
+while ranks run a cell.
 """
 
 from __future__ import annotations
@@ -116,12 +118,14 @@ class PanelComm:
 
     def _restart(self) -> dict[str, Any]:
         pool = self._pool("restart")
+        _refuse_while_running(pool, "restart")
         pool.restart()
         return self._status(f"restarted {pool.spec.describe()}; rank state is lost")
 
     def _shutdown(self) -> dict[str, Any]:
         pool = self.holder.pool
         if pool is not None:
+            _refuse_while_running(pool, "shut down")
             pool.shutdown()
             self.holder.pool = None
         return self._status("pool shut down")
@@ -130,6 +134,12 @@ class PanelComm:
         stacks = self._pool("show stacks of").stacks()
         text = "\n".join(f"──── rank {rank} ────\n{stack}" for rank, stack in stacks.items())
         return {"reply": "stacks", "text": text}
+
+
+def _refuse_while_running(pool: Pool, action: str) -> None:
+    """The kernel may answer the panel between steps of a running cell: not the moment to replace ranks."""
+    if any(row.state is RankState.RUNNING for row in pool.activity()):
+        raise RuntimeError(f"a cell is running on the ranks; interrupt it first, then {action}")
 
 
 _open: list[PanelComm] = []

@@ -231,3 +231,14 @@ def test_rank_output_display_updates_at_most_ten_times_a_second(handles: list[An
     time.sleep(0.15)  # the timer shows what was held back
     assert 3 <= len(handles) <= 6
     assert len(handles[-1][1][RANK_OUTPUT_MIME]["lines"]) == len(lines.lines)
+
+
+def test_restart_and_shutdown_wait_for_the_running_cell() -> None:
+    pool = FakePool([RankState.RUNNING, RankState.IDLE])
+    comm, holder = _panel(pool)
+    for request in ("restart", "shutdown"):
+        reply = comm.request(request)
+        assert reply["reply"] == "error"
+        assert "a cell is running on the ranks; interrupt it first" in reply["error"]
+    assert pool.calls == []
+    assert holder.pool is pool
