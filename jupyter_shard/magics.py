@@ -377,13 +377,14 @@ def _report_background(run: BackgroundRun) -> None:
 
 
 def _change(old: LaunchSpec, new: LaunchSpec) -> str:
+    """What differs between two specs, e.g. ``2 → 4 ranks, zero_stage 2 → 3``."""
     parts = []
     if old.nproc != new.nproc:
         parts.append(f"{old.nproc} → {new.nproc} ranks")
-    for field in ("device", "strategy", "launcher", "nodes"):
-        a, b = getattr(old, field), getattr(new, field)
-        if a != b:
-            parts.append(f"{field} {getattr(a, 'value', a)} → {getattr(b, 'value', b)}")
+    for name in LaunchSpec.__dataclass_fields__:
+        a, b = getattr(old, name), getattr(new, name)
+        if name != "nproc" and a != b:
+            parts.append(f"{name.replace('_', '-')} {getattr(a, 'value', a)} → {getattr(b, 'value', b)}")
     return ", ".join(parts) or "with new options"
 
 

@@ -360,7 +360,8 @@ class Pool(Receiver):
         return [self._ranks[r] for r in chosen]
 
     def _end(self, gathering: Gathering) -> None:
-        self.sink.end_cell()
+        failed = [k for k, r in gathering.result.ranks.items() if r.status not in ("ok", "pending")]
+        self.sink.end_cell(failed)
         self._run = None
         self._tick(final=True)
 
@@ -507,6 +508,8 @@ class Pool(Receiver):
         stuck = [k for k in ranks if result.ranks[k].status == "pending"]
         stacks = self.stacks(timeout=1.0, ranks=stuck)
         for k in stuck:
+            why = f"was killed by jupyter_shard: still running {INTERRUPT_GRACE:g} s after SIGINT"
+            self._ranks[k].killed_by_pool = why
             self._ranks[k].handle.kill_tree()
             self._check_exit(self._ranks[k], result)
             result.ranks[k].traceback[:0] = [

@@ -51,6 +51,7 @@ class RankRecord:
         self.memory: dict[str, int] = {}
         self.step = 0
         self.last_line = ""
+        self.killed_by_pool = ""  # why the pool itself killed the rank, if it did
 
 
 class Receiver:
@@ -77,7 +78,7 @@ class Receiver:
         if code is None or r.state is RankState.DEAD:
             return False
         self._pump(0.05)
-        r.state, r.exit = RankState.DEAD, describe_exit(code)
+        r.state, r.exit = RankState.DEAD, (r.killed_by_pool or describe_exit(code))
         if result is not None and r.rank in result.ranks and result.ranks[r.rank].status == "pending":
             failure = result.ranks[r.rank]
             failure.status, failure.evalue, failure.failed_at = (

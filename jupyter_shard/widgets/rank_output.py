@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -78,7 +79,8 @@ class RankSink(ABC):
         if live is not None:
             self.live_line(rank, name, live, final=False)
 
-    def end_cell(self) -> None:
+    def end_cell(self, failed: Sequence[int] = ()) -> None:
+        """Show what is left of the cell's output; ``failed``: ranks whose cell did not succeed."""
         for (rank, name), assembler in self._assemblers.items():
             self._emit(rank, name, assembler.finish())
         self.flush()
@@ -168,6 +170,7 @@ class RankOutputDisplay:
 
     def __init__(self) -> None:
         self.lines: list[tuple[int, str, str]] = []
+        self.failed: list[int] = []
         self._handle: Any = None
         self._shown_at = 0.0
         self._dirty = False
@@ -176,7 +179,7 @@ class RankOutputDisplay:
 
     def data(self) -> dict[str, Any]:
         text = "".join(f"[rank {rank}] {line}\n" for rank, _, line in self.lines)
-        bundle = {"version": 1, "lines": [list(entry) for entry in self.lines]}
+        bundle = {"version": 1, "lines": [list(entry) for entry in self.lines], "failed": self.failed}
         return {RANK_OUTPUT_MIME: bundle, "text/plain": text}
 
     def add(self, rank: int, name: str, lines: list[str]) -> None:
@@ -189,6 +192,10 @@ class RankOutputDisplay:
                 self._timer = threading.Timer(LIVE_INTERVAL, self.flush)
                 self._timer.daemon = True
                 self._timer.start()
+
+    def mark_dirty(self) -> None:
+        with self._lock:
+            self._dirty = self._dirty or self._handle is not None
 
     def flush(self) -> None:
         with self._lock:
@@ -229,8 +236,11 @@ class NotebookSink(RankSink):
         self._live.clear()
         self._lines = RankOutputDisplay() if _frontend_attached() else None
 
-    def end_cell(self) -> None:
-        super().end_cell()
+    def end_cell(self, failed: Sequence[int] = ()) -> None:
+        if self._lines is not None:
+            self._lines.failed = sorted(failed)
+            self._lines.mark_dirty()
+        super().end_cell(failed)
         self._lines = None
 
     def _write_lines(self, rank: int, name: str, lines: list[str]) -> None:

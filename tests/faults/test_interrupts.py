@@ -51,6 +51,8 @@ def test_rank_stuck_in_collective_is_killed_and_next_cell_restarts(kernel: Any) 
     text = run.error_text()
     assert "killed rank 1 (no response to SIGINT within 2 s)" in text
     assert "its stack before it was killed" in text and "all_reduce" in text
+    assert "rank 1 was killed by jupyter_shard: still running 2 s after SIGINT" in text
+    assert "out of memory" not in text, "the pool's own kill is not an OOM"
     nxt = kernel.execute("%%distributed\n'kept' in dir()")
     assert "restarting the pool (rank 1 was killed); rank state is lost" in nxt.stream("stderr")
     assert nxt.data("execute_result") == [{"text/plain": "False"}]

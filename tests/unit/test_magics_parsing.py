@@ -272,3 +272,12 @@ def test_status_table_text_and_html() -> None:
     html = table._repr_html_()
     assert "<th>rank</th>" in html and "<td>/logs/rank-0.log</td>" in html
     assert "c&lt;1&gt;" in html and "c<1>" not in html
+
+
+def test_a_restart_names_every_option_that_changed() -> None:
+    from jupyter_shard.magics import _change
+
+    old = LaunchSpec.create(nproc=2, device="cpu", strategy="deepspeed", zero_stage=2, gpu_count=0)
+    new = old.with_changes(nproc=4, zero_stage=3)
+    assert _change(old, new) == "2 → 4 ranks, zero-stage 2 → 3"
+    assert _change(old, old) == "with new options"

@@ -210,7 +210,7 @@ def test_with_the_extension_one_display_holds_the_cell_and_a_text_fallback(
     sink.stream(0, "stdout", "epoch 1\n")
     sink.stream(1, "stdout", "epoch 1\n")  # within 0.1 s: held back, shown by the timer or the end
     sink.stream(1, "stderr", "warning\n")
-    sink.end_cell()
+    sink.end_cell(failed=[1])
     assert capsys.readouterr().out == ""
     kinds = [kind for kind, _ in handles]
     assert kinds[0] == "display" and set(kinds[1:]) <= {"update"} and len(kinds) <= 3
@@ -218,6 +218,7 @@ def test_with_the_extension_one_display_holds_the_cell_and_a_text_fallback(
     assert final[RANK_OUTPUT_MIME] == {
         "version": 1,
         "lines": [[0, "stdout", "epoch 1"], [1, "stdout", "epoch 1"], [1, "stderr", "warning"]],
+        "failed": [1],
     }
     assert final["text/plain"] == "[rank 0] epoch 1\n[rank 1] epoch 1\n[rank 1] warning\n"
 
