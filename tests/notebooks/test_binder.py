@@ -26,46 +26,35 @@ pytestmark = [
 ]
 
 
+def _run(args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    run = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
 def test_binder_environment_runs_the_quickstart(tmp_path: Path) -> None:
     env_dir = tmp_path / "binder-env"
     venv.create(env_dir, with_pip=True)
-    python = env_dir / "bin" / "python"
+    python = str(env_dir / "bin" / "python")
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env.update(
         {"PIP_PROGRESS_BAR": "off", "PIP_RETRIES": "1", "JUPYTER_SHARD_LOG_DIR": str(tmp_path / "logs")}
     )
-    install = subprocess.run(
-        [str(python), "-m", "pip", "install", "-r", "binder/requirements.txt", "jupyterlab"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    _run([python, "-m", "pip", "install", "-r", "binder/requirements.txt", "jupyterlab"], ROOT, env, 900)
+    check = _run(
+        [python, "-c", "import torch, jupyter_shard; print(torch.__version__, jupyter_shard.__file__)"],
+        tmp_path,
+        env,
+        120,
     )
-    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
-    check = subprocess.run(
-        [str(python), "-c", "import torch, jupyter_shard; print(torch.__version__, jupyter_shard.__file__)"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert check.returncode == 0, check.stderr
     version, location = check.stdout.split()
     assert version.startswith("2.13.0") and "cu" not in version.split("+")[-1], version
     assert location.startswith(str(env_dir)), f"the package must come from the Binder environment: {location}"
-    run = subprocess.run(
-        [
-            str(python),
-            str(ROOT / "notebooks" / "run_headless.py"),
-            str(ROOT / "notebooks" / "00_quickstart.ipynb"),
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    notebooks = ROOT / "notebooks"
+    run = _run(
+        [python, str(notebooks / "run_headless.py"), str(notebooks / "00_quickstart.ipynb")],
+        tmp_path,
+        env,
+        300,
     )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "[rank 0] rank 0 of 2 on cpu: all_reduce sum = 3" in run.stdout
