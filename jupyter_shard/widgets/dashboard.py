@@ -184,6 +184,13 @@ class Dashboard(ipywidgets.VBox):  # type: ignore[misc]
     def html(self) -> str:
         return str(self._view.value)
 
+    def close(self) -> None:
+        """Close the widget and its parts (each holds a comm in the kernel and the front end)."""
+        for child in self.children:
+            child.close()
+        self._view.close()
+        super().close()
+
     def static_bundle(self) -> dict[str, Any]:
         return {"text/html": self.html, "text/plain": summary(self._pool)}
 
@@ -220,5 +227,4 @@ class CellDashboard:
             self._pool.observers.remove(self)
         if self.dashboard is not None and self._handle is not None:
             self._handle.update(self.dashboard.static_bundle(), raw=True)
-            self.dashboard._view.close()
             self.dashboard.close()
