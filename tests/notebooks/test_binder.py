@@ -15,15 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_shard.spec import visible_gpus
-
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.timeout(1200),
-    pytest.mark.skipif(visible_gpus() > 0, reason="expects the CPU pool (2 ranks); GPUs change the output"),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 def _run(args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -40,6 +34,7 @@ def test_binder_environment_runs_the_quickstart(tmp_path: Path) -> None:
     env.update(
         {"PIP_PROGRESS_BAR": "off", "PIP_RETRIES": "1", "JUPYTER_SHARD_LOG_DIR": str(tmp_path / "logs")}
     )
+    env["CUDA_VISIBLE_DEVICES"] = ""  # a Binder machine has no GPU: the quickstart runs on 2 CPU ranks
     _run([python, "-m", "pip", "install", "-r", "binder/requirements.txt", "jupyterlab"], ROOT, env, 900)
     check = _run(
         [python, "-c", "import torch, jupyter_shard; print(torch.__version__, jupyter_shard.__file__)"],
