@@ -186,10 +186,13 @@ class RankOutputDisplay:
         with self._lock:
             self.lines.extend((rank, name, line) for line in lines)
             self._dirty = True
-            if time.monotonic() - self._shown_at >= LIVE_INTERVAL:
+            wait = LIVE_INTERVAL - (time.monotonic() - self._shown_at)
+            if wait <= 0:
+                self._cancel_timer()
                 self._show()
             elif self._timer is None:
-                self._timer = threading.Timer(LIVE_INTERVAL, self.flush)
+                # due when the interval since the last update ends, not an interval from now
+                self._timer = threading.Timer(wait, self.flush)
                 self._timer.daemon = True
                 self._timer.start()
 
@@ -199,11 +202,14 @@ class RankOutputDisplay:
 
     def flush(self) -> None:
         with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            self._cancel_timer()
             if self._dirty:
                 self._show()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _show(self) -> None:
         from IPython.display import DisplayHandle

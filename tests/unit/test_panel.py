@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
@@ -174,17 +175,20 @@ def test_extension_version_is_the_python_version() -> None:
 
 class FakeHandle:
     shown: ClassVar[list[tuple[str, dict[str, Any]]]] = []
+    times: ClassVar[list[float]] = []
 
     def display(self, data: dict[str, Any], raw: bool = False) -> None:
         self.shown.append(("display", json.loads(json.dumps(data))))
+        self.times.append(time.monotonic())
 
     def update(self, data: dict[str, Any], raw: bool = False) -> None:
         self.shown.append(("update", json.loads(json.dumps(data))))
+        self.times.append(time.monotonic())
 
 
 @pytest.fixture
 def handles(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
-    FakeHandle.shown = []
+    FakeHandle.shown, FakeHandle.times = [], []
     monkeypatch.setattr("IPython.display.DisplayHandle", FakeHandle)
     return FakeHandle.shown
 
@@ -230,8 +234,23 @@ def test_rank_output_display_updates_at_most_ten_times_a_second(handles: list[An
         lines.add(0, "stdout", ["x"])
         time.sleep(0.005)
     time.sleep(0.15)  # the timer shows what was held back
-    assert 3 <= len(handles) <= 6
+    gaps = [later - earlier for earlier, later in itertools.pairwise(FakeHandle.times)]
+    assert len(handles) >= 3 and min(gaps) >= 0.095  # a slow machine only widens the gaps
     assert len(handles[-1][1][RANK_OUTPUT_MIME]["lines"]) == len(lines.lines)
+
+
+def test_a_held_back_update_is_due_an_interval_after_the_last_one(handles: list[Any]) -> None:
+    lines = RankOutputDisplay()
+    lines.add(0, "stdout", ["a"])  # shown at once
+    time.sleep(0.02)
+    lines.add(0, "stdout", ["b"])  # held back until 0.1 s after "a"
+    time.sleep(0.085)
+    lines.add(0, "stdout", ["c"])  # around 0.105 s: held back until 0.1 s after the last update
+    lines.add(0, "stdout", ["d"])
+    time.sleep(0.2)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(FakeHandle.times)]
+    assert min(gaps) >= 0.095
+    assert len(handles[-1][1][RANK_OUTPUT_MIME]["lines"]) == 4
 
 
 def test_restart_and_shutdown_wait_for_the_running_cell() -> None:
