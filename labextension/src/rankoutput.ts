@@ -40,18 +40,7 @@ export function rankLabel(ranks: number[]): string {
 /** One group per distinct output, ranks with identical lines (and outcome) together, by first rank. */
 export function groupRanks(output: IRankOutput): IRankGroup[] {
   const failed = new Set(output.failed ?? []);
-  const byRank = new Map<number, [string, string][]>();
-  for (const [rank, name, text] of output.lines) {
-    if (!byRank.has(rank)) {
-      byRank.set(rank, []);
-    }
-    byRank.get(rank)!.push([name, text]);
-  }
-  for (const rank of failed) {
-    if (!byRank.has(rank)) {
-      byRank.set(rank, []);
-    }
-  }
+  const byRank = linesByRank(output);
   const groups = new Map<string, IRankGroup>();
   for (const rank of [...byRank.keys()].sort((a, b) => a - b)) {
     const lines = byRank.get(rank)!;
@@ -73,4 +62,88 @@ export function groupRanks(output: IRankOutput): IRankGroup[] {
 /** The "all ranks" view: every line labelled, as the plain-text fallback shows it. */
 export function labelledText(output: IRankOutput): string {
   return output.lines.map(([rank, , text]) => `[rank ${rank}] ${text}\n`).join('');
+}
+
+/** One line of a diff between two ranks: in both (`same`), only the first (`del`), only the second (`add`). */
+export interface IDiffLine {
+  kind: 'same' | 'del' | 'add';
+  name: string;
+  text: string;
+}
+
+/** Beyond this many cells of the comparison table, the differing middle is shown as removed then added. */
+export const DIFF_LIMIT = 4_000_000;
+
+/** Each rank's `[stream name, line]` list, in arrival order. */
+export function linesByRank(output: IRankOutput): Map<number, [string, string][]> {
+  const byRank = new Map<number, [string, string][]>();
+  for (const [rank, name, text] of output.lines) {
+    if (!byRank.has(rank)) {
+      byRank.set(rank, []);
+    }
+    byRank.get(rank)!.push([name, text]);
+  }
+  for (const rank of output.failed ?? []) {
+    if (!byRank.has(rank)) {
+      byRank.set(rank, []);
+    }
+  }
+  return byRank;
+}
+
+/**
+ * A line diff of two ranks' output (a longest common subsequence; a line on another stream is a
+ * different line). The common head and tail are matched first, so outputs that differ in a few
+ * lines compare quickly however long they are.
+ */
+export function diffLines(a: [string, string][], b: [string, string][]): IDiffLine[] {
+  const key = ([name, text]: [string, string]) => `${name}\u0000${text}`;
+  const ka = a.map(key);
+  const kb = b.map(key);
+  let head = 0;
+  while (head < ka.length && head < kb.length && ka[head] === kb[head]) {
+    head++;
+  }
+  let tail = 0;
+  while (tail < ka.length - head && tail < kb.length - head && ka[ka.length - 1 - tail] === kb[kb.length - 1 - tail]) {
+    tail++;
+  }
+  const line = (kind: IDiffLine['kind'], [name, text]: [string, string]): IDiffLine => ({ kind, name, text });
+  const out: IDiffLine[] = a.slice(0, head).map(l => line('same', l));
+  const n = ka.length - head - tail;
+  const m = kb.length - head - tail;
+  if (n * m > DIFF_LIMIT) {
+    out.push(...a.slice(head, head + n).map(l => line('del', l)));
+    out.push(...b.slice(head, head + m).map(l => line('add', l)));
+  } else {
+    // lcs[i][j]: the longest common subsequence of the middles' suffixes from i and j
+    const lcs = Array.from({ length: n + 1 }, () => new Uint32Array(m + 1));
+    for (let i = n - 1; i >= 0; i--) {
+      for (let j = m - 1; j >= 0; j--) {
+        lcs[i][j] =
+          ka[head + i] === kb[head + j] ? lcs[i + 1][j + 1] + 1 : Math.max(lcs[i + 1][j], lcs[i][j + 1]);
+      }
+    }
+    let i = 0;
+    let j = 0;
+    while (i < n || j < m) {
+      if (i < n && j < m && ka[head + i] === kb[head + j]) {
+        out.push(line('same', a[head + i++]));
+        j++;
+      } else if (i < n && (j === m || lcs[i + 1][j] >= lcs[i][j + 1])) {
+        out.push(line('del', a[head + i++])); // removals before additions, as unified diffs show them
+      } else {
+        out.push(line('add', b[head + j++]));
+      }
+    }
+  }
+  out.push(...a.slice(a.length - tail).map(l => line('same', l)));
+  return out;
+}
+
+export const DIFF_MARK: Record<IDiffLine['kind'], string> = { same: '  ', del: '- ', add: '+ ' };
+
+/** The unified-diff text of a diff: `- ` only in the first rank, `+ ` only in the second. */
+export function diffText(diff: IDiffLine[]): string {
+  return diff.map(d => `${DIFF_MARK[d.kind]}${d.text}\n`).join('');
 }

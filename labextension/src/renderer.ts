@@ -1,11 +1,27 @@
 /**
- * Renders a rank-output bundle as tabs: "all ranks" (every line labelled `[rank k]`, the default)
- * and one tab per group of ranks with identical output; failed ranks' tabs are marked.
+ * Renders a rank-output bundle as tabs: "all ranks" (every line labelled `[rank k]`, the default),
+ * one tab per group of ranks with identical output (failed ranks' tabs marked) and, when ranks
+ * differ, a "diff" tab comparing two chosen ranks line by line.
  */
 import { IRenderMime } from '@jupyterlab/rendermime-interfaces';
 import { Widget } from '@lumino/widgets';
 
-import { groupRanks, IRankOutput, labelledText, RANK_OUTPUT_MIME } from './rankoutput';
+import {
+  DIFF_MARK,
+  diffLines,
+  groupRanks,
+  IRankOutput,
+  labelledText,
+  linesByRank,
+  RANK_OUTPUT_MIME,
+  rankLabel
+} from './rankoutput';
+
+interface ITab {
+  label: string;
+  failed: boolean;
+  show: (body: HTMLPreElement) => void;
+}
 
 export class RankOutputRenderer extends Widget implements IRenderMime.IRenderer {
   constructor() {
@@ -15,13 +31,19 @@ export class RankOutputRenderer extends Widget implements IRenderMime.IRenderer 
 
   async renderModel(model: IRenderMime.IMimeModel): Promise<void> {
     const output = model.data[RANK_OUTPUT_MIME] as unknown as IRankOutput;
-    const tabs: { label: string; text: string; failed: boolean; stderr: boolean }[] = [
-      { label: 'all ranks', text: labelledText(output), failed: false, stderr: false }
-    ];
-    for (const group of groupRanks(output)) {
-      const text = group.lines.map(([, line]) => `${line}\n`).join('');
-      const stderr = group.lines.some(([name]) => name === 'stderr');
-      tabs.push({ label: group.label, text, failed: group.failed, stderr });
+    const groups = groupRanks(output);
+    const text = (body: HTMLPreElement, value: string) => {
+      body.textContent = value;
+    };
+    const tabs: ITab[] = [{ label: 'all ranks', failed: false, show: body => text(body, labelledText(output)) }];
+    for (const group of groups) {
+      const lines = group.lines.map(([, line]) => `${line}\n`).join('');
+      tabs.push({ label: group.label, failed: group.failed, show: body => text(body, lines) });
+    }
+    const controls = document.createElement('div');
+    controls.className = 'jp-ShardRankOutput-diffControls';
+    if (groups.length > 1) {
+      tabs.push({ label: 'diff', failed: false, show: body => this._showDiff(output, groups[1].ranks[0], controls, body) });
     }
     const node = this.node;
     node.textContent = '';
@@ -31,7 +53,9 @@ export class RankOutputRenderer extends Widget implements IRenderMime.IRenderer 
     body.className = 'jp-ShardRankOutput-body';
     const select = (index: number) => {
       this._selected = index;
-      body.textContent = tabs[index].text;
+      controls.textContent = '';
+      tabs[index].show(body);
+      controls.hidden = tabs[index].label !== 'diff';
       bar.querySelectorAll('button').forEach((b, i) => b.classList.toggle('jp-mod-current', i === index));
     };
     tabs.forEach((tab, index) => {
@@ -43,12 +67,60 @@ export class RankOutputRenderer extends Widget implements IRenderMime.IRenderer 
       bar.appendChild(button);
     });
     node.appendChild(bar);
+    node.appendChild(controls);
     node.appendChild(body);
     // An update in place (more lines) keeps the tab the reader chose.
     select(this._selected < tabs.length ? this._selected : 0);
   }
 
+  /** Two rank pickers (by default the first rank against the first one that differs) and their diff. */
+  private _showDiff(output: IRankOutput, firstOther: number, controls: HTMLDivElement, body: HTMLPreElement): void {
+    const byRank = linesByRank(output);
+    const ranks = [...byRank.keys()].sort((a, b) => a - b);
+    if (!ranks.includes(this._diffRanks[0]) || !ranks.includes(this._diffRanks[1])) {
+      this._diffRanks = [ranks[0], firstOther];
+    }
+    const pickers = this._diffRanks.map((chosen, side) => {
+      const picker = document.createElement('select');
+      picker.className = 'jp-ShardRankOutput-diffRank';
+      picker.setAttribute('aria-label', side === 0 ? 'first rank' : 'second rank');
+      for (const rank of ranks) {
+        const option = document.createElement('option');
+        option.value = `${rank}`;
+        option.textContent = rankLabel([rank]);
+        option.selected = rank === chosen;
+        picker.appendChild(option);
+      }
+      picker.onchange = () => {
+        this._diffRanks[side] = Number(picker.value);
+        draw();
+      };
+      return picker;
+    });
+    const summary = document.createElement('span');
+    summary.className = 'jp-ShardRankOutput-diffSummary';
+    controls.append(pickers[0], ' against ', pickers[1], summary);
+    const draw = () => {
+      const [a, b] = this._diffRanks;
+      const diff = diffLines(byRank.get(a) ?? [], byRank.get(b) ?? []);
+      const removed = diff.filter(d => d.kind === 'del').length;
+      const added = diff.filter(d => d.kind === 'add').length;
+      summary.textContent =
+        removed + added === 0 ? ' · identical' : ` · ${removed} only on rank ${a}, ${added} only on rank ${b}`;
+      body.textContent = '';
+      for (const line of diff) {
+        const span = document.createElement('span');
+        span.className = `jp-ShardRankOutput-${line.kind}`;
+        span.classList.toggle('jp-mod-stderr', line.name === 'stderr');
+        span.textContent = `${DIFF_MARK[line.kind]}${line.text}\n`;
+        body.appendChild(span);
+      }
+    };
+    draw();
+  }
+
   private _selected = 0;
+  private _diffRanks: [number, number] = [-1, -1];
 }
 
 export const rankOutputRenderer: IRenderMime.IRendererFactory = {

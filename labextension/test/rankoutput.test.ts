@@ -1,4 +1,4 @@
-import { groupRanks, labelledText, rankLabel } from '../src/rankoutput';
+import { DIFF_LIMIT, diffLines, diffText, groupRanks, labelledText, linesByRank, rankLabel } from '../src/rankoutput';
 
 describe('rank labels', () => {
   it('compresses runs of ranks', () => {
@@ -60,5 +60,64 @@ describe('grouping', () => {
   it('labels every line for the all-ranks view', () => {
     const output = { version: 1, lines: [[1, 'stdout', 'b'], [0, 'stderr', 'a']] as [number, string, string][] };
     expect(labelledText(output)).toBe('[rank 1] b\n[rank 0] a\n');
+  });
+});
+
+describe('diff between two ranks', () => {
+  const out = (...texts: string[]) => texts.map(t => ['stdout', t] as [string, string]);
+
+  it('marks the lines only one rank printed', () => {
+    const diff = diffLines(out('start', 'loss 0.5', 'saved', 'end'), out('start', 'loss 0.7', 'end', 'extra'));
+    expect(diffText(diff)).toBe('  start\n- loss 0.5\n- saved\n+ loss 0.7\n  end\n+ extra\n');
+  });
+
+  it('identical output is all common lines, and an empty rank is all added or removed', () => {
+    expect(diffLines(out('a', 'b'), out('a', 'b')).map(d => d.kind)).toEqual(['same', 'same']);
+    expect(diffText(diffLines([], out('a')))).toBe('+ a\n');
+    expect(diffText(diffLines(out('a'), []))).toBe('- a\n');
+  });
+
+  it('the same text on another stream differs, and keeps its stream', () => {
+    const diff = diffLines([['stdout', 'x']], [['stderr', 'x']]);
+    expect(diff).toEqual([
+      { kind: 'del', name: 'stdout', text: 'x' },
+      { kind: 'add', name: 'stderr', text: 'x' }
+    ]);
+  });
+
+  it('keeps every line of both ranks in order, and is a longest common subsequence', () => {
+    const a = out('1', '2', '3', '4', '5', '6');
+    const b = out('2', '9', '4', '6', '7');
+    const diff = diffLines(a, b);
+    expect(diff.filter(d => d.kind !== 'add').map(d => d.text)).toEqual(['1', '2', '3', '4', '5', '6']);
+    expect(diff.filter(d => d.kind !== 'del').map(d => d.text)).toEqual(['2', '9', '4', '6', '7']);
+    expect(diff.filter(d => d.kind === 'same').map(d => d.text)).toEqual(['2', '4', '6']);
+  });
+
+  it('long outputs with a differing middle past the limit still keep head, tail and every line', () => {
+    const middle = Math.ceil(Math.sqrt(DIFF_LIMIT)) + 1;
+    const a = out('head', ...Array.from({ length: middle }, (_, i) => `a${i}`), 'tail');
+    const b = out('head', ...Array.from({ length: middle }, (_, i) => `b${i}`), 'tail');
+    const diff = diffLines(a, b);
+    expect(diff[0]).toEqual({ kind: 'same', name: 'stdout', text: 'head' });
+    expect(diff[diff.length - 1]).toEqual({ kind: 'same', name: 'stdout', text: 'tail' });
+    expect(diff.filter(d => d.kind === 'del')).toHaveLength(middle);
+    expect(diff.filter(d => d.kind === 'add')).toHaveLength(middle);
+  });
+
+  it('reads each rank’s lines from the bundle, failed ranks without output included', () => {
+    const byRank = linesByRank({
+      version: 1,
+      lines: [
+        [1, 'stdout', 'b'],
+        [0, 'stderr', 'a']
+      ],
+      failed: [3]
+    });
+    expect([...byRank.entries()]).toEqual([
+      [1, [['stdout', 'b']]],
+      [0, [['stderr', 'a']]],
+      [3, []]
+    ]);
   });
 });

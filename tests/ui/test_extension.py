@@ -77,11 +77,42 @@ def test_side_panel_shows_the_pool_and_picker_inserts_a_cell(open_nb: OpenNotebo
     assert len(bundles) == 1, nb.outputs(hello)
     assert "[rank 1] rank 1 of 2 on cpu: all_reduce sum = 3" in bundles[0]["data"]["text/plain"]
     tabs = nb.code_cell(hello).locator(".jp-ShardRankOutput-tab")
-    assert tabs.all_inner_texts() == ["all ranks", "rank 0", "rank 1"]
+    assert tabs.all_inner_texts() == ["all ranks", "rank 0", "rank 1", "diff"]
     assert "[rank 0] rank 0 of 2 on cpu: all_reduce sum = 3" in nb.output_text(hello)
     tabs.nth(2).click()
     assert nb.output_text(hello).strip().endswith("rank 1 of 2 on cpu: all_reduce sum = 3")
     nb.screenshot("rank-tabs", show=nb.code_cell(hello))
+
+    # The diff tab compares rank 0 with the first rank whose output differs; either side can change.
+    tabs.nth(3).click()
+    body = nb.code_cell(hello).locator(".jp-ShardRankOutput-body")
+    assert [t.strip() for t in body.locator(".jp-ShardRankOutput-del").all_inner_texts()] == [
+        "- rank 0 of 2 on cpu: all_reduce sum = 3"
+    ]
+    assert [t.strip() for t in body.locator(".jp-ShardRankOutput-add").all_inner_texts()] == [
+        "+ rank 1 of 2 on cpu: all_reduce sum = 3"
+    ]
+    summary = nb.code_cell(hello).locator(".jp-ShardRankOutput-diffSummary")
+    assert summary.inner_text().strip() == "· 1 only on rank 0, 1 only on rank 1"
+    nb.screenshot("rank-diff", show=nb.code_cell(hello))
+    nb.code_cell(hello).get_by_label("second rank").select_option("0")
+    assert summary.inner_text().strip() == "· identical"
+    assert body.locator(".jp-ShardRankOutput-same").count() == 1
+
+    # Identical output (DDP keeps the replicas equal) is one tab for both ranks, with no diff tab.
+    # Run All sent every cell before the comm opened, so the model, training and "agree" cells run
+    # again, now with the comm open.
+    for source in ("shard.prepare(model, opt)", "shard.log(loss=loss)", 'print("weights", weights'):
+        index = nb.find_code_cell(source)
+        run_cell(nb, index)
+        nb.wait_finished(index)
+    agree = nb.find_code_cell('print("weights", weights')
+    agree_tabs = nb.code_cell(agree).locator(".jp-ShardRankOutput-tab")
+    assert agree_tabs.all_inner_texts() == ["all ranks", "ranks 0–1"]
+    agree_tabs.nth(1).click()
+    agree_body = nb.code_cell(agree).locator(".jp-ShardRankOutput-body")
+    assert agree_body.inner_text().strip() == "weights [2.0, -3.0, 0.5, 1.0] bias 0.25"
+    nb.screenshot("rank-tabs-collapsed", show=nb.code_cell(agree))
 
     nb.page.locator(f'{PANEL} button[data-request="stacks"]').click()
     nb.wait_for(
