@@ -11,6 +11,7 @@ where they fail: CI installs both.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -96,7 +97,29 @@ def lab_server(
 def open_nb(
     request: pytest.FixtureRequest, browser: Browser, lab_server: lab.LabServer, artifacts: Path
 ) -> Iterator[OpenNotebook]:
-    """``open_nb("00_quickstart.ipynb")``: that notebook, alone in a fresh workspace and tab."""
+    """``open_nb("00_quickstart.ipynb")``: that notebook, alone in a fresh JupyterLab workspace and tab."""
+    prefix = re.sub(r"[^\w.-]+", "_", request.node.name)
+    yield from _opener(request, browser, lab_server, artifacts, lambda path: lab_server.lab_url(prefix, path))
+
+
+@pytest.fixture
+def open_nb7(
+    request: pytest.FixtureRequest, browser: Browser, lab_server: lab.LabServer, artifacts: Path
+) -> Iterator[OpenNotebook]:
+    """``open_nb7("00_quickstart.ipynb")``: that notebook in Notebook 7, served by the same server."""
+    if importlib.util.find_spec("notebook") is None:
+        _unavailable("Notebook 7 is not installed (pip install -e '.[lab]')")
+    yield from _opener(request, browser, lab_server, artifacts, lab_server.notebook7_url)
+
+
+def _opener(
+    request: pytest.FixtureRequest,
+    browser: Browser,
+    lab_server: lab.LabServer,
+    artifacts: Path,
+    url_for: Callable[[str], str],
+) -> Iterator[OpenNotebook]:
+    """Open notebooks in a fresh browser context; on failure a screenshot; then stop the kernels."""
     prefix = re.sub(r"[^\w.-]+", "_", request.node.name)
     context = browser.new_context(viewport=VIEWPORT)
     page = context.new_page()
@@ -113,7 +136,7 @@ def open_nb(
 
     def open_(path: str) -> Notebook:
         assert (lab_server.root_dir / path).is_file(), f"no {path} in notebooks/"
-        return open_notebook(page, lab_server.lab_url(prefix, path), path, artifacts, prefix)
+        return open_notebook(page, url_for(path), path, artifacts, prefix)
 
     try:
         yield open_

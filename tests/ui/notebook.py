@@ -104,6 +104,16 @@ class Notebook:
         self.page.locator("#jp-MainMenu").get_by_role("menuitem", name=menu, exact=True).click()
         self.page.locator(f'.lm-Menu [data-command="{command}"]').click()
 
+    def run_cell(self, index: int) -> None:
+        """Select code cell ``index`` and run it (Run → Run Selected Cell), as a user would."""
+        self.page.evaluate(
+            _js("const cells = panel(arg.path).content.widgets;"
+                "const code = cells.filter((c) => c.model.type === 'code');"
+                "panel(arg.path).content.activeCellIndex = cells.indexOf(code[arg.index]);"
+                "void window.jupyterapp.commands.execute('notebook:run-cell');"),
+            {"path": self.path, "index": index},
+        )  # fmt: skip
+
     def wait_running(self, index: int, timeout: float = RUN_TIMEOUT) -> None:
         """Code cell ``index`` shows ``[*]:`` (queued or running)."""
         self.wait_for(

@@ -61,6 +61,10 @@ class LabServer:
         """A fresh workspace (``?reset``) with only ``notebook`` open."""
         return f"{self.url}/lab/workspaces/{workspace}/tree/{notebook}?reset&token={self.token}"
 
+    def notebook7_url(self, notebook: str) -> str:
+        """``notebook`` in Notebook 7's single-document page, which the same server serves."""
+        return f"{self.url}/notebooks/{notebook}?token={self.token}"
+
     def shutdown_kernels(self) -> None:
         for kernel in self.api("GET", "/api/kernels"):
             self.api("DELETE", f"/api/kernels/{kernel['id']}")
@@ -106,7 +110,7 @@ def start(notebooks: Path, tmp: Path, artifacts: Path, env: dict[str, str]) -> L
         "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root_dir}",
         "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
         # window.jupyterapp: the tests read cell output models and kernel state through it.
-        "--LabApp.expose_app_in_browser=True",
+        "--LabApp.expose_app_in_browser=True", "--JupyterNotebookApp.expose_app_in_browser=True",
     ]  # fmt: skip
     if os.getuid() == 0:
         cmd.append("--allow-root")

@@ -18,21 +18,6 @@ PANEL = "#jupyter-shard-panel"
 RANK_OUTPUT_MIME = "application/vnd.jupyter-shard.rank-output+json"
 
 
-def run_cell(nb: Notebook, index: int) -> None:
-    """Select code cell ``index`` and run it (Run → Run Selected Cell), as a user would."""
-    nb.page.evaluate(
-        """(arg) => {
-            const panel = Array.from(window.jupyterapp.shell.widgets('main'))
-                .find((w) => w.context && w.context.path === arg.path);
-            const cells = panel.content.widgets;
-            const code = cells.filter((c) => c.model.type === 'code');
-            panel.content.activeCellIndex = cells.indexOf(code[arg.index]);
-            void window.jupyterapp.commands.execute("notebook:run-cell");
-        }""",
-        {"path": nb.path, "index": index},
-    )
-
-
 def open_panel(nb: Notebook) -> None:
     """Click the "Distributed" tab of the right sidebar."""
     nb.page.locator('.jp-SideBar .lm-TabBar-tab[data-id="jupyter-shard-panel"]').click()
@@ -55,7 +40,7 @@ def test_side_panel_shows_the_pool_and_picker_inserts_a_cell(open_nb: OpenNotebo
     )
 
     hello = nb.find_code_cell("all_reduce(t)")
-    run_cell(nb, hello)
+    nb.run_cell(hello)
     nb.wait_finished(hello)
     nb.wait_for(
         "return document.querySelectorAll('#jupyter-shard-panel tr[data-state=\"idle\"]').length === 2;",
@@ -104,7 +89,7 @@ def test_side_panel_shows_the_pool_and_picker_inserts_a_cell(open_nb: OpenNotebo
     # again, now with the comm open.
     for source in ("shard.prepare(model, opt)", "shard.log(loss=loss)", 'print("weights", weights'):
         index = nb.find_code_cell(source)
-        run_cell(nb, index)
+        nb.run_cell(index)
         nb.wait_finished(index)
     agree = nb.find_code_cell('print("weights", weights')
     agree_tabs = nb.code_cell(agree).locator(".jp-ShardRankOutput-tab")
@@ -126,7 +111,7 @@ def test_side_panel_shows_the_pool_and_picker_inserts_a_cell(open_nb: OpenNotebo
     cells_before = nb.code_cell_count()
     picker = nb.find_code_cell("%dist_status")
     set_source(nb, picker, "%dist_picker 1.3B")
-    run_cell(nb, picker)
+    nb.run_cell(picker)
     nb.wait_finished(picker)
     nb.code_cell(picker).get_by_role("button", name="Insert as new cell").click()
     nb.wait_for(
@@ -164,7 +149,7 @@ def test_panel_follows_and_interrupts_a_running_cell(open_nb: OpenNotebook) -> N
     nb = open_nb("00_quickstart.ipynb")
     for source in ("%load_ext jupyter_shard", "all_reduce(t)"):
         index = nb.find_code_cell(source)
-        run_cell(nb, index)
+        nb.run_cell(index)
         nb.wait_finished(index)
     open_panel(nb)
     nb.wait_for(
@@ -175,7 +160,7 @@ def test_panel_follows_and_interrupts_a_running_cell(open_nb: OpenNotebook) -> N
 
     slow = nb.find_code_cell("%dist_status")
     set_source(nb, slow, "%%distributed\nimport time\nfor _ in range(1200):\n    time.sleep(0.1)")
-    run_cell(nb, slow)
+    nb.run_cell(slow)
     nb.wait_running(slow)
     # Either the kernel answers between its own steps (the ranks show running) or it holds the
     # request until the cell ends (the panel keeps the last status and says "kernel busy").
