@@ -159,9 +159,19 @@ def test_panel_follows_and_interrupts_a_running_cell(open_nb: OpenNotebook) -> N
     )
 
     slow = nb.find_code_cell("%dist_status")
-    set_source(nb, slow, "%%distributed\nimport time\nfor _ in range(1200):\n    time.sleep(0.1)")
+    ticks = "for i in range(1200):\n    if i % 10 == 0:\n        print('tick', i)\n    time.sleep(0.1)"
+    set_source(nb, slow, f"%%distributed\nimport time\n{ticks}")
     nb.run_cell(slow)
     nb.wait_running(slow)
+    # The rank tabs stream: lines printed a second apart show while the cell still runs.
+    nb.wait_for(
+        "const body = codeCells()[arg].querySelector('.jp-ShardRankOutput-body');"
+        "return promptOf(codeCells()[arg]) === '[*]:' && !!body"
+        " && body.textContent.includes('[rank 1] tick 10') && body.textContent.includes('[rank 0] tick 10');",
+        arg=slow,
+        timeout=20 * SECOND,
+        what="both ranks' 'tick 10' lines in the rank tabs while the cell runs",
+    )
     # Either the kernel answers between its own steps (the ranks show running) or it holds the
     # request until the cell ends (the panel keeps the last status and says "kernel busy").
     nb.wait_for(
