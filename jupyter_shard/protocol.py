@@ -47,6 +47,8 @@ MsgType = Literal[
     "stacks",
     "status",
     "shutdown",
+    "release",
+    "regroup",
     # rank -> kernel
     "ready",
     "startup_failed",
@@ -60,6 +62,8 @@ MsgType = Literal[
     "pull_reply",
     "stacks_reply",
     "status_reply",
+    "release_reply",
+    "regroup_reply",
 ]
 MSG_TYPES: frozenset[str] = frozenset(MsgType.__args__)  # type: ignore[attr-defined]
 
