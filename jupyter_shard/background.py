@@ -25,6 +25,7 @@ class Gathering:
     started: float
     timeout: float | None
     pending: set[int] = field(default_factory=set)
+    first_done: float = 0.0  # when the first rank finished the cell (monotonic), 0 before
 
     def __post_init__(self) -> None:
         self.pending = set(self.targets)

@@ -101,6 +101,9 @@ class Pool(Receiver):
         self._lifeline_w: int | None = None
         self.log_dir: Path | None = None
         self._restart_reason: str | None = None
+        self._regroup_needed = False  # ranks closed their process group to release a blocked rank
+        self._out_of_step = ""  # the ranks the last cell failed on, when it failed on only some
+        self._groups = 0  # process groups built after the first, each on its own store file
         self.background: BackgroundRun | None = None
         self.observers: list[Observer] = []
         self._foreground = False
@@ -129,6 +132,7 @@ class Pool(Receiver):
         if self.started:
             return
         _lifecycle.clean_stale_pools()
+        self._regroup_needed, self._out_of_step = False, ""
         launcher = get_launcher(self.spec.launcher)
         key = new_key()
         self._wire = Wire(key, KERNEL)
@@ -334,6 +338,14 @@ class Pool(Receiver):
             self._notice(f"restarting the pool ({self._restart_reason}); rank state is lost")
             self.restart()
         self.start()
+        if self._regroup_needed:
+            self._regroup()
+        if self._out_of_step:
+            self._notice(
+                f"the last cell failed on rank {self._out_of_step} only, so the ranks may be out of "
+                "step (different variables or training steps); %dist_restart gives fresh ranks"
+            )
+            self._out_of_step = ""
         targets = self._targets(ranks)
         cell_id = uuid.uuid4().hex
         result = RunResult(cell_id, {r.rank: RankResult(r.rank) for r in targets})
@@ -359,8 +371,39 @@ class Pool(Receiver):
             )
         return [self._ranks[r] for r in chosen]
 
+    def _regroup(self) -> None:
+        """A new default process group on every rank, after ranks closed theirs in a release."""
+        assert self._dir is not None
+        self._regroup_needed = False
+        self._groups += 1
+        store = self._dir / f"store-{self._groups}"
+        live = self._live()
+        replies = self._request("regroup", {"store": str(store)}, live, timeout=self.spec.timeout)
+        errors = [
+            f"rank {r.rank}: {replies[r.rank].body['error'] if r.rank in replies else 'no answer'}"
+            for r in live
+            if r.rank not in replies or not replies[r.rank].body["ok"]
+        ]
+        if errors or len(live) < self.world_size:
+            why = "; ".join(errors) or "a rank died"
+            self._notice(
+                f"could not rebuild the process group ({why}); restarting the pool, rank state is lost"
+            )
+            self.restart()
+            return
+        took = max(float(m.body["seconds"]) for m in replies.values())
+        note = f"rebuilt the process group after the desync in {took * 1000:.0f} ms; rank state is kept"
+        if any(m.body["prepared"] for m in replies.values()):
+            note += (
+                ". The model prepared with shard.prepare still holds the old group: run the cells that"
+                " build and prepare it again, or %dist_restart"
+            )
+        self._notice(note)
+
     def _end(self, gathering: Gathering) -> None:
         failed = [k for k, r in gathering.result.ranks.items() if r.status not in ("ok", "pending")]
+        if failed and len(failed) < len(gathering.targets) and self._restart_reason is None:
+            self._out_of_step = format_ranks(failed)
         self.sink.end_cell(failed)
         self._run = None
         self._tick(final=True)
@@ -394,13 +437,28 @@ class Pool(Receiver):
         pending.intersection_update(k for k in pending if result.ranks[k].status == "pending")
         if not pending:
             return True
+        now = time.monotonic()
+        if not gathering.first_done and len(pending) < len(gathering.targets):
+            gathering.first_done = now
         failed = [f for f in result.ranks.values() if f.failed_at]
         dead = [f.rank for f in failed if f.status == "dead"]
         if dead:
             self._stop(result, pending, f"stopped because rank {format_ranks(dead)} died")
             return True
-        if failed and time.monotonic() - min(f.failed_at for f in failed) > DESYNC_GRACE:
+        if failed and now - min(f.failed_at for f in failed) > DESYNC_GRACE:
             self._stop(result, pending, "still running after another rank failed")
+            return True
+        waiting = {k: self._ranks[k].collective for k in sorted(pending) if self._ranks[k].collective}
+        if gathering.first_done and now - gathering.first_done > DESYNC_GRACE and waiting:
+            # A collective can never complete once a rank it needs has left the cell: a straggler
+            # took another branch (F4). Say who waits where, and for whom.
+            done = format_ranks(sorted(set(gathering.targets) - pending))
+            calls = ", ".join(sorted(set(waiting.values())))
+            self._stop(
+                result,
+                pending,
+                f"waited in {calls} for rank {done}, which finished the cell without joining it",
+            )
             return True
         timeout = gathering.timeout
         if timeout is not None and time.monotonic() - gathering.started > timeout:
@@ -492,33 +550,102 @@ class Pool(Receiver):
             )
         return rows
 
-    def _stop(self, result: RunResult, pending: set[int], why: str) -> None:
-        """SIGINT the pending ranks; kill those that do not stop within the grace period."""
-        ranks = sorted(pending)
-        self._notice(f"rank {format_ranks(ranks)} {why}: sending SIGINT")
-        for k in ranks:
-            self._ranks[k].handle.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + INTERRUPT_GRACE
-        while time.monotonic() < deadline:
+    def _await_stopped(
+        self, result: RunResult, ranks: list[int], seconds: float, enough: Callable[[list[int]], bool]
+    ) -> list[int]:
+        """Receive for up to ``seconds`` until ``ranks`` ended their cell or ``enough(running)``;
+        return those still running."""
+        deadline = time.monotonic() + seconds
+        while True:
             self._pump(0.05)
             for k in ranks:
                 self._check_exit(self._ranks[k], result)
-            if all(result.ranks[k].status != "pending" for k in ranks):
-                return
-        stuck = [k for k in ranks if result.ranks[k].status == "pending"]
+            running = [k for k in ranks if result.ranks[k].status == "pending"]
+            if not running or enough(running) or time.monotonic() >= deadline:
+                return running
+
+    def _release(self, blocked: dict[int, str], running: list[int], released: list[int]) -> list[int]:
+        """Ask the idle ranks not asked before to close their process group; the ranks asked."""
+        idle = [r for r in self._live() if r.rank not in running and r.rank not in released]
+        waiting = [k for k in running if k in blocked]
+        if not idle or not waiting:
+            return []
+        names = format_ranks([r.rank for r in idle])
+        calls = ", ".join(sorted({blocked[k] for k in waiting}))
+        self._notice(
+            f"rank {format_ranks(waiting)} is blocked in {calls}: closing the process group on "
+            f"rank {names} to release it"
+        )
+        self._request("release", {}, idle, timeout=INTERRUPT_GRACE)
+        self._regroup_needed = True
+        return [r.rank for r in idle]
+
+    def _stop(self, result: RunResult, pending: set[int], why: str) -> None:
+        """Escalate until the pending ranks stop, saying each step.
+
+        1. SIGINT to the ranks running Python. A rank blocked in a gloo collective sees no signal;
+           for it, the ranks that are idle close their process group, so the collective fails at
+           once and every rank keeps its state (the group is rebuilt before the next cell).
+        2. When only blocked ranks are left, or after ``INTERRUPT_GRACE``: a release by the ranks
+           that became idle meanwhile, and SIGINT to whatever else still runs.
+        3. After another ``INTERRUPT_GRACE``: the stacks of what still runs, then a kill.
+        """
+        ranks = sorted(pending)
+        blocked = {k: self._ranks[k].collective for k in ranks if self._ranks[k].collective}
+        running = [k for k in ranks if k not in blocked]
+        if running:
+            self._notice(f"rank {format_ranks(running)} {why}: sending SIGINT")
+        else:
+            self._notice(f"rank {format_ranks(ranks)} {why}")
+        if blocked:
+            result.notes.append(f"rank {format_ranks(ranks)} {why}")
+        for k in running:
+            self._ranks[k].handle.send_signal(signal.SIGINT)
+        released = self._release(blocked, ranks, [])
+
+        def only_blocked_left(still: list[int]) -> bool:  # and someone idle could release them
+            idle = any(r.rank not in still and r.rank not in released for r in self._live())
+            return idle and all(k in blocked for k in still)
+
+        still = self._await_stopped(result, ranks, INTERRUPT_GRACE, only_blocked_left)
+        if still:
+            fresh = self._release(blocked, still, released)
+            released += fresh
+            others = [k for k in still if not (k in blocked and fresh)]
+            if others:
+                self._notice(f"rank {format_ranks(others)} still running: sending SIGINT")
+                for k in others:
+                    self._ranks[k].handle.send_signal(signal.SIGINT)
+            still = self._await_stopped(result, still, INTERRUPT_GRACE, lambda _: False)
+        for k in blocked:
+            failure = result.ranks[k]
+            if released and k not in still and failure.status == "error":
+                failure.evalue = (
+                    f"left waiting in {blocked[k]}; released by closing the process group on "
+                    f"rank {format_ranks(released)}"
+                )
+        if released and any(k not in still for k in blocked):
+            result.notes.append(
+                f"closed the process group on rank {format_ranks(released)} to release the ranks "
+                "blocked in a collective; the next cell first rebuilds the group (rank state is kept)"
+            )
+        if not still:
+            return
+        stuck = still
         stacks = self.stacks(timeout=1.0, ranks=stuck)
+        waited = 2 * INTERRUPT_GRACE
         for k in stuck:
-            why = f"was killed by jupyter_shard: still running {INTERRUPT_GRACE:g} s after SIGINT"
+            why = f"was killed by jupyter_shard: still running {waited:g} s after it was asked to stop"
             self._ranks[k].killed_by_pool = why
             self._ranks[k].handle.kill_tree()
             self._check_exit(self._ranks[k], result)
             result.ranks[k].traceback[:0] = [
-                f"rank {k} did not stop within {INTERRUPT_GRACE:g} s of SIGINT "
-                "(blocked in a collective or native code?); its stack before it was killed:",
+                f"rank {k} did not stop within {waited:g} s (SIGINT, then a release of any collective "
+                "it waited in); its stack before it was killed:",
                 stacks[k],
             ]
         note = (
-            f"killed rank {format_ranks(stuck)} (no response to SIGINT within {INTERRUPT_GRACE:g} s); "
+            f"killed rank {format_ranks(stuck)} (still running {waited:g} s after it was asked to stop); "
             "the next cell restarts the pool: rank state is lost"
         )
         result.notes.append(note)
@@ -591,6 +718,9 @@ class Pool(Receiver):
                 if r.state is RankState.RUNNING
                 else ""
             )
+            collective = str(reply.body.get("collective", "")) if reply else ""
+            if collective:
+                cell = f"{cell} · in {collective}"
             rows.append(
                 RankStatus(
                     k, r.handle.pid, r.handle.host, r.device, r.state, memory, cell, str(r.log_path), r.exit

@@ -52,6 +52,7 @@ class RankRecord:
         self.step = 0
         self.last_line = ""
         self.killed_by_pool = ""  # why the pool itself killed the rank, if it did
+        self.collective = ""  # the torch.distributed call its running cell was in at the last heartbeat
 
 
 class Receiver:
@@ -179,6 +180,7 @@ class Receiver:
         r.heartbeat = time.monotonic()
         r.memory = {str(k): int(v) for k, v in msg.body["memory"].items()}
         r.step = int(msg.body["step"])
+        r.collective = str(msg.body.get("collective", ""))
         self.history.add_memory(r.rank, time.time(), r.memory)
 
     def _on_startup_failed(self, r: RankRecord, msg: Message) -> None:
@@ -259,4 +261,6 @@ _HANDLERS: dict[str, Callable[[Receiver, RankRecord, Message], None]] = {
     "pull_reply": Receiver._on_reply,
     "stacks_reply": Receiver._on_reply,
     "status_reply": Receiver._on_reply,
+    "release_reply": Receiver._on_reply,
+    "regroup_reply": Receiver._on_reply,
 }

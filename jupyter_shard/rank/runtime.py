@@ -8,6 +8,7 @@ reported with its traceback and the process exits, so a pool start never waits o
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -143,6 +144,8 @@ class _Runner:
             "push": self.push,
             "pull": self.pull,
             "shutdown": self.shutdown,
+            "release": self.release,
+            "regroup": self.regroup,
         }
         signal.signal(signal.SIGINT, _ignore)
 
@@ -234,6 +237,49 @@ class _Runner:
             raise ValueError(f"--gather applies to the model returned by shard.prepare; {name!r} is not it")
         return helper.full_model()
 
+    def release(self, msg: Message) -> None:
+        """Close this idle rank's process groups, so peers blocked in a collective with it fail now.
+
+        A gloo collective waiting on a peer that has left the cell neither times out early nor sees
+        SIGINT; closing the peer's connections makes it raise "Connection closed by peer" at once.
+        """
+        import torch.distributed as dist
+
+        error = ""
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        self.sock.send("release_reply", {"req_id": msg.body["req_id"], "ok": not error, "error": error})
+
+    def regroup(self, msg: Message) -> None:
+        """Replace the default process group with a new one on a fresh store (after a release)."""
+        import torch.distributed as dist
+
+        from jupyter_shard.rank.shard import current
+
+        started = time.perf_counter()
+        reply: dict[str, Any] = {"req_id": msg.body["req_id"], "ok": True, "error": "", "prepared": False}
+        try:
+            if dist.is_initialized():
+                with contextlib.suppress(Exception):  # a group broken by the release: drop it anyway
+                    dist.destroy_process_group()
+            backend = "nccl" if _env("DEVICE") == "cuda" else "gloo"
+            dist.init_process_group(
+                backend,
+                init_method="file://" + str(msg.body["store"]),
+                rank=self.rank,
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=timedelta(seconds=float(_env("TIMEOUT"))),
+            )
+            helper = current()
+            reply["prepared"] = helper is not None and helper.group_rebuilt()
+        except Exception as exc:
+            reply["ok"], reply["error"] = False, f"{type(exc).__name__}: {exc}"
+        reply["seconds"] = time.perf_counter() - started
+        self.sock.send("regroup_reply", reply)
+
     def shutdown(self, msg: Message) -> None:
         self.channel.close()
         os._exit(0)
@@ -266,7 +312,22 @@ def _status_body(state: RankState) -> dict[str, Any]:
         "running_for": time.time() - state.started if state.executing else 0.0,
         "memory": memory_report(helper.device if helper else None),
         "step": helper.global_step if helper else 0,
+        "collective": current_collective() if state.executing else "",
     }
+
+
+_C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
+
+
+def current_collective() -> str:
+    """The ``torch.distributed`` call the main thread is in (``all_reduce``, ``barrier``…), else ""."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    outermost = ""
+    while frame is not None:  # innermost to outermost: the last c10d frame seen is the public call
+        if frame.f_code.co_filename.endswith(_C10D):
+            outermost = frame.f_code.co_name
+        frame = frame.f_back
+    return outermost
 
 
 def _reply_status(channel: Channel, msg: Message, state: RankState) -> None:

@@ -56,6 +56,7 @@ class Shard:
         self._step = 0
         self._micro = 0
         self._logged = 0
+        self._stale = False  # the prepared model's wrapper holds a process group since replaced
         # (step, wall time, values) per ``log`` call; drained by the I/O thread
         self._metrics: deque[tuple[float, float, dict[str, float]]] = deque()
 
@@ -125,6 +126,7 @@ class Shard:
         self._template = _meta_copy(model)
         wrapped, new_optimizer = self._impl.prepare(model, optimizer)
         self._model, self._optimizer = wrapped, new_optimizer
+        self._stale = False
         self._micro = 0
         self._step = 0
         loaders = [self._distribute(loader) for loader in dataloaders]
@@ -277,9 +279,20 @@ class Shard:
         """The model returned by the last :meth:`prepare`."""
         return self._model
 
+    def group_rebuilt(self) -> bool:
+        """The default process group was replaced; True if a prepared model's wrapper held the old one."""
+        self._stale = self._model is not None and self.strategy != "none"
+        return self._stale
+
     def _require_model(self, what: str) -> nn.Module:
         if self._model is None:
             raise RuntimeError(f"shard.{what}() needs a prepared model: call shard.prepare(model, ...) first")
+        if self._stale:
+            raise RuntimeError(
+                f"shard.{what}(): the model was prepared before the process group was rebuilt (after a "
+                f"desync), and its {self.strategy} wrapper still holds the old group. Run the cells that "
+                "build and prepare the model again, or %dist_restart for fresh ranks"
+            )
         return self._model
 
 

@@ -1,0 +1,171 @@
+"""F3, F4, F6, F9: a desync or a hang ends the cell promptly, says who waited where, and recovers.
+
+A gloo collective whose peer has left the cell waits for the full collective timeout and does not
+see SIGINT. The pool closes the process group on the idle ranks instead, which makes the blocked
+collective fail at once; every rank keeps its state and the next cell first rebuilds the group.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.faults.conftest import alive, rank_pids
+
+pytestmark = pytest.mark.timeout(120)
+
+SETUP = "%%distributed --nproc 2 --device cpu\nimport time, torch, torch.distributed as dist\nkept = 41"
+NEXT = "%%distributed\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('kept', kept + 1, 'sum', t.item())"
+
+
+def _start(kernel: Any) -> None:
+    assert kernel.execute("%load_ext jupyter_shard").ok
+    assert kernel.execute(SETUP).ok
+
+
+def _interrupt_after(kernel: Any, seconds: float) -> threading.Thread:
+    def fire() -> None:
+        time.sleep(seconds)
+        kernel.km.interrupt_kernel()
+
+    thread = threading.Thread(target=fire)
+    thread.start()
+    return thread
+
+
+def _shown(run: Any) -> str:
+    """What a line magic showed: its printed text and its value's text."""
+    values = [d["text/plain"] for d in run.data("execute_result")]
+    return "\n".join([run.stream(), *values])
+
+
+def _recovered_with_state(kernel: Any) -> str:
+    """The next cell rebuilds the group, keeps every rank's state and runs a collective."""
+    nxt = kernel.execute(NEXT)
+    assert nxt.ok, nxt.error_text()
+    assert "[rank 0] kept 42 sum 2.0" in nxt.stream() and "[rank 1] kept 42 sum 2.0" in nxt.stream()
+    notices: str = nxt.stream("stderr")
+    assert "rebuilt the process group after the desync in" in notices
+    assert "rank state is kept" in notices
+    return notices
+
+
+def test_f3_one_rank_raises_while_the_other_waits_in_all_reduce(kernel: Any) -> None:
+    _start(kernel)
+    run = kernel.execute(
+        "%%distributed --timeout 5\n"
+        "if shard.rank == 0:\n    raise ValueError('bad batch on rank 0')\n"
+        "dist.all_reduce(torch.ones(1))\n"
+    )
+    assert not run.ok
+    assert run.elapsed < 5.0, f"the cell took {run.elapsed:.1f} s; the --timeout was 5 s"
+    text = run.error_text()
+    headline = "rank 0 failed first: ValueError: bad batch on rank 0 (also failed: rank 1)"
+    assert text.splitlines()[0] == headline
+    raised = text.index("──── rank 0: ValueError: bad batch on rank 0 ────")
+    waited = text.index(
+        "──── rank 1: RuntimeError: left waiting in all_reduce; released by closing the process group "
+        "on rank 0 ────"
+    )
+    assert raised < waited, "the raising rank's traceback comes first"
+    assert "the next cell first rebuilds the group (rank state is kept)" in text
+    notices = _recovered_with_state(kernel)
+    assert "out of step" not in notices, "every rank failed: no partial-failure warning"
+
+
+def test_f4_a_straggler_skips_the_collective(kernel: Any) -> None:
+    _start(kernel)
+    skips = "if shard.rank == 0:\n    dist.all_reduce(torch.ones(1))\n"
+    run = kernel.execute(f"%%distributed --timeout 30\n{skips}")
+    assert not run.ok
+    assert run.elapsed < 10.0, f"the cell took {run.elapsed:.1f} s, not ended early by the desync check"
+    text = run.error_text()
+    assert "rank 0 waited in all_reduce for rank 1, which finished the cell without joining it" in text
+    assert "──── rank 0: RuntimeError: left waiting in all_reduce" in text
+    notices = _recovered_with_state(kernel)
+    assert "the last cell failed on rank 0 only, so the ranks may be out of step" in notices
+    assert "%dist_restart gives fresh ranks" in notices
+
+
+def test_f6_interrupt_while_one_rank_sleeps_and_the_other_waits_in_all_reduce(kernel: Any) -> None:
+    _start(kernel)
+    pids = rank_pids(kernel)
+    fired = _interrupt_after(kernel, 2.5)  # after a heartbeat has shown rank 1 in all_reduce
+    run = kernel.execute(
+        "%%distributed\nif shard.rank == 0:\n    time.sleep(60)\ndist.all_reduce(torch.ones(1))\n"
+    )
+    fired.join()
+    assert not run.ok
+    assert run.elapsed < 2.5 + 10.0, f"the cell took {run.elapsed:.1f} s"
+    notices = run.stream("stderr")
+    assert "rank 0 interrupted: sending SIGINT" in notices
+    assert "rank 1 is blocked in all_reduce: closing the process group on rank 0 to release it" in notices
+    text = run.error_text()
+    assert "──── rank 0: KeyboardInterrupt ────" in text
+    assert "──── rank 1: RuntimeError: left waiting in all_reduce" in text
+    assert "killed" not in notices
+    _recovered_with_state(kernel)
+    assert sorted(rank_pids(kernel)) == sorted(pids), "the ranks were kept, not respawned"
+
+
+def test_f6_ranks_all_blocked_are_killed_within_10s_and_replaced(kernel: Any) -> None:
+    _start(kernel)
+    pids = rank_pids(kernel)
+    fired = _interrupt_after(kernel, 2.5)
+    # Each rank waits to receive from the other: nobody is idle to release them.
+    run = kernel.execute("%%distributed\nt = torch.zeros(1)\ndist.recv(t, src=1 - shard.rank)\n")
+    fired.join()
+    assert not run.ok
+    assert run.elapsed < 2.5 + 10.0, f"the cell took {run.elapsed:.1f} s"
+    notices = run.stream("stderr")
+    assert "rank 0-1 still running: sending SIGINT" in notices
+    assert "killed rank 0-1 (still running 4 s after it was asked to stop)" in notices
+    text = run.error_text()
+    assert "its stack before it was killed" in text and "in recv" in text
+    deadline = time.monotonic() + 2.0
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert alive(pids) == [], "killed ranks are reaped, no zombies"
+    nxt = kernel.execute("%%distributed\n'kept' in dir()")
+    assert "restarting the pool (rank 0-1 was killed); rank state is lost" in nxt.stream("stderr")
+    assert nxt.data("execute_result") == [{"text/plain": "False"}]
+
+
+def test_f9_a_rank_spinning_in_python_past_the_timeout_is_shown_with_its_stack(kernel: Any) -> None:
+    _start(kernel)
+    run = kernel.execute(
+        "%%distributed --timeout 5\nif shard.rank == 1:\n    while True:\n        pass\n"
+        "dist.all_reduce(torch.ones(1))\n"
+    )
+    assert not run.ok
+    assert 5.0 <= run.elapsed < 5.0 + 6.0, f"the cell took {run.elapsed:.1f} s"
+    notices = run.stream("stderr")
+    assert "rank 1 still running after the 5 s timeout: sending SIGINT" in notices
+    text = run.error_text()
+    spinning = text[text.index("──── rank 1: KeyboardInterrupt ────") :]
+    assert "----> 3     while True:" in spinning or "----> 4         pass" in spinning, spinning
+    assert "──── rank 0: RuntimeError: left waiting in all_reduce" in text
+    _recovered_with_state(kernel)
+
+
+def test_status_names_the_collective_and_stacks_work_during_a_background_run(kernel: Any) -> None:
+    _start(kernel)
+    started = kernel.execute(
+        "%%distributed --bg\nif shard.rank == 0:\n    time.sleep(30)\ndist.all_reduce(torch.ones(1))\n"
+    )
+    assert started.ok, started.error_text()
+    time.sleep(2.5)  # a heartbeat or two
+    status = _shown(kernel.execute("%dist_status"))
+    row = next(line for line in status.splitlines() if line.startswith("1 "))
+    assert "in all_reduce" in row, status
+    stacks = _shown(kernel.execute("%dist_stacks"))
+    assert "time.sleep(30)" in stacks and "dist.all_reduce(torch.ones(1))" in stacks, stacks
+    stopped = kernel.execute("%dist_interrupt")
+    assert stopped.ok, stopped.error_text()
+    waited = kernel.execute("%dist_wait")
+    assert not waited.ok
+    assert "left waiting in all_reduce" in waited.error_text()
+    _recovered_with_state(kernel)
