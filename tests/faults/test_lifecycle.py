@@ -6,7 +6,7 @@ import os
 import signal
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 import pytest
@@ -60,30 +60,54 @@ def test_kernel_shutdown_removes_ranks(kernel: Any) -> None:
     wait_gone(family, within=2.0)
 
 
-def _snapshot(runtime: Path) -> tuple[set[int], int, set[str], set[str]]:
+class Snapshot(NamedTuple):
+    children: set[int]
+    fds: int
+    inet: int
+    runtime: set[str]
+    tmp: set[str]
+    shm: set[str]
+
+
+def _snapshot(runtime: Path, tmp: Path) -> Snapshot:
     me = psutil.Process()
-    children = {c.pid for c in me.children(recursive=True)}
-    fds = len(os.listdir("/proc/self/fd"))
-    tmp = {p.name for p in runtime.iterdir()}
-    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    return children, fds, tmp, shm
+    return Snapshot(
+        children={c.pid for c in me.children(recursive=True)},
+        fds=len(os.listdir("/proc/self/fd")),
+        inet=len(me.net_connections(kind="inet")),
+        runtime={p.name for p in runtime.iterdir()},
+        tmp={p.name for p in tmp.iterdir()},
+        shm=set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set(),
+    )
 
 
+@pytest.mark.timeout(600)
 def test_start_stop_cycles_leak_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """F17: 50 pools started, used for a collective and stopped leave no process, fd, socket or port,
+    pool directory, temp file (ranks inherit ``TMPDIR``) or /dev/shm entry behind."""
     from jupyter_shard import Pool
 
     runtime = Path(tempfile.mkdtemp(prefix="jsrt-"))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     monkeypatch.setenv("JUPYTER_SHARD_RUNTIME_DIR", str(runtime))
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR in this process too
+    logs = tmp_path / "logs"
 
-    with Pool(nproc=2, device="cpu", log_dir=tmp_path) as pool:
+    with Pool(nproc=2, device="cpu", log_dir=logs) as pool:
         pool.run("x = 1")
-    before = _snapshot(runtime)
-    cycles = int(os.environ.get("JUPYTER_SHARD_CYCLES", "5"))
+    before = _snapshot(runtime, tmp)
+    cycles = int(os.environ.get("JUPYTER_SHARD_CYCLES", "50"))
+    cell = "import torch, torch.distributed as dist\ndist.all_reduce(torch.ones(1))\ndist.barrier()"
     for _ in range(cycles):
-        with Pool(nproc=2, device="cpu", log_dir=tmp_path) as pool:
-            pool.run("import torch.distributed as dist; dist.barrier()")
-    after = _snapshot(runtime)
-    assert after[0] == before[0], "leaked child processes"
-    assert after[1] <= before[1], f"leaked fds: {before[1]} -> {after[1]}"
-    assert after[2] == before[2] == set(), "leaked pool directories"
-    assert after[3] == before[3], "leaked /dev/shm entries"
+        with Pool(nproc=2, device="cpu", log_dir=logs) as pool:
+            pool.run(cell)
+    after = _snapshot(runtime, tmp)
+    assert after.children == before.children, "leaked child processes"
+    assert after.fds <= before.fds, f"leaked fds: {before.fds} -> {after.fds}"
+    assert after.inet <= before.inet, f"leaked sockets or ports: {before.inet} -> {after.inet}"
+    assert after.runtime == before.runtime == set(), "leaked pool directories"
+    assert after.tmp == before.tmp, f"leaked temp files: {sorted(after.tmp - before.tmp)}"
+    assert after.shm == before.shm, "leaked /dev/shm entries"
+    assert len(list(logs.iterdir())) == cycles + 1, "each pool keeps its own log directory"
