@@ -9,6 +9,8 @@ from an unknown peer, with a bad signature or replayed is dropped and counted, n
 
 from __future__ import annotations
 
+import signal
+import socket
 import sys
 import threading
 import time
@@ -20,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from jupyter_shard import oom
 from jupyter_shard.launchers import RankHandle
 from jupyter_shard.launchers.base import describe_exit
 from jupyter_shard.metrics import History
@@ -53,6 +56,9 @@ class RankRecord:
         self.last_line = ""
         self.killed_by_pool = ""  # why the pool itself killed the rank, if it did
         self.collective = ""  # the torch.distributed call its running cell was in at the last heartbeat
+        # its memory cgroup's oom_kill counter, to tell an OOM kill from another SIGKILL
+        self.oom_file = oom.counter_file(handle.pid) if handle.host == socket.gethostname() else None
+        self.oom_before = oom.read_count(self.oom_file)
 
 
 class Receiver:
@@ -80,6 +86,9 @@ class Receiver:
             return False
         self._pump(0.05)
         r.state, r.exit = RankState.DEAD, (r.killed_by_pool or describe_exit(code))
+        if not r.killed_by_pool and code == -signal.SIGKILL:
+            by_oom = oom.explain_sigkill(r.oom_file, r.oom_before)
+            r.exit = f"was killed by SIGKILL {by_oom}" if by_oom else r.exit
         if result is not None and r.rank in result.ranks and result.ranks[r.rank].status == "pending":
             failure = result.ranks[r.rank]
             failure.status, failure.evalue, failure.failed_at = (

@@ -1,7 +1,12 @@
-"""F1, F2: a rank that exits, segfaults or is SIGKILLed mid-cell fails the cell fast, named."""
+"""F1, F2: a rank that exits, segfaults, is SIGKILLed or OOM-killed mid-cell fails the cell fast, named."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,3 +53,57 @@ def test_crash_fails_cell_fast_and_restart_recovers(kernel: Any, crash: str, mes
         "dist.all_reduce(t); t.item()"
     )
     assert again.data("execute_result") == [{"text/plain": "2.0"}]
+
+
+MEMCG_ROOT = Path("/sys/fs/cgroup/memory")
+
+
+@pytest.fixture
+def memory_cgroup() -> Iterator[Path]:
+    """A child memory cgroup (cgroup v1) limited to 1.5 GiB, swap included; removed afterwards."""
+    group = MEMCG_ROOT / f"jupyter-shard-test-{os.getpid()}"
+    try:
+        group.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create a memory cgroup here ({exc}): the OOM kill needs one")
+    try:
+        limit = str(3 << 29)
+        (group / "memory.limit_in_bytes").write_text(limit)
+        with contextlib.suppress(OSError):  # without swap accounting there is no memsw file
+            (group / "memory.memsw.limit_in_bytes").write_text(limit)
+        yield group
+    finally:
+        # Whatever still runs in it (the kernel, until its fixture stops it) goes back to ours.
+        ours = Path(f"/proc/{os.getpid()}/cgroup").read_text()
+        home = next(line.split(":", 2)[2] for line in ours.splitlines() if ":memory:" in line)
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (MEMCG_ROOT / home.lstrip("/") / "cgroup.procs").write_text(pid)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
+def test_oom_kill_is_named_from_the_cgroup_counter(kernel: Any, memory_cgroup: Path) -> None:
+    """A real OOM kill: the kernel and its ranks run in a 1.5 GiB memory cgroup, rank 1 fills it."""
+    (memory_cgroup / "cgroup.procs").write_text(str(kernel.pid))  # the ranks it starts inherit it
+    assert kernel.execute("%load_ext jupyter_shard").ok
+    assert kernel.execute("%%distributed --nproc 2 --device cpu\nimport torch, time").ok
+    run = kernel.execute(
+        "%%distributed\nif shard.rank == 1:\n    hog = [torch.ones(1 << 26) for _ in range(64)]\n"
+        "time.sleep(30)\n"
+    )
+    assert not run.ok
+    text = run.error_text()
+    first = text.splitlines()[0]
+    assert first.startswith(
+        "rank 1 failed first: rank 1 was killed by SIGKILL by the out-of-memory killer"
+    ), first
+    assert f"{memory_cgroup}/memory.oom_control, went from 0 to 1" in first, first
+    assert "possibly" not in first
