@@ -51,6 +51,7 @@ def _distributed_parser() -> _Parser:
     p.add_argument("--precision")
     p.add_argument("--ranks")
     p.add_argument("--timeout", type=float)
+    p.add_argument("--collective-timeout", type=float, dest="collective_timeout")
     p.add_argument("--launcher")
     p.add_argument("--nodes", type=int)
     p.add_argument("--config")
@@ -166,6 +167,8 @@ class DistributedMagics(Magics):
 
     def _resolve(self, opts: argparse.Namespace) -> LaunchSpec:
         given = {k: v for k, v in vars(opts).items() if v is not None and k not in _RUN_OPTIONS}
+        if "collective_timeout" in given:  # the process group's timeout, a pool-wide setting
+            given["timeout"] = given.pop("collective_timeout")
         current = self.pool.spec if self.pool is not None else None
         if current is not None and not given:
             return current
@@ -177,6 +180,7 @@ class DistributedMagics(Magics):
                 "strategy": current.strategy,
                 "launcher": current.launcher,
                 "nodes": current.nodes,
+                "timeout": current.timeout,
             }
             if "gpus" in given or "device" in given:
                 base.pop("nproc")
@@ -384,7 +388,8 @@ def _change(old: LaunchSpec, new: LaunchSpec) -> str:
     for name in LaunchSpec.__dataclass_fields__:
         a, b = getattr(old, name), getattr(new, name)
         if name != "nproc" and a != b:
-            parts.append(f"{name.replace('_', '-')} {getattr(a, 'value', a)} → {getattr(b, 'value', b)}")
+            shown = "collective-timeout" if name == "timeout" else name.replace("_", "-")
+            parts.append(f"{shown} {getattr(a, 'value', a)} → {getattr(b, 'value', b)}")
     return ", ".join(parts) or "with new options"
 
 

@@ -163,7 +163,7 @@ class LaunchSpec:
         if self.zero_stage is not None and not 0 <= self.zero_stage <= 3:
             raise SpecError(f"--zero-stage {self.zero_stage} is not valid; choose 0, 1, 2 or 3")
         if not math.isfinite(self.timeout) or self.timeout <= 0:
-            raise SpecError(f"--timeout {self.timeout:g} is not valid; give seconds above 0")
+            raise SpecError(f"--collective-timeout {self.timeout:g} is not valid; give seconds above 0")
         if self.accumulate < 1:
             raise SpecError(
                 f"--accumulate {self.accumulate} is not valid; use 1 or more micro-steps per step"

@@ -16,7 +16,7 @@ from traitlets.config import Config
 
 from jupyter_shard import magics as magics_mod
 from jupyter_shard import spec as spec_mod
-from jupyter_shard.magics import DistributedMagics, StatusTable
+from jupyter_shard.magics import DistributedMagics, StatusTable, _parse
 from jupyter_shard.results import RankState, RankStatus
 from jupyter_shard.spec import LaunchSpec
 
@@ -281,3 +281,21 @@ def test_a_restart_names_every_option_that_changed() -> None:
     new = old.with_changes(nproc=4, zero_stage=3)
     assert _change(old, new) == "2 → 4 ranks, zero-stage 2 → 3"
     assert _change(old, old) == "with new options"
+
+
+def test_collective_timeout_is_a_pool_setting_kept_across_cells(
+    shell: InteractiveShell, magics: DistributedMagics
+) -> None:
+    from jupyter_shard.magics import _change
+
+    spec = magics._resolve(_parse(magics._parser, "--nproc 2 --device cpu --collective-timeout 20"))
+    assert spec.timeout == 20.0
+    pool = _FakePool(nproc=2)
+    pool.spec = spec
+    magics.pool = pool  # type: ignore[assignment]
+    assert magics._resolve(_parse(magics._parser, "--strategy ddp")).timeout == 20.0
+    assert magics._resolve(_parse(magics._parser, "--timeout 5")).timeout == 20.0  # a cell limit only
+    assert _change(spec, spec.with_changes(timeout=30.0)) == "collective-timeout 20.0 → 30.0"
+    magics.pool = None
+    msg = _usage_error(shell, "distributed", "--collective-timeout 0")
+    assert msg == "--collective-timeout 0 is not valid; give seconds above 0"

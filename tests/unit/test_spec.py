@@ -211,11 +211,11 @@ def test_config_that_is_a_directory(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("timeout", [0, -1, -0.5])
 def test_timeout_not_positive(timeout: float) -> None:
-    assert _err(timeout=timeout) == f"--timeout {timeout:g} is not valid; give seconds above 0"
+    assert _err(timeout=timeout) == f"--collective-timeout {timeout:g} is not valid; give seconds above 0"
 
 
 def test_timeout_nan_is_rejected() -> None:
-    assert "--timeout nan is not valid" in _err(timeout=float("nan"))
+    assert "--collective-timeout nan is not valid" in _err(timeout=float("nan"))
 
 
 def test_nodes_below_one_on_cpu() -> None:
