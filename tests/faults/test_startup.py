@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import ast
+import errno
+import io
 import json
+import os
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +21,7 @@ import psutil
 import pytest
 
 from jupyter_shard import Pool, PoolError
+from jupyter_shard.widgets.rank_output import ConsoleSink
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,3 +78,187 @@ def test_stale_pool_directory_is_cleaned_by_pid_and_start_time(tmp_path: Path) -
         for proc in (sleeper, unrelated):
             proc.kill()
             proc.wait()
+
+
+FIXED_PORT = 29500  # torch's default MASTER_PORT: a pool must never depend on it
+
+RANK_NETWORK = """
+import os, torch, torch.distributed as dist
+t = torch.ones(1)
+dist.all_reduce(t)
+store = dist.distributed_c10d._get_default_store()
+while isinstance(store, dist.PrefixStore):
+    store = store.underlying_store
+(t.item(), int(os.environ["MASTER_PORT"]), type(store).__name__, os.environ["JUPYTER_SHARD_STORE"])
+"""
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """The TCP and UDP addresses a process listens on."""
+    conns = psutil.Process(pid).net_connections(kind="inet")
+    return {(c.laddr.ip, c.laddr.port) for c in conns if c.status in (psutil.CONN_LISTEN, psutil.CONN_NONE)}
+
+
+@pytest.fixture
+def port_29500_taken() -> Iterator[None]:
+    """Someone else holds 127.0.0.1:29500 (an earlier torchrun, another notebook)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past a TIME_WAIT of an earlier run
+    try:
+        sock.bind(("127.0.0.1", FIXED_PORT))
+        sock.listen()
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        assert probe.connect_ex(("127.0.0.1", FIXED_PORT)) == 0, "29500 should be taken for this test"
+    yield
+    sock.close()
+
+
+@pytest.mark.usefixtures("port_29500_taken")
+def test_pool_runs_collectives_with_port_29500_taken_and_never_listens_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "0.0.0.0")  # left over in the kernel's environment
+    monkeypatch.setenv("MASTER_PORT", str(FIXED_PORT))
+    own_before = _listening(os.getpid())
+    with Pool(
+        nproc=2, device="cpu", log_dir=tmp_path, sink=ConsoleSink(io.StringIO(), io.StringIO())
+    ) as pool:
+        assert _listening(os.getpid()) == own_before, "the kernel side opened a TCP listener"
+        ran = pool.run(RANK_NETWORK)
+        results = [ran.ranks[k].result for k in range(2)]
+        assert all(r is not None for r in results), results
+        values = [ast.literal_eval(r["text/plain"]) for r in results if r is not None]
+        pool_dir = pool._dir
+        assert pool_dir is not None
+        for value in values:
+            total, master_port, store, store_path = value
+            assert total == 2.0
+            assert master_port != FIXED_PORT, "the ranks were given the fixed port 29500"
+            assert store == "FileStore", f"rendezvous through a {store}, not a FileStore"
+            assert Path(store_path).parent == pool_dir
+        master_ports = {v[1] for v in values}
+        for row in pool.status():
+            addresses = _listening(row.pid)
+            assert all(ip.startswith("127.") for ip, _ in addresses), f"rank {row.rank}: {addresses}"
+            assert FIXED_PORT not in {port for _, port in addresses}, f"rank {row.rank} is on 29500"
+            assert not master_ports & {port for _, port in addresses}, f"rank {row.rank}: a TCPStore"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="each rank gets its own MASTER_PORT (Pool._launch calls _lifecycle.free_port() once per "
+    "rank), so torchrun-style code that rendezvouses on MASTER_ADDR:MASTER_PORT (dist.TCPStore, "
+    "init_process_group after destroy) times out: 'Timed out after 9 seconds waiting for clients. "
+    "1/2 clients joined'",
+)
+def test_every_rank_sees_the_same_master_port(tmp_path: Path) -> None:
+    sink = ConsoleSink(io.StringIO(), io.StringIO())
+    with Pool(nproc=2, device="cpu", log_dir=tmp_path, sink=sink) as pool:
+        ran = pool.run("import os\nint(os.environ['MASTER_PORT'])")
+        ports = {k: r.result["text/plain"] if r.result else None for k, r in ran.ranks.items()}
+    assert None not in ports.values() and str(FIXED_PORT) not in ports.values()
+    assert len(set(ports.values())) == 1, f"MASTER_PORT by rank: {ports}"
+
+
+@pytest.fixture
+def runtime_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private JUPYTER_SHARD_RUNTIME_DIR (as short as the default: pool.sock paths are limited)."""
+    root = Path(tempfile.mkdtemp(prefix="jsrt-"))
+    monkeypatch.setenv("JUPYTER_SHARD_RUNTIME_DIR", str(root))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _sleeper() -> subprocess.Popen[bytes]:
+    """A live process leading its own process group (as a rank does)."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+
+
+def _pool_dir(root: Path, record: object | None, *, age: float = 0.0, files: bool = False) -> Path:
+    """A pool directory as an earlier kernel left it: record, socket and store files, an age."""
+    directory = Path(tempfile.mkdtemp(prefix="jupyter_shard-", dir=root))
+    if record is not None:
+        (directory / "pool.json").write_text(json.dumps(record))
+    if files:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as left:
+            left.bind(str(directory / "pool.sock"))  # a socket file nobody listens on any more
+        (directory / "store").write_bytes(b"\x00garbage from a rendezvous that never finished")
+    if age:
+        then = time.time() - age
+        os.utime(directory, (then, then))
+    return directory
+
+
+def _run_collective(tmp_path: Path) -> Path:
+    """Start a fresh pool, run an all_reduce, return the private directory it used."""
+    sink = ConsoleSink(io.StringIO(), io.StringIO())
+    with Pool(nproc=2, device="cpu", log_dir=tmp_path / "logs", sink=sink) as pool:
+        result = pool.run(
+            "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
+        )
+        assert result.value == {"text/plain": "2.0"}
+        assert pool._dir is not None and pool._dir.is_dir()
+        return pool._dir
+
+
+def test_stale_files_are_cleaned_by_pid_and_start_time_and_a_live_pool_is_left_alone(
+    tmp_path: Path, runtime_root: Path
+) -> None:
+    root = runtime_root
+    procs = {name: _sleeper() for name in ("reused_pid", "orphan_rank", "live_kernel", "live_rank")}
+    try:
+        started = {name: psutil.Process(p.pid).create_time() for name, p in procs.items()}
+        # the kernel died and its pid now belongs to another live process (another start time)
+        reused = _pool_dir(
+            root,
+            {
+                "kernel": [procs["reused_pid"].pid, started["reused_pid"] - 1000.0],
+                "ranks": [[procs["orphan_rank"].pid, started["orphan_rank"]]],
+            },
+            files=True,
+        )
+        # a pool whose kernel is alive: pid and start time match
+        live = _pool_dir(
+            root,
+            {
+                "kernel": [procs["live_kernel"].pid, started["live_kernel"]],
+                "ranks": [[procs["live_rank"].pid, started["live_rank"]]],
+            },
+            files=True,
+        )
+        crashed_before_record = _pool_dir(root, None, age=7200.0, files=True)
+        being_started = _pool_dir(root, None, files=True)
+
+        fresh = _run_collective(tmp_path)
+
+        assert fresh.parent == root and fresh not in (reused, live, crashed_before_record, being_started)
+        assert not fresh.exists(), "the pool's own directory outlived its shutdown"
+        assert not reused.exists(), "a directory whose kernel pid was reused by another process was kept"
+        assert procs["orphan_rank"].wait(timeout=5) == -9, "the dead kernel's recorded rank was not killed"
+        assert procs["reused_pid"].poll() is None, "the process that reused the kernel's pid was signalled"
+        assert live.is_dir() and (live / "pool.json").exists(), "a live kernel's pool directory was removed"
+        assert procs["live_kernel"].poll() is None and procs["live_rank"].poll() is None
+        assert not crashed_before_record.exists(), "an hour-old directory without a record was kept"
+        assert being_started.is_dir(), "a young directory without a record (a pool starting) was removed"
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=KeyError,
+    reason="Pool.start() raises KeyError: 'kernel' from _lifecycle.clean_stale_pools when any "
+    "jupyter_shard-* directory in the runtime root holds a pool.json that is valid JSON of another "
+    "shape (e.g. left by another jupyter_shard version): every later pool start fails",
+)
+def test_stale_record_of_another_shape_does_not_block_a_fresh_start(
+    tmp_path: Path, runtime_root: Path
+) -> None:
+    _pool_dir(runtime_root, {"pids": [1, 2]}, age=7200.0, files=True)
+    _run_collective(tmp_path)

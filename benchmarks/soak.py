@@ -1,0 +1,470 @@
+"""Soak: a real kernel runs random cells with faults injected among them for ``--minutes``; report losses.
+
+A kernel started through jupyter_client (``KernelManager``, as Jupyter starts one) loads the
+extension and runs a seeded random mix of cells on a CPU pool:
+
+* ``compute``: a ``%%distributed`` cell that increments a counter on every rank and all-reduces it;
+* ``train``: a few SGD steps with ``shard.log`` every step (every record must reach the history);
+* ``push_pull``: ``%dist_push`` of a fresh list (summed on every rank), ``%dist_pull`` of the counter;
+* ``kernel``: plain kernel code incrementing a kernel-side counter;
+
+and, from a shuffled deck so that a short run meets every kind, these faults: a rank calls
+``os._exit(3)``; a rank is SIGKILLed (mid-cell or between cells); one rank raises while the others
+enter a collective; ``km.interrupt_kernel()`` during a sleeping cell or while one rank sits in a
+collective; ``%dist_restart``. Each fault cell must fail the way RELIABILITY.md says (the message
+names the rank and the cause) and the pool must then recover: the next ``compute`` cell succeeds,
+after ``%dist_restart`` where the product asks for one.
+
+State: rank 0's counter must continue across faults unless the product said "rank state is lost"
+(a restart notice) since the last check; the kernel's counter must never reset. At the end, the
+kernel's child processes must be exactly the current ranks, every earlier rank must be gone, and
+nothing may outlive the kernel's shutdown. The summary table goes to stdout; the exit status is 1
+when anything unexpected happened.
+
+    .venv/bin/python benchmarks/soak.py --minutes 60 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import queue
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psutil
+from jupyter_client.manager import KernelManager
+
+CELL_LIMIT = 120.0  # a cell still running after this is a hang: interrupted, then given up on
+FAULTS = ("exit", "sigkill", "raise", "interrupt", "interrupt_collective", "restart")
+STATE_LOST = "rank state is lost"  # every restart notice of the product says this
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+COMPUTE = """%%distributed
+import torch, torch.distributed as dist
+try:
+    counter
+except NameError:
+    counter = 0
+    print("SOAK fresh")
+counter += 1
+_t = torch.tensor([float(counter)])
+dist.all_reduce(_t)
+print("SOAK counter", counter, _t.item())
+"""
+TRAIN = """%%distributed
+import torch, torch.distributed as dist
+_w = torch.zeros(4, requires_grad=True)
+_opt = torch.optim.SGD([_w], lr=0.05)
+for _ in range({steps}):
+    _x = torch.randn(16, 4)
+    _loss = ((_x @ _w - _x.sum(1)) ** 2).mean()
+    _opt.zero_grad()
+    _loss.backward()
+    dist.all_reduce(_w.grad)
+    _opt.step()
+    shard.log(loss=_loss)
+"""
+HISTORY = "from jupyter_shard import history\nprint('SOAK history', len(history()), history().thinned)"
+PIDS = (
+    "from jupyter_shard.pool import latest_pool\nprint('SOAK pids', *[s.pid for s in latest_pool().status()])"
+)
+EXIT = """%%distributed
+import os, time, torch, torch.distributed as dist
+if shard.rank == {rank}:
+    time.sleep(0.3)
+    os._exit(3)
+dist.all_reduce(torch.ones(1))
+time.sleep(30)
+"""
+SLEEP = "%%distributed\nimport time\nfor _ in range(300):\n    time.sleep(0.1)\n"
+RAISE = """%%distributed
+import torch, torch.distributed as dist
+if shard.rank == {rank}:
+    raise ValueError("soak: injected on rank {rank}")
+dist.all_reduce(torch.ones(1))
+"""
+STUCK_IN_COLLECTIVE = """%%distributed
+import time, torch, torch.distributed as dist
+if shard.rank == 0:
+    dist.all_reduce(torch.ones(1))
+else:
+    time.sleep(60)
+"""
+
+
+@dataclass
+class Cell:
+    ok: bool
+    stdout: str
+    stderr: str
+    error: str
+    elapsed: float
+
+    @property
+    def text(self) -> str:
+        return "\n".join((self.stdout, self.stderr, self.error))
+
+
+class Hang(Exception):
+    """A cell that did not end even after an interrupt."""
+
+
+class Kernel:
+    """A kernel subprocess of this interpreter and a blocking client, as Jupyter starts one."""
+
+    def __init__(self, log_dir: str) -> None:
+        self.km = KernelManager(kernel_name="python3")
+        self.km.kernel_cmd = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+        self.km.start_kernel(env={**os.environ, "JUPYTER_SHARD_LOG_DIR": log_dir})
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    @property
+    def pid(self) -> int:
+        return int(self.km.provisioner.process.pid)  # type: ignore[union-attr]
+
+    def execute(self, code: str, action: Callable[[], None] | None = None, at: float = 1.0) -> Cell:
+        """Run a cell; ``action`` runs ``at`` seconds after it was sent (a fault from outside)."""
+        msg_id = self.kc.execute(code)
+        started = time.monotonic()
+        deadline, interrupted = started + CELL_LIMIT, False
+        streams: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        errors: list[str] = []
+        while True:
+            now = time.monotonic()
+            if action is not None and now - started >= at:
+                action()
+                action = None
+            if now > deadline:
+                if interrupted:
+                    raise Hang(f"no end {CELL_LIMIT:.0f} s + 30 s after an interrupt: {code[:60]!r}")
+                self.km.interrupt_kernel()
+                errors.append(f"(soak: interrupted after {CELL_LIMIT:.0f} s)")
+                deadline, interrupted = now + 30.0, True
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.05)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                streams[content["name"]].append(content["text"])
+            elif kind == "error":
+                errors.append("\n".join(content["traceback"]) or f"{content['ename']}: {content['evalue']}")
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+        reply = self.kc.get_shell_msg(timeout=30)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = self.kc.get_shell_msg(timeout=30)
+        return Cell(
+            ok=reply["content"]["status"] == "ok" and not interrupted,
+            stdout="".join(streams["stdout"]),
+            stderr="".join(streams["stderr"]),
+            error=ANSI.sub("", "\n".join(errors)),
+            elapsed=time.monotonic() - started,
+        )
+
+    def shutdown(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
+
+
+@dataclass
+class Soak:
+    kernel: Kernel
+    rng: random.Random
+    nproc: int
+    cells: int = 0
+    counter: int | None = None  # rank 0's counter as it should be; None before the first compute
+    may_lose: bool = True  # a restart was announced since the last compute check
+    fresh: bool = False  # the last compute cell found no counter (new ranks)
+    kcount: int = 0
+    injected: collections.Counter[str] = field(default_factory=collections.Counter)
+    survived: collections.Counter[str] = field(default_factory=collections.Counter)
+    failures: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    pids_seen: set[int] = field(default_factory=set)
+    deck: list[str] = field(default_factory=list)
+
+    def run(self, code: str, action: Callable[[], None] | None = None, at: float = 1.0) -> Cell:
+        self.cells += 1
+        cell = self.kernel.execute(code, action, at)
+        if STATE_LOST in cell.text:
+            self.may_lose = True
+        return cell
+
+    def fail(self, what: str, cell: Cell | None = None) -> None:
+        lines = (cell.error or cell.stderr or cell.stdout).strip().splitlines() if cell else []
+        detail = f": {lines[0][:160]}" if lines else ""
+        self.failures.append(f"cell {self.cells}: {what}{detail}")
+
+    # -- normal cells --------------------------------------------------------------------------
+
+    def compute(self) -> bool:
+        cell = self.run(COMPUTE)
+        if not cell.ok:
+            return False
+        seen = {
+            int(k): (int(c), float(t))
+            for k, c, t in re.findall(r"\[rank (\d+)\] SOAK counter (\d+) (\S+)", cell.stdout)
+        }
+        fresh = self.fresh = "SOAK fresh" in cell.stdout
+        if sorted(seen) != list(range(self.nproc)) or len({c for c, _ in seen.values()}) != 1:
+            self.lost.append(f"cell {self.cells}: ranks disagree on the counter: {seen}")
+        value, total = seen.get(0, (0, 0.0))
+        if total != value * self.nproc:
+            self.lost.append(f"cell {self.cells}: all_reduce gave {total}, expected {value * self.nproc}")
+        if fresh and not self.may_lose and self.counter is not None:
+            self.lost.append(
+                f"cell {self.cells}: rank counter reset (was {self.counter}) with no restart notice"
+            )
+        elif not fresh and self.counter is not None and value != self.counter + 1:
+            self.lost.append(f"cell {self.cells}: rank counter {value}, expected {self.counter + 1}")
+        self.counter, self.may_lose = value, False
+        return True
+
+    def train(self) -> None:
+        steps = self.rng.randint(5, 40)
+        before = self._history()
+        cell = self.run(TRAIN.format(steps=steps))
+        if not cell.ok:
+            self.fail("train cell failed", cell)
+            return
+        after = self._history()
+        if (
+            before is not None
+            and after is not None
+            and not after[1]
+            and after[0] - before[0] != steps * self.nproc
+        ):
+            self.lost.append(
+                f"cell {self.cells}: {after[0] - before[0]} shard.log records of {steps * self.nproc}"
+            )
+
+    def _history(self) -> tuple[int, bool] | None:
+        cell = self.run(HISTORY)
+        found = re.search(r"SOAK history (\d+) (True|False)", cell.stdout)
+        if not found:
+            self.fail("jupyter_shard.history() failed", cell)
+            return None
+        return int(found.group(1)), found.group(2) == "True"
+
+    def push_pull(self) -> None:
+        n = self.rng.randint(1, 5000)
+        cell = self.run(f"soak_payload = list(range({n}))\n%dist_push soak_payload")
+        if not cell.ok:
+            self.fail("%dist_push failed", cell)
+            return
+        cell = self.run("%%distributed\nprint('SOAK sum', sum(soak_payload))")
+        sums = re.findall(r"SOAK sum (\d+)", cell.stdout)
+        if not cell.ok or sums != [str(n * (n - 1) // 2)] * self.nproc:
+            self.lost.append(f"cell {self.cells}: pushed list summed to {sums} on the ranks")
+        if self.counter is None:
+            return
+        cell = self.run("%dist_pull counter\nprint('SOAK pulled', counter)")
+        pulled = re.search(r"SOAK pulled (\d+)", cell.stdout)
+        if not cell.ok or pulled is None:
+            self.fail("%dist_pull failed", cell)
+        elif int(pulled.group(1)) != self.counter:
+            self.lost.append(f"cell {self.cells}: pulled counter {pulled.group(1)}, expected {self.counter}")
+
+    def kernel_cell(self) -> None:
+        cell = self.run("kcount = globals().get('kcount', 0) + 1\nprint('SOAK kcount', kcount)")
+        found = re.search(r"SOAK kcount (\d+)", cell.stdout)
+        if found is None or int(found.group(1)) != self.kcount + 1:
+            self.lost.append(
+                f"cell {self.cells}: kernel counter {found and found.group(1)}, expected {self.kcount + 1}"
+            )
+        self.kcount += 1
+
+    def rank_pids(self) -> list[int]:
+        cell = self.run(PIDS)
+        found = re.search(r"SOAK pids ([\d ]+)", cell.stdout)
+        pids = [int(p) for p in found.group(1).split()] if found else []
+        self.pids_seen.update(pids)
+        return pids
+
+    # -- faults --------------------------------------------------------------------------------
+
+    def fault(self) -> None:
+        if not self.deck:
+            self.deck = list(FAULTS)
+            self.rng.shuffle(self.deck)
+        kind = self.deck.pop()
+        self.injected[kind] += 1
+        rank = self.rng.randrange(self.nproc)
+        started = time.monotonic()
+        cell: Cell = getattr(self, f"_fault_{kind}")(rank)
+        recovered = self.recover()
+        if recovered:
+            self.survived[kind] += 1
+        outcome = ("restarted" if self.fresh else "state kept") if recovered else "NOT RECOVERED"
+        said = (cell.error or cell.stderr or cell.stdout).strip().splitlines()
+        print(
+            f"[{time.strftime('%H:%M:%S')}] {kind:<20} rank {rank}  cell {cell.elapsed:4.1f} s  "
+            f"{outcome:<10} after {time.monotonic() - started:4.1f} s  | {said[0][:90] if said else ''}",
+            flush=True,
+        )
+
+    def _expect_failure(self, cell: Cell, kind: str, needles: list[str], within: float) -> None:
+        if cell.ok:
+            self.fail(f"{kind}: the cell succeeded")
+        missing = [n for n in needles if n not in cell.text]
+        if missing:
+            self.fail(f"{kind}: the message lacks {missing!r}", cell)
+        if cell.elapsed > within:
+            self.fail(f"{kind}: the cell took {cell.elapsed:.1f} s (limit {within:g} s)")
+
+    def _fault_exit(self, rank: int) -> Cell:
+        self.rank_pids()
+        cell = self.run(EXIT.format(rank=rank))
+        self._expect_failure(cell, "exit", [f"rank {rank} exited with code 3"], 10.0)
+        return cell
+
+    def _fault_sigkill(self, rank: int) -> Cell:
+        pid = self.rank_pids()[rank]
+        if self.rng.random() < 0.5:
+            cell = self.run(SLEEP, lambda: os.kill(pid, signal.SIGKILL), at=self.rng.uniform(0.5, 2.0))
+        else:
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(0.5)
+            cell = self.run(COMPUTE)  # between cells: the next cell is refused, naming the dead rank
+        self._expect_failure(cell, "sigkill", [f"rank {rank}", "SIGKILL"], 15.0)
+        return cell
+
+    def _fault_raise(self, rank: int) -> Cell:
+        self.rank_pids()
+        cell = self.run(RAISE.format(rank=rank))
+        self._expect_failure(cell, "raise", [f"rank {rank} failed first", "ValueError: soak: injected"], 30.0)
+        return cell
+
+    def _fault_interrupt(self, rank: int) -> Cell:
+        cell = self.run(SLEEP, self.kernel.km.interrupt_kernel, at=self.rng.uniform(0.5, 2.0))
+        self._expect_failure(cell, "interrupt", ["KeyboardInterrupt"], 15.0)
+        return cell
+
+    def _fault_interrupt_collective(self, rank: int) -> Cell:
+        self.rank_pids()
+        cell = self.run(STUCK_IN_COLLECTIVE, self.kernel.km.interrupt_kernel, at=self.rng.uniform(0.5, 2.0))
+        self._expect_failure(cell, "interrupt_collective", ["KeyboardInterrupt"], 20.0)
+        return cell
+
+    def _fault_restart(self, rank: int) -> Cell:
+        cell = self.run("%dist_restart")
+        if not cell.ok or STATE_LOST not in cell.text:
+            self.fail("%dist_restart did not say that rank state is lost", cell)
+        return cell
+
+    def recover(self) -> bool:
+        """The next compute cell works, after %dist_restart if the product asks for one."""
+        for _ in range(3):
+            if self.compute():
+                self.kernel_cell()
+                self.rank_pids()
+                return True
+            cell = self.run("%dist_restart")
+            if not cell.ok:
+                self.fail("%dist_restart failed", cell)
+        self.fail("the pool did not recover after three %dist_restart")
+        return False
+
+    # -- the end ---------------------------------------------------------------------------------
+
+    def orphans(self) -> list[str]:
+        """Kernel children that are not current ranks, and earlier ranks still alive."""
+        current = set(self.rank_pids())
+        found = []
+        for child in psutil.Process(self.kernel.pid).children(recursive=True):
+            try:
+                status = child.status()
+            except psutil.NoSuchProcess:
+                continue
+            if child.pid not in current or status == psutil.STATUS_ZOMBIE:
+                command = ""
+                with contextlib.suppress(psutil.Error):
+                    command = " ".join(child.cmdline())[:80]
+                found.append(f"pid {child.pid} ({status}) {command}")
+        for pid in sorted(self.pids_seen - current):
+            if _alive(pid):
+                found.append(f"earlier rank pid {pid} still alive")
+        return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def summary(soak: Soak, minutes: float, seed: int, orphans: list[str]) -> str:
+    rows = [f"soak: {minutes:.1f} min, seed {seed}, {soak.nproc} CPU ranks, {soak.cells} cells run", ""]
+    rows.append(f"{'fault':<22}{'injected':>9}{'survived':>10}")
+    for kind in FAULTS:
+        rows.append(f"{kind:<22}{soak.injected[kind]:>9}{soak.survived[kind]:>10}")
+    rows.append(f"{'total':<22}{sum(soak.injected.values()):>9}{sum(soak.survived.values()):>10}")
+    rows.append("")
+    for title, items in (("unexpected failures", soak.failures), ("lost", soak.lost), ("orphans", orphans)):
+        rows.append(f"{title}: {len(items)}")
+        rows.extend(f"  - {item}" for item in items)
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--minutes", type=float, default=60.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--fault-rate", type=float, default=0.25, help="share of steps that inject a fault")
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    log_dir = tempfile.mkdtemp(prefix="jupyter_shard-soak-")
+    kernel = Kernel(log_dir)
+    soak = Soak(kernel, rng, args.nproc)
+    started = time.monotonic()
+    orphans: list[str] = []
+    try:
+        soak.run("%load_ext jupyter_shard")
+        first = soak.run(f"%%distributed --nproc {args.nproc} --device cpu\nimport torch")
+        if not first.ok:
+            raise SystemExit(f"the pool did not start: {first.error or first.stderr}")
+        end = started + args.minutes * 60
+        while time.monotonic() < end:
+            step = rng.choice(("compute", "compute", "train", "push_pull", "kernel"))
+            if rng.random() < args.fault_rate:
+                soak.fault()
+            elif step == "compute":
+                if not soak.compute():
+                    soak.fail("a compute cell failed outside a fault")
+                    soak.recover()
+            else:
+                {"train": soak.train, "push_pull": soak.push_pull, "kernel": soak.kernel_cell}[step]()
+        orphans = soak.orphans()
+    except Hang as exc:
+        soak.failures.append(f"cell {soak.cells}: hang: {exc}")
+    finally:
+        family = {soak.kernel.pid, *soak.pids_seen}
+        kernel.shutdown()
+        time.sleep(2.0)
+        orphans += [f"pid {pid} outlived the kernel's shutdown" for pid in sorted(family) if _alive(pid)]
+    print()
+    print(summary(soak, (time.monotonic() - started) / 60, args.seed, orphans))
+    print(f"\nrank logs: {log_dir}")
+    return 1 if soak.failures or soak.lost or orphans else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
