@@ -59,20 +59,32 @@ def clean_stale_pools(base: Path | None = None) -> list[Path]:
             if not directory.is_dir() or directory.stat().st_uid != os.getuid():
                 continue
             record = json.loads((directory / "pool.json").read_text())
-        except (OSError, ValueError):
+            kernel_pid, kernel_start = _pid_and_start(record["kernel"])
+            ranks = [_pid_and_start(item) for item in record["ranks"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            # unreadable, or written by another version: nothing in it can be trusted to kill by
             if _older_than(directory, 3600):
                 shutil.rmtree(directory, ignore_errors=True)
                 removed.append(directory)
             continue
-        kernel_pid, kernel_start = record["kernel"]
         if kernel_start is not None and _start_time(kernel_pid) == kernel_start:
             continue
-        for pid, started in record["ranks"]:
+        for pid, started in ranks:
             if started is not None and _start_time(pid) == started:
                 kill_recorded(pid)
         shutil.rmtree(directory, ignore_errors=True)
         removed.append(directory)
     return removed
+
+
+def _pid_and_start(item: object) -> tuple[int, float | None]:
+    """``[pid, start time or null]`` from a pool record; TypeError/ValueError for anything else."""
+    if not isinstance(item, list) or len(item) != 2:
+        raise TypeError(f"not [pid, start time]: {item!r}")
+    pid, started = item
+    if isinstance(pid, bool) or not isinstance(pid, int):
+        raise TypeError(f"not a pid: {pid!r}")
+    return pid, None if started is None else float(started)
 
 
 def _older_than(path: Path, seconds: float) -> bool:

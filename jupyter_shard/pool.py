@@ -147,7 +147,9 @@ class Pool(Receiver):
         sock.bind(address)
         self._sock = sock
         lifeline_r, self._lifeline_w = os.pipe()
-        launches = [self._launch(rank, address, key, lifeline_r) for rank in range(self.spec.nproc)]
+        # One MASTER_PORT for the whole pool, as torchrun gives: code that meets on it finds one place.
+        port = _lifecycle.free_port()
+        launches = [self._launch(rank, address, key, lifeline_r, port) for rank in range(self.spec.nproc)]
         try:
             handles = launcher.start(self.spec, launches, lifeline_r)
         except BaseException:
@@ -173,7 +175,7 @@ class Pool(Receiver):
             self._foreground = foreground
         self._start_watcher()
 
-    def _launch(self, rank: int, address: str, key: bytes, lifeline_r: int) -> RankLaunch:
+    def _launch(self, rank: int, address: str, key: bytes, lifeline_r: int, master_port: int) -> RankLaunch:
         assert self._dir is not None and self.log_dir is not None
         env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTER_SHARD_")}
         nproc = self.spec.nproc
@@ -186,7 +188,7 @@ class Pool(Receiver):
                 "LOCAL_WORLD_SIZE": str(nproc),
                 "GROUP_RANK": "0",
                 "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(_lifecycle.free_port()),
+                "MASTER_PORT": str(master_port),
                 "GLOO_SOCKET_IFNAME": _lifecycle.loopback_interface(),
                 "NCCL_SOCKET_IFNAME": _lifecycle.loopback_interface(),
                 "PYTHONUNBUFFERED": "1",

@@ -147,14 +147,6 @@ def test_pool_runs_collectives_with_port_29500_taken_and_never_listens_on_it(
             assert not master_ports & {port for _, port in addresses}, f"rank {row.rank}: a TCPStore"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="each rank gets its own MASTER_PORT (Pool._launch calls _lifecycle.free_port() once per "
-    "rank), so torchrun-style code that rendezvouses on MASTER_ADDR:MASTER_PORT (dist.TCPStore, "
-    "init_process_group after destroy) times out: 'Timed out after 9 seconds waiting for clients. "
-    "1/2 clients joined'",
-)
 def test_every_rank_sees_the_same_master_port(tmp_path: Path) -> None:
     sink = ConsoleSink(io.StringIO(), io.StringIO())
     with Pool(nproc=2, device="cpu", log_dir=tmp_path, sink=sink) as pool:
@@ -250,13 +242,6 @@ def test_stale_files_are_cleaned_by_pid_and_start_time_and_a_live_pool_is_left_a
             proc.wait()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,
-    reason="Pool.start() raises KeyError: 'kernel' from _lifecycle.clean_stale_pools when any "
-    "jupyter_shard-* directory in the runtime root holds a pool.json that is valid JSON of another "
-    "shape (e.g. left by another jupyter_shard version): every later pool start fails",
-)
 def test_stale_record_of_another_shape_does_not_block_a_fresh_start(
     tmp_path: Path, runtime_root: Path
 ) -> None:
