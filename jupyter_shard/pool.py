@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -355,7 +356,7 @@ class Pool(Receiver):
         self.sink.begin_cell()
         self._send(targets, "execute", {"cell_id": cell_id, "code": code, "exec_count": exec_count})
         for r in targets:
-            r.state, r.cell = RankState.RUNNING, cell_head(code)
+            r.state, r.cell, r.collective = RankState.RUNNING, cell_head(code), ""
         return Gathering(result, [r.rank for r in targets], time.monotonic(), timeout)
 
     def _targets(self, ranks: Sequence[int] | None) -> list[RankRecord]:
@@ -578,7 +579,16 @@ class Pool(Receiver):
             f"rank {format_ranks(waiting)} is blocked in {calls}: closing the process group on "
             f"rank {names} to release it"
         )
-        self._request("release", {}, idle, timeout=INTERRUPT_GRACE)
+        peers = [r.handle.pid for r in self._live() if r.handle.host == socket.gethostname()]
+        replies = self._request("release", {"peers": peers}, idle, timeout=INTERRUPT_GRACE)
+        for r in idle:
+            reply = replies.get(r.rank)
+            if reply is None:
+                self._notice(
+                    f"rank {r.rank} did not confirm closing its process group within {INTERRUPT_GRACE:g} s"
+                )
+            elif not reply.body["ok"]:
+                self._notice(f"rank {r.rank} could not close its process group: {reply.body['error']}")
         self._regroup_needed = True
         return [r.rank for r in idle]
 

@@ -251,7 +251,11 @@ class _Runner:
                 dist.destroy_process_group()
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-        self.sock.send("release_reply", {"req_id": msg.body["req_id"], "ok": not error, "error": error})
+        # The group's sockets close only with its last reference, which torch itself may keep (seen
+        # after autograd steps); shutting down the connections to the other ranks frees them anyway.
+        closed = _shut_down_connections_to([int(pid) for pid in msg.body.get("peers", [])])
+        body = {"req_id": msg.body["req_id"], "ok": not error, "error": error, "closed": closed}
+        self.sock.send("release_reply", body)
 
     def regroup(self, msg: Message) -> None:
         """Replace the default process group with a new one on a fresh store (after a release)."""
@@ -283,6 +287,31 @@ class _Runner:
     def shutdown(self, msg: Message) -> None:
         self.channel.close()
         os._exit(0)
+
+
+def _shut_down_connections_to(peers: list[int]) -> int:
+    """Shut down (not close: torch owns the fds) this process's TCP connections to ``peers``' ports."""
+    import psutil
+
+    ports: set[int] = set()
+    for pid in peers:
+        if pid == os.getpid():
+            continue
+        with contextlib.suppress(psutil.Error):
+            ports.update(c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp"))
+    closed = 0
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if conn.fd < 0 or not conn.raddr or conn.raddr.port not in ports:
+            continue
+        sock = socket.socket(fileno=conn.fd)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            closed += 1
+        except OSError:
+            pass
+        finally:
+            sock.detach()
+    return closed
 
 
 def _ignore(signum: int, frame: FrameType | None) -> None:

@@ -17,7 +17,22 @@ from tests.faults.conftest import alive, rank_pids
 
 pytestmark = pytest.mark.timeout(120)
 
-SETUP = "%%distributed --nproc 2 --device cpu\nimport time, torch, torch.distributed as dist\nkept = 41"
+# A few training steps first: after autograd steps torch keeps a reference to the process group,
+# so closing it alone would not free a blocked peer.
+SETUP = """%%distributed --nproc 2 --device cpu
+import time, torch, torch.distributed as dist
+kept = 41
+w = torch.zeros(4, requires_grad=True)
+opt = torch.optim.SGD([w], lr=0.05)
+for _ in range(20):
+    x = torch.randn(16, 4)
+    loss = ((x @ w - x.sum(1)) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    dist.all_reduce(w.grad)
+    opt.step()
+    shard.log(loss=loss)
+"""
 NEXT = "%%distributed\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('kept', kept + 1, 'sum', t.item())"
 
 
