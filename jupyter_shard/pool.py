@@ -197,6 +197,7 @@ class Pool(Receiver):
                 KEY_ENV: key.hex(),
                 "JUPYTER_SHARD_ADDRESS": address,
                 "JUPYTER_SHARD_STORE": str(self._dir / "store"),
+                "JUPYTER_SHARD_MAX_FRAME": str(MAX_FRAME),  # one message limit on both ends
                 "JUPYTER_SHARD_LIFELINE_FD": str(lifeline_r),
                 "JUPYTER_SHARD_PARENT_PID": str(os.getpid()),
                 "JUPYTER_SHARD_DEVICE": self.spec.device.value,

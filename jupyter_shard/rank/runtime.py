@@ -1,7 +1,9 @@
 """The life of a rank process: start up, join the process group, then run cells until told to stop.
 
-Start-up reads its orders from the environment the launcher set (the pool key is removed from the
-environment as soon as it is read), connects to the kernel, joins the default process group
+Start-up reads its orders from the environment the launcher set (the pool key is removed from
+``os.environ`` as soon as it is read, so cells and the processes they start do not see it; the
+process's initial environment in ``/proc/<pid>/environ`` still holds it, readable only by the same
+user and root, as the 0700 pool directory is), connects to the kernel, joins the default process group
 through a FileStore in the pool's private directory, and says ``ready``. A failure at any point is
 reported with its traceback and the process exits, so a pool start never waits on a dead rank.
 """
