@@ -703,6 +703,8 @@ class Pool(Receiver):
 
         self._refuse_while_background("pull values")
         self.start()
+        if gather and self._regroup_needed:  # gathering is a collective: it needs a working group
+            self._regroup()
         body = {"name": name, "gather": gather}
         replies = self._request("pull", body, self._targets(None if gather else ranks), timeout=600.0)
         out: dict[int, Any] = {}
