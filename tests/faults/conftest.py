@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 import time
 from typing import Any
 
@@ -34,3 +35,15 @@ def wait_gone(pids: list[int], within: float) -> float:
             raise AssertionError(f"still alive after {within} s: {alive(pids)}")
         time.sleep(0.05)
     return time.monotonic() - started
+
+
+def interrupt_after(kernel: Any, seconds: float) -> threading.Thread:
+    """Press Jupyter's interrupt (a kernel SIGINT) ``seconds`` from now; join the thread after."""
+
+    def fire() -> None:
+        time.sleep(seconds)
+        kernel.km.interrupt_kernel()
+
+    thread = threading.Thread(target=fire)
+    thread.start()
+    return thread

@@ -7,13 +7,12 @@ collective fail at once; every rank keeps its state and the next cell first rebu
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
 import pytest
 
-from tests.faults.conftest import alive, rank_pids
+from tests.faults.conftest import alive, interrupt_after, rank_pids
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,16 +38,6 @@ NEXT = "%%distributed\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('kept', kept
 def _start(kernel: Any) -> None:
     assert kernel.execute("%load_ext jupyter_shard").ok
     assert kernel.execute(SETUP).ok
-
-
-def _interrupt_after(kernel: Any, seconds: float) -> threading.Thread:
-    def fire() -> None:
-        time.sleep(seconds)
-        kernel.km.interrupt_kernel()
-
-    thread = threading.Thread(target=fire)
-    thread.start()
-    return thread
 
 
 def _shown(run: Any) -> str:
@@ -108,7 +97,7 @@ def test_f4_a_straggler_skips_the_collective(kernel: Any) -> None:
 def test_f6_interrupt_while_one_rank_sleeps_and_the_other_waits_in_all_reduce(kernel: Any) -> None:
     _start(kernel)
     pids = rank_pids(kernel)
-    fired = _interrupt_after(kernel, 2.5)  # after a heartbeat has shown rank 1 in all_reduce
+    fired = interrupt_after(kernel, 2.5)  # after a heartbeat has shown rank 1 in all_reduce
     run = kernel.execute(
         "%%distributed\nif shard.rank == 0:\n    time.sleep(60)\ndist.all_reduce(torch.ones(1))\n"
     )
@@ -129,7 +118,7 @@ def test_f6_interrupt_while_one_rank_sleeps_and_the_other_waits_in_all_reduce(ke
 def test_f6_ranks_all_blocked_are_killed_within_10s_and_replaced(kernel: Any) -> None:
     _start(kernel)
     pids = rank_pids(kernel)
-    fired = _interrupt_after(kernel, 2.5)
+    fired = interrupt_after(kernel, 2.5)
     # Each rank waits to receive from the other: nobody is idle to release them.
     run = kernel.execute("%%distributed\nt = torch.zeros(1)\ndist.recv(t, src=1 - shard.rank)\n")
     fired.join()

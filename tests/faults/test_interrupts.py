@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any
 
 import pytest
 
+from tests.faults.conftest import interrupt_after
+
 pytestmark = pytest.mark.timeout(120)
-
-
-def _interrupt_after(kernel: Any, seconds: float) -> threading.Thread:
-    def fire() -> None:
-        time.sleep(seconds)
-        kernel.km.interrupt_kernel()
-
-    thread = threading.Thread(target=fire)
-    thread.start()
-    return thread
 
 
 def test_interrupt_python_loop_on_all_ranks_keeps_state(kernel: Any) -> None:
     assert kernel.execute("%load_ext jupyter_shard").ok
     assert kernel.execute("%%distributed --nproc 2 --device cpu\nkept = 41").ok
-    fired = _interrupt_after(kernel, 1.0)
+    fired = interrupt_after(kernel, 1.0)
     run = kernel.execute("%%distributed\nimport time\nwhile True:\n    time.sleep(0.001)\n")
     fired.join()
     assert not run.ok
