@@ -58,9 +58,11 @@ class RunResult:
         return None
 
     def failures(self) -> list[RankResult]:
-        """Failed ranks, the first to fail first."""
+        """Failed ranks, the first to fail first; when a rank died, after it its peers' collectives
+        that failed because its connection closed, even if they reported first."""
         failed = [r for r in self.ranks.values() if not r.ok]
-        return sorted(failed, key=lambda r: (r.failed_at or float("inf"), r.rank))
+        died = any(r.status == "dead" for r in failed)
+        return sorted(failed, key=lambda r: (died and _peer_gone(r), r.failed_at or float("inf"), r.rank))
 
 
 @dataclass
@@ -136,3 +138,11 @@ def _headline(failures: list[RankResult]) -> str:
     others = [f.rank for f in failures[1:]]
     also = f" (also failed: rank {format_ranks(others)})" if others else ""
     return f"rank {first.rank} failed first: {_summary(first)}{also}"
+
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+def _peer_gone(failure: RankResult) -> bool:
+    """A collective failed because another rank's connection went away (gloo says so)."""
+    return failure.status == "error" and any(text in failure.evalue for text in _PEER_GONE)

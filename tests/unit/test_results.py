@@ -123,3 +123,14 @@ def test_custom_headline_and_no_failures() -> None:
     assert err.headline == "cell timed out after 5 s"
     assert err.rank == -1
     assert DistributedError(RunResult("c", {})).headline == "the cell failed"
+
+
+def test_a_dead_rank_comes_before_the_peer_whose_collective_it_broke() -> None:
+    gloo = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"
+    dead = RankResult(1, status="dead", evalue="rank 1 exited with code 3", failed_at=10.2)
+    r = RunResult("c", {0: _failed(0, at=10.0, evalue=gloo), 1: dead})
+    assert [f.rank for f in r.failures()] == [1, 0]
+    assert DistributedError(r).headline.startswith("rank 1 failed first: rank 1 exited with code 3")
+    # without a death, a closed connection is just the first failure
+    alive = RunResult("c", {0: _failed(0, at=10.0, evalue=gloo), 1: _failed(1, at=10.2)})
+    assert [f.rank for f in alive.failures()] == [0, 1]
