@@ -575,7 +575,7 @@ class Pool(Receiver):
         if not idle or not waiting:
             return []
         names = format_ranks([r.rank for r in idle])
-        calls = ", ".join(sorted({blocked[k] for k in waiting}))
+        calls = ", ".join(sorted({blocked[k] or "a collective or native code" for k in waiting}))
         self._notice(
             f"rank {format_ranks(waiting)} is blocked in {calls}: closing the process group on "
             f"rank {names} to release it"
@@ -621,8 +621,13 @@ class Pool(Receiver):
             return idle and all(k in blocked for k in still)
 
         still = self._await_stopped(result, ranks, INTERRUPT_GRACE, only_blocked_left)
+        suspects: dict[int, str] = {}
         if still:
-            fresh = self._release(blocked, still, released)
+            # A heartbeat may have named the collective since; and a rank that let SIGINT pass for
+            # INTERRUPT_GRACE is likely blocked in one anyway: a release costs only a regroup.
+            blocked.update({k: self._ranks[k].collective for k in still if self._ranks[k].collective})
+            suspects = {k: blocked.get(k, "") for k in still}
+            fresh = self._release(suspects, still, released)
             released += fresh
             others = [k for k in still if not (k in blocked and fresh)]
             if others:
@@ -630,14 +635,14 @@ class Pool(Receiver):
                 for k in others:
                     self._ranks[k].handle.send_signal(signal.SIGINT)
             still = self._await_stopped(result, still, INTERRUPT_GRACE, lambda _: False)
-        for k in blocked:
+        for k in sorted(set(blocked) | set(suspects)):
             failure = result.ranks[k]
             if released and k not in still and failure.status == "error":
                 failure.evalue = (
-                    f"left waiting in {blocked[k]}; released by closing the process group on "
-                    f"rank {format_ranks(released)}"
+                    f"left waiting in {blocked.get(k) or 'a collective'}; released by closing the "
+                    f"process group on rank {format_ranks(released)}"
                 )
-        if released and any(k not in still for k in blocked):
+        if released and any(k not in still for k in set(blocked) | set(suspects)):
             result.notes.append(
                 f"closed the process group on rank {format_ranks(released)} to release the ranks "
                 "blocked in a collective; the next cell first rebuilds the group (rank state is kept)"

@@ -94,22 +94,29 @@ def test_f4_a_straggler_skips_the_collective(kernel: Any) -> None:
     assert "%dist_restart gives fresh ranks" in notices
 
 
-def test_f6_interrupt_while_one_rank_sleeps_and_the_other_waits_in_all_reduce(kernel: Any) -> None:
+@pytest.mark.parametrize("after", [0.3, 2.5], ids=["before-a-heartbeat", "after-a-heartbeat"])
+def test_f6_interrupt_while_one_rank_sleeps_and_the_other_waits_in_all_reduce(
+    kernel: Any, after: float
+) -> None:
+    """At 2.5 s a heartbeat has shown rank 1 in all_reduce: it gets no SIGINT, only the release. At
+    0.3 s usually none has: both get SIGINT, and rank 1, still running 2 s later, is released."""
     _start(kernel)
     pids = rank_pids(kernel)
-    fired = interrupt_after(kernel, 2.5)  # after a heartbeat has shown rank 1 in all_reduce
+    fired = interrupt_after(kernel, after)
     run = kernel.execute(
         "%%distributed\nif shard.rank == 0:\n    time.sleep(60)\ndist.all_reduce(torch.ones(1))\n"
     )
     fired.join()
     assert not run.ok
-    assert run.elapsed < 2.5 + 10.0, f"the cell took {run.elapsed:.1f} s"
+    assert run.elapsed < after + 10.0, f"the cell took {run.elapsed:.1f} s"
     notices = run.stream("stderr")
-    assert "rank 0 interrupted: sending SIGINT" in notices
-    assert "rank 1 is blocked in all_reduce: closing the process group on rank 0 to release it" in notices
+    assert "interrupted: sending SIGINT" in notices
+    assert (
+        "rank 1 is blocked in" in notices and "closing the process group on rank 0 to release it" in notices
+    )
     text = run.error_text()
     assert "──── rank 0: KeyboardInterrupt ────" in text
-    assert "──── rank 1: RuntimeError: left waiting in all_reduce" in text
+    assert "──── rank 1: RuntimeError: left waiting in" in text or "──── rank 1: KeyboardInterrupt" in text
     assert "killed" not in notices
     _recovered_with_state(kernel)
     assert sorted(rank_pids(kernel)) == sorted(pids), "the ranks were kept, not respawned"
