@@ -155,6 +155,26 @@ class Notebook:
             ) from None
         return handle.json_value()
 
+    def wait_panel_says(self, prefix: str, timeout: float, what: str) -> None:
+        """The jupyter_shard side panel's state line starts with ``prefix``."""
+        self.wait_for(
+            "return document.querySelector('#jupyter-shard-panel .jp-ShardPanel-state')"
+            ".textContent.startsWith(arg);",
+            arg=prefix,
+            timeout=timeout,
+            what=what,
+        )
+
+    def wait_panel_ranks(self, state: str, count: int, timeout: float, what: str) -> None:
+        """The jupyter_shard side panel shows ``count`` ranks in ``state``."""
+        self.wait_for(
+            'return document.querySelectorAll(`#jupyter-shard-panel tr[data-state="${arg.state}"]`)'
+            ".length === arg.count;",
+            arg={"state": state, "count": count},
+            timeout=timeout,
+            what=what,
+        )
+
     def outputs(self, index: int) -> list[dict[str, Any]]:
         """Code cell ``index``'s outputs as nbformat dicts, from the notebook model."""
         outputs: list[dict[str, Any]] = self.page.evaluate(

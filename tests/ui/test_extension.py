@@ -32,20 +32,13 @@ def test_side_panel_shows_the_pool_and_picker_inserts_a_cell(open_nb: OpenNotebo
 
     open_panel(nb)
     state = nb.page.locator(f"{PANEL} .jp-ShardPanel-state")
-    nb.wait_for(
-        "return document.querySelector('#jupyter-shard-panel .jp-ShardPanel-state')"
-        ".textContent.startsWith('no pool');",
-        timeout=10 * SECOND,
-        what="the panel to say 'no pool' after %dist_shutdown",
-    )
+    nb.wait_panel_says("no pool", timeout=10 * SECOND, what="the panel to say 'no pool' after %dist_shutdown")
 
     hello = nb.find_code_cell("all_reduce(t)")
     nb.run_cell(hello)
     nb.wait_finished(hello)
-    nb.wait_for(
-        "return document.querySelectorAll('#jupyter-shard-panel tr[data-state=\"idle\"]').length === 2;",
-        timeout=15 * SECOND,
-        what="the panel to show 2 idle ranks (it polls every 2 s)",
+    nb.wait_panel_ranks(
+        "idle", 2, timeout=15 * SECOND, what="the panel to show 2 idle ranks (it polls every 2 s)"
     )
     assert nb.page.locator(f"{PANEL} .jp-ShardPanel-header").inner_text() == "2 CPU ranks · ddp"
     assert state.inner_text() == "idle"
@@ -152,11 +145,7 @@ def test_panel_follows_and_interrupts_a_running_cell(open_nb: OpenNotebook) -> N
         nb.run_cell(index)
         nb.wait_finished(index)
     open_panel(nb)
-    nb.wait_for(
-        "return document.querySelectorAll('#jupyter-shard-panel tr[data-state=\"idle\"]').length === 2;",
-        timeout=15 * SECOND,
-        what="the panel to show 2 idle ranks",
-    )
+    nb.wait_panel_ranks("idle", 2, timeout=15 * SECOND, what="the panel to show 2 idle ranks")
 
     slow = nb.find_code_cell("%dist_status")
     ticks = "for i in range(1200):\n    if i % 10 == 0:\n        print('tick', i)\n    time.sleep(0.1)"

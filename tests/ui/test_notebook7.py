@@ -27,11 +27,8 @@ def test_rank_tabs_and_side_panel_in_notebook7(open_nb7: OpenNotebook) -> None:
     # The panel lives in Notebook 7's right sidebar; showing it opens the comm to the kernel.
     nb.page.evaluate("window.jupyterapp.shell.activateById('jupyter-shard-panel')")
     nb.page.locator(PANEL).wait_for(state="visible", timeout=10 * SECOND)
-    nb.wait_for(
-        "return document.querySelector('#jupyter-shard-panel .jp-ShardPanel-state')"
-        ".textContent.startsWith('no pool');",
-        timeout=15 * SECOND,
-        what="the panel to say 'no pool' before the first %%distributed cell",
+    nb.wait_panel_says(
+        "no pool", timeout=15 * SECOND, what="the panel to say 'no pool' before the first %%distributed cell"
     )
 
     hello = nb.find_code_cell("all_reduce(t)")
@@ -44,10 +41,6 @@ def test_rank_tabs_and_side_panel_in_notebook7(open_nb7: OpenNotebook) -> None:
     tabs.nth(1).click()
     assert body.inner_text().strip() == "rank 0 of 2 on cpu: all_reduce sum = 3"
 
-    nb.wait_for(
-        "return document.querySelectorAll('#jupyter-shard-panel tr[data-state=\"idle\"]').length === 2;",
-        timeout=15 * SECOND,
-        what="the panel to show 2 idle ranks",
-    )
+    nb.wait_panel_ranks("idle", 2, timeout=15 * SECOND, what="the panel to show 2 idle ranks")
     assert nb.page.locator(f"{PANEL} .jp-ShardPanel-header").inner_text() == "2 CPU ranks · ddp"
     nb.screenshot("notebook7", show=nb.code_cell(hello))
