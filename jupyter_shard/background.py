@@ -26,6 +26,10 @@ class Gathering:
     timeout: float | None
     pending: set[int] = field(default_factory=set)
     first_done: float = 0.0  # when the first rank finished the cell (monotonic), 0 before
+    code: str = ""
+    ranks: tuple[int, ...] | None = None  # as asked for (None: all ranks)
+    exec_count: int = 0
+    record: bool = True  # kept in the pool's transcript (what %dist_export writes out)
 
     def __post_init__(self) -> None:
         self.pending = set(self.targets)

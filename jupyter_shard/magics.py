@@ -339,6 +339,19 @@ class DistributedMagics(Magics):
         print(f"jupyter_shard: restarted {self.pool.spec.describe()}; rank state is lost")
 
     @line_magic
+    def dist_export(self, line: str) -> None:
+        """Write the cells run since the pool started as a torchrun script:
+        %dist_export train.py [--sbatch job.sbatch] [--force]"""
+        from jupyter_shard.export import export_magic
+
+        if self.pool is None:
+            raise UsageError("nothing to export: no %%distributed cell has run in this kernel")
+        try:
+            print(export_magic(line, self.pool))
+        except SpecError as exc:
+            raise UsageError(str(exc)) from None
+
+    @line_magic
     def dist_shutdown(self, line: str) -> None:
         """Stop every rank."""
         if self.pool is not None:

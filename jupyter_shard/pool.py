@@ -49,6 +49,7 @@ from jupyter_shard.results import (
     RunResult,
 )
 from jupyter_shard.spec import DEFAULT_TIMEOUT, LaunchSpec, format_ranks
+from jupyter_shard.transcript import CellEntry, PushEntry, Transcript
 from jupyter_shard.widgets.rank_output import ConsoleSink, NotebookSink, RankSink
 
 __all__ = ["Pool"]
@@ -110,6 +111,7 @@ class Pool(Receiver):
         self._foreground = False
         self._watcher: threading.Thread | None = None
         self._watch_stop = threading.Event()
+        self.transcript = Transcript()  # cells and pushes since the last start (%dist_export)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -134,6 +136,7 @@ class Pool(Receiver):
             return
         _lifecycle.clean_stale_pools()
         self._regroup_needed, self._out_of_step = False, ""
+        self.transcript = Transcript()
         launcher = get_launcher(self.spec.launcher)
         key = new_key()
         self._wire = Wire(key, KERNEL)
@@ -234,10 +237,14 @@ class Pool(Receiver):
         if entry is None:
             return
         self.push(_js_strategy=(self.spec.strategy, *entry))
-        self.run(
+        self._run_foreground(
             "from jupyter_shard.strategies import register_strategy as _register\n"
             "_register(_js_strategy[0], _js_strategy[1], **_js_strategy[2])\n"
-            "del _register, _js_strategy"
+            "del _register, _js_strategy",
+            None,
+            None,
+            0,
+            record=False,
         )
 
     def _startup_failure(self, r: RankRecord, how: str) -> str:
@@ -293,10 +300,20 @@ class Pool(Receiver):
         exec_count: int = 0,
     ) -> RunResult:
         """Run ``code`` on ``ranks`` (default: all); raise :class:`DistributedError` if any fails."""
+        return self._run_foreground(code, ranks, timeout, exec_count, record=True)
+
+    def _run_foreground(
+        self,
+        code: str,
+        ranks: Sequence[int] | None,
+        timeout: float | None,
+        exec_count: int,
+        record: bool,
+    ) -> RunResult:
         self._refuse_while_background("run a cell")
         foreground, self._foreground = self._foreground, True  # the watcher thread stands aside
         try:
-            gathering = self._begin(code, ranks, timeout, exec_count)
+            gathering = self._begin(code, ranks, timeout, exec_count, record)
             try:
                 self._gather(gathering)
             finally:
@@ -336,7 +353,12 @@ class Pool(Receiver):
             )
 
     def _begin(
-        self, code: str, ranks: Sequence[int] | None, timeout: float | None, exec_count: int
+        self,
+        code: str,
+        ranks: Sequence[int] | None,
+        timeout: float | None,
+        exec_count: int,
+        record: bool = True,
     ) -> Gathering:
         if self._restart_reason is not None:
             self._notice(f"restarting the pool ({self._restart_reason}); rank state is lost")
@@ -358,7 +380,17 @@ class Pool(Receiver):
         self._send(targets, "execute", {"cell_id": cell_id, "code": code, "exec_count": exec_count})
         for r in targets:
             r.state, r.cell, r.collective = RankState.RUNNING, cell_head(code), ""
-        return Gathering(result, [r.rank for r in targets], time.monotonic(), timeout)
+        asked = None if ranks is None else tuple(sorted(set(ranks)))
+        return Gathering(
+            result,
+            [r.rank for r in targets],
+            time.monotonic(),
+            timeout,
+            code=code,
+            ranks=asked,
+            exec_count=exec_count,
+            record=record,
+        )
 
     def _targets(self, ranks: Sequence[int] | None) -> list[RankRecord]:
         chosen = sorted(set(ranks)) if ranks is not None else sorted(self._ranks)
@@ -410,6 +442,9 @@ class Pool(Receiver):
             self._out_of_step = format_ranks(failed)
         self.sink.end_cell(failed)
         self._run = None
+        if gathering.record:
+            status = "ok" if gathering.result.ok else "error"
+            self.transcript.add(CellEntry(gathering.code, gathering.ranks, status, gathering.exec_count))
         self._tick(final=True)
 
     def _gather(self, gathering: Gathering) -> None:
@@ -690,6 +725,9 @@ class Pool(Receiver):
         errors = [f"rank {k}: {m.body['error']}" for k, m in sorted(replies.items()) if not m.body["ok"]]
         if errors:
             raise PoolError("push failed on " + "; ".join(errors))
+        if not names[0].startswith("_js_"):  # the pool's own pushes are not the user's work
+            asked = None if ranks is None else tuple(sorted(set(ranks)))
+            self.transcript.add(PushEntry(tuple(zip(names, buffers, strict=True)), asked))
 
     def pull(self, name: str, rank: int = 0, *, gather: bool = False) -> Any:
         """A copy of the rank's variable ``name``.
