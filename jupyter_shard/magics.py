@@ -54,6 +54,11 @@ def _distributed_parser() -> _Parser:
     p.add_argument("--collective-timeout", type=float, dest="collective_timeout")
     p.add_argument("--launcher")
     p.add_argument("--nodes", type=int)
+    p.add_argument("--hosts")
+    p.add_argument("--interface")
+    p.add_argument("--partition")
+    p.add_argument("--time", dest="time_limit")
+    p.add_argument("--account")
     p.add_argument("--config")
     p.add_argument("--accumulate", type=int)
     p.add_argument("--clip-grad-norm", type=float, dest="clip_grad_norm")
@@ -109,7 +114,7 @@ class DistributedMagics(Magics):
         self._report_unseen_background_failure()
         try:
             spec = self._resolve(opts)
-            ranks = parse_ranks(opts.ranks, spec.nproc) if opts.ranks else None
+            ranks = parse_ranks(opts.ranks, spec.world_size) if opts.ranks else None
         except SpecError as exc:
             raise UsageError(str(exc)) from None
         if self.pool is not None:
@@ -181,7 +186,15 @@ class DistributedMagics(Magics):
                 "launcher": current.launcher,
                 "nodes": current.nodes,
                 "timeout": current.timeout,
+                "hosts": current.hosts or None,
+                "interface": current.interface,
+                "partition": current.partition,
+                "time_limit": current.time_limit,
+                "account": current.account,
             }
+            if "launcher" in given and given["launcher"] != current.launcher:
+                for name in ("hosts", "interface", "partition", "time_limit", "account", "nodes"):
+                    base.pop(name)
             if "gpus" in given or "device" in given:
                 base.pop("nproc")
             if "gpus" in given:
@@ -397,7 +410,7 @@ def _change(old: LaunchSpec, new: LaunchSpec) -> str:
     """What differs between two specs, e.g. ``2 → 4 ranks, zero_stage 2 → 3``."""
     parts = []
     if old.nproc != new.nproc:
-        parts.append(f"{old.nproc} → {new.nproc} ranks")
+        parts.append(f"{old.nproc} → {new.nproc} ranks" + (" per node" if new.nodes > 1 else ""))
     for name in LaunchSpec.__dataclass_fields__:
         a, b = getattr(old, name), getattr(new, name)
         if name != "nproc" and a != b:

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import threading
 import time
@@ -27,9 +26,10 @@ from typing import Any, Protocol
 import zmq
 
 from jupyter_shard import _lifecycle
+from jupyter_shard._curve import CURVE_ENV, CurveKeys, CurveServer
 from jupyter_shard.background import BackgroundRun, Gathering
 from jupyter_shard.launchers import RankLaunch, get_launcher
-from jupyter_shard.launchers.base import describe_exit
+from jupyter_shard.launchers.base import Launcher
 from jupyter_shard.protocol import (
     KERNEL,
     KEY_ENV,
@@ -111,6 +111,9 @@ class Pool(Receiver):
         self._foreground = False
         self._watcher: threading.Thread | None = None
         self._watch_stop = threading.Event()
+        self._launcher: Launcher | None = None
+        self._curve: CurveServer | None = None
+        self.address = ""  # where ranks connect: ipc:// here, tcp:// for a multi-node pool
         self.transcript = Transcript()  # cells and pushes since the last start (%dist_export)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -121,7 +124,7 @@ class Pool(Receiver):
 
     @property
     def world_size(self) -> int:
-        return self.spec.nproc
+        return self.spec.world_size
 
     def __enter__(self) -> Pool:
         self.start()
@@ -137,7 +140,8 @@ class Pool(Receiver):
         _lifecycle.clean_stale_pools()
         self._regroup_needed, self._out_of_step = False, ""
         self.transcript = Transcript()
-        launcher = get_launcher(self.spec.launcher)
+        launcher = self._launcher = get_launcher(self.spec.launcher)
+        bind_host = launcher.bind_address(self.spec) if launcher.remote else ""
         key = new_key()
         self._wire = Wire(key, KERNEL)
         self._dir = _lifecycle.new_pool_dir()
@@ -147,13 +151,28 @@ class Pool(Receiver):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
-        address = f"ipc://{self._dir / 'pool.sock'}"
-        sock.bind(address)
+        curve: CurveKeys | None = None
+        if launcher.remote:
+            # Ranks elsewhere dial back over TCP, on the address the user chose, and only through an
+            # encrypted channel that admits the pool's own client key.
+            curve = CurveKeys.new()
+            self._curve = CurveServer(self._ctx, curve)
+            self._curve.secure(sock)
+            sock.bind(f"tcp://{bind_host}:0")
+            address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            address = f"ipc://{self._dir / 'pool.sock'}"
+            sock.bind(address)
         self._sock = sock
+        self.address = address
+        if hasattr(launcher, "deliver"):
+            launcher.deliver = self._deliver_signal
         lifeline_r, self._lifeline_w = os.pipe()
         # One MASTER_PORT for the whole pool, as torchrun gives: code that meets on it finds one place.
         port = _lifecycle.free_port()
-        launches = [self._launch(rank, address, key, lifeline_r, port) for rank in range(self.spec.nproc)]
+        launches = [
+            self._launch(rank, address, key, lifeline_r, port, curve) for rank in range(self.world_size)
+        ]
         try:
             handles = launcher.start(self.spec, launches, lifeline_r)
         except BaseException:
@@ -164,13 +183,16 @@ class Pool(Receiver):
         for handle, launch in zip(handles, launches, strict=True):
             self._ranks[handle.rank] = RankRecord(handle, launch.log_path)
             self.sink.log_paths[handle.rank] = str(launch.log_path)
-        _lifecycle.record_pool(self._dir, [h.pid for h in handles])
+        _lifecycle.record_pool(self._dir, [h.pid for h in handles if h.pid] + launcher.local_pids())
         _live_pools.add(self)
         global _latest
         _latest = self
         foreground, self._foreground = self._foreground, True
         try:
             self._wait_ready()
+            note = launcher.started_note()
+            if note:
+                self._notice(note)
             self._share_registered_strategy()
         except BaseException:
             self.shutdown()
@@ -179,10 +201,12 @@ class Pool(Receiver):
             self._foreground = foreground
         self._start_watcher()
 
-    def _launch(self, rank: int, address: str, key: bytes, lifeline_r: int, master_port: int) -> RankLaunch:
+    def _launch(
+        self, rank: int, address: str, key: bytes, lifeline_r: int, master_port: int, curve: CurveKeys | None
+    ) -> RankLaunch:
         assert self._dir is not None and self.log_dir is not None
         env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTER_SHARD_")}
-        nproc = self.spec.nproc
+        nproc = self.world_size
         package_root = str(Path(__file__).resolve().parent.parent)
         env.update(
             {
@@ -210,18 +234,29 @@ class Pool(Receiver):
                 "JUPYTER_SHARD_LOG": str(self.log_dir / f"rank-{rank}.log"),
             }
         )
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        if curve is not None:  # started by an agent: no lifeline fd, no FileStore, its own log file
+            env[CURVE_ENV] = curve.client_env()
+            env["JUPYTER_SHARD_RANK_LOGS"] = str(self.log_dir)
+        per_host = self.spec.nproc  # ranks sharing this rank's machine
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_host)))
         return RankLaunch(rank=rank, env=env, log_path=self.log_dir / f"rank-{rank}.log", cwd=Path.cwd())
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT
+        shown = ""
         while any(r.state is RankState.STARTING for r in self._ranks.values()):
             self._pump(0.1)
             for r in self._ranks.values():
                 code = r.handle.poll()
                 if code is not None and r.state is RankState.STARTING:
                     self._pump(0.2)
-                    raise PoolError(self._startup_failure(r, describe_exit(code)))
+                    raise PoolError(self._startup_failure(r, r.handle.exit_reason(code)))
+            waiting = self._launcher.waiting() if self._launcher is not None else None
+            if waiting:  # a queued job or nodes yet to join: the start-up clock has not started
+                deadline = time.monotonic() + START_TIMEOUT
+                if waiting != shown:
+                    self._notice(waiting)
+                    shown = waiting
             if time.monotonic() > deadline:
                 slow = [r.rank for r in self._ranks.values() if r.state is RankState.STARTING]
                 raise PoolError(
@@ -249,6 +284,9 @@ class Pool(Receiver):
 
     def _startup_failure(self, r: RankRecord, how: str) -> str:
         tb = r.exit or _tail(r.log_path)
+        agent = getattr(r.handle, "agent", lambda: None)()
+        if not r.exit and not r.log_path.exists() and agent is not None:
+            tb = agent.tail()  # the rank never got as far as its own log: the agent says why
         return f"rank {r.rank} failed to start ({how}); its log {r.log_path} ends with:\n{tb}"
 
     def shutdown(self) -> None:
@@ -261,6 +299,9 @@ class Pool(Receiver):
             r.handle.wait(max(0.0, deadline - time.monotonic()))
             r.handle.kill_tree()
         self._ranks.clear()
+        if self._launcher is not None:
+            self._launcher.stop()
+            self._launcher = None
         self._teardown()
         _live_pools.discard(self)
         run = self.background
@@ -268,6 +309,9 @@ class Pool(Receiver):
             run.abandon("the pool was shut down")
 
     def _teardown(self) -> None:
+        if self._curve is not None:
+            self._curve.stop()
+            self._curve = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -412,9 +456,14 @@ class Pool(Receiver):
         assert self._dir is not None
         self._regroup_needed = False
         self._groups += 1
-        store = self._dir / f"store-{self._groups}"
         live = self._live()
-        replies = self._request("regroup", {"store": str(store)}, live, timeout=self.spec.timeout)
+        # A local pool meets on a fresh FileStore; ranks started by agents on a prefix of their store.
+        where = (
+            {"prefix": f"jupyter_shard/group-{self._groups}/"}
+            if self.spec.multi_node
+            else {"store": str(self._dir / f"store-{self._groups}")}
+        )
+        replies = self._request("regroup", where, live, timeout=self.spec.timeout)
         errors = [
             f"rank {r.rank}: {replies[r.rank].body['error'] if r.rank in replies else 'no answer'}"
             for r in live
@@ -615,8 +664,9 @@ class Pool(Receiver):
             f"rank {format_ranks(waiting)} is blocked in {calls}: closing the process group on "
             f"rank {names} to release it"
         )
-        peers = [r.handle.pid for r in self._live() if r.handle.host == socket.gethostname()]
-        replies = self._request("release", {"peers": peers}, idle, timeout=INTERRUPT_GRACE)
+        live = self._live()
+        body = {"peers": [r.handle.pid for r in live], "peer_hosts": [r.handle.host for r in live]}
+        replies = self._request("release", body, idle, timeout=INTERRUPT_GRACE)
         for r in idle:
             reply = replies.get(r.rank)
             if reply is None:
@@ -818,6 +868,12 @@ class Pool(Receiver):
                 r.handle.send_signal(signal.SIGINT)
 
     # -- plumbing --------------------------------------------------------------------------------
+
+    def _deliver_signal(self, rank: int, sig: int) -> None:
+        """Ask a rank started by an agent to signal itself (its I/O thread does, even mid-cell)."""
+        r = self._ranks.get(rank)
+        if r is not None and self._sock is not None:
+            self._send([r], "signal", {"signal": int(sig)})
 
 
 def _tail(path: Path, limit: int = 4000) -> str:

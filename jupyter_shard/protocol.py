@@ -49,6 +49,7 @@ MsgType = Literal[
     "shutdown",
     "release",
     "regroup",
+    "signal",
     # rank -> kernel
     "ready",
     "startup_failed",

@@ -24,7 +24,6 @@ import zmq
 
 from jupyter_shard import oom
 from jupyter_shard.launchers import RankHandle
-from jupyter_shard.launchers.base import describe_exit
 from jupyter_shard.metrics import History
 from jupyter_shard.protocol import Message, ProtocolError, Wire, io_identity, parse_identity, rank_identity
 from jupyter_shard.results import PoolError, RankState, RunResult
@@ -56,6 +55,8 @@ class RankRecord:
         self.last_line = ""
         self.killed_by_pool = ""  # why the pool itself killed the rank, if it did
         self.collective = ""  # the torch.distributed call its running cell was in at the last heartbeat
+        self.node = 0  # which node it runs on (its agent's), from its ready
+        self.job = ""  # the SLURM job it runs in, if any
         # its memory cgroup's oom_kill counter, to tell an OOM kill from another SIGKILL
         self.oom_file = oom.counter_file(handle.pid) if handle.host == socket.gethostname() else None
         self.oom_before = oom.read_count(self.oom_file)
@@ -85,7 +86,7 @@ class Receiver:
         if code is None or r.state is RankState.DEAD:
             return False
         self._pump(0.05)
-        r.state, r.exit = RankState.DEAD, (r.killed_by_pool or describe_exit(code))
+        r.state, r.exit = RankState.DEAD, (r.killed_by_pool or r.handle.exit_reason(code))
         if not r.killed_by_pool and code == -signal.SIGKILL:
             by_oom = oom.explain_sigkill(r.oom_file, r.oom_before)
             r.exit = f"was killed by SIGKILL {by_oom}" if by_oom else r.exit
@@ -165,6 +166,7 @@ class Receiver:
             self.dropped += 1
             print(f"jupyter_shard: dropped a message on the pool socket: {exc}", file=sys.__stderr__)
             return
+        r.handle.heard()
         handler = _HANDLERS.get(msg.type)
         if handler is not None:
             handler(self, r, msg)
@@ -184,6 +186,9 @@ class Receiver:
     def _on_ready(self, r: RankRecord, msg: Message) -> None:
         r.state, r.device = RankState.IDLE, str(msg.body["device"])
         r.heartbeat = time.monotonic()
+        r.handle.bind(int(msg.body["pid"]), str(msg.body["host"]), int(msg.body.get("node", 0)))
+        r.node = int(msg.body.get("node", 0))
+        r.job = str(msg.body.get("job", ""))
 
     def _on_heartbeat(self, r: RankRecord, msg: Message) -> None:
         r.heartbeat = time.monotonic()
@@ -255,7 +260,7 @@ class Receiver:
             bucket[r.rank] = msg
 
 
-_IO_REQUESTS = frozenset({"stacks", "status"})
+_IO_REQUESTS = frozenset({"stacks", "status", "signal"})
 
 _HANDLERS: dict[str, Callable[[Receiver, RankRecord, Message], None]] = {
     "ready": Receiver._on_ready,

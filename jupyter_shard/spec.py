@@ -154,6 +154,11 @@ class LaunchSpec:
     accumulate: int = 1
     clip_grad_norm: float | None = None
     env: tuple[tuple[str, str], ...] = field(default=())
+    hosts: tuple[str, ...] = ()  # torchrun: one host per node (ssh, or here for this machine)
+    interface: str | None = None  # where remote ranks dial back: an interface name or an address
+    partition: str | None = None  # slurm only, as are time_limit and account
+    time_limit: str | None = None
+    account: str | None = None
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -174,6 +179,20 @@ class LaunchSpec:
             raise SpecError(f"--clip-grad-norm {self.clip_grad_norm:g} is not valid; give a norm above 0")
         if self.device is Device.AUTO:
             raise SpecError("resolve device 'auto' with LaunchSpec.create before building a spec")
+        if self.hosts and len(self.hosts) != self.nodes:
+            raise SpecError(
+                f"--hosts names {len(self.hosts)} host(s) but --nodes is {self.nodes}; give one host per node"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: ``nproc`` per node on each of ``nodes``."""
+        return self.nproc * self.nodes
+
+    @property
+    def multi_node(self) -> bool:
+        """Whether ranks dial back over TCP (a launcher other than ``local``)."""
+        return self.launcher != "local"
 
     @classmethod
     def create(
@@ -192,15 +211,49 @@ class LaunchSpec:
         accumulate: int = 1,
         clip_grad_norm: float | None = None,
         gpu_count: int | None = None,
+        hosts: str | Sequence[str] | None = None,
+        interface: str | None = None,
+        partition: str | None = None,
+        time_limit: str | None = None,
+        account: str | None = None,
     ) -> LaunchSpec:
-        """Resolve user options (``auto`` device, default rank count) into a checked spec."""
+        """Resolve user options (``auto`` device, default rank count) into a checked spec.
+
+        ``nproc`` and ``gpus`` count ranks per node; ``nodes`` > 1 needs the torchrun or slurm
+        launcher. On those, ranks may run elsewhere, so a GPU count is not checked against this
+        machine's devices.
+        """
         if nodes < 1:
             raise SpecError(f"--nodes {nodes} is not valid; use 1 or more")
+        host_list = _hosts(hosts)
+        if host_list and launcher != "torchrun":
+            raise SpecError("--hosts applies only to --launcher torchrun (one host per node)")
+        if host_list:
+            if nodes not in (1, len(host_list)):
+                raise SpecError(
+                    f"--hosts names {len(host_list)} host(s) but --nodes is {nodes}; give one host per node"
+                )
+            nodes = len(host_list)
+        if nodes > 1 and launcher == "local":
+            raise SpecError(
+                f"--nodes {nodes} needs --launcher torchrun or slurm; the local launcher runs on this machine"
+            )
+        slurm_only = {"--partition": partition, "--time": time_limit, "--account": account}
+        given_slurm = [name for name, value in slurm_only.items() if value is not None]
+        if given_slurm and launcher != "slurm":
+            raise SpecError(f"{given_slurm[0]} applies only to --launcher slurm")
+        if interface is not None and launcher == "local":
+            raise SpecError("--interface applies only to --launcher torchrun or slurm (remote ranks)")
+        remote = launcher != "local"
         available = visible_gpus() if gpu_count is None else gpu_count
+        if remote and gpus is not None:
+            available = max(available, gpus)  # the nodes' GPUs, not this machine's
         dev = Device(_choice(Device, str(getattr(device, "value", device)), "--device"))
         strat = _strategy_name(str(getattr(strategy, "value", strategy)))
         off = Offload(_choice(Offload, str(getattr(offload, "value", offload)), "--offload"))
         prec = Precision(_choice(Precision, str(getattr(precision, "value", precision)), "--precision"))
+        if remote and dev is Device.CUDA and nproc is not None:
+            available = max(available, nproc)
         if gpus is not None:
             if nproc is not None and nproc != gpus:
                 raise SpecError(f"--gpus {gpus} and --nproc {nproc} disagree; give only one of them")
@@ -223,7 +276,7 @@ class LaunchSpec:
             )
         if nproc is None:
             nproc = available if dev is Device.CUDA else 2
-        if dev is Device.CUDA and nproc > available * nodes:
+        if dev is Device.CUDA and nproc > available:
             raise SpecError(
                 f"--nproc {nproc} CUDA ranks need {nproc} GPUs but {available} are visible; "
                 f"use --nproc {available} or --device cpu"
@@ -249,11 +302,26 @@ class LaunchSpec:
             config=path,
             accumulate=accumulate,
             clip_grad_norm=clip_grad_norm,
+            hosts=host_list,
+            interface=interface,
+            partition=partition,
+            time_limit=time_limit,
+            account=account,
         )
 
-    def pool_key(self) -> tuple[int, Device, str, int]:
+    def pool_key(self) -> tuple[object, ...]:
         """The fields whose change needs new rank processes."""
-        return (self.nproc, self.device, self.launcher, self.nodes)
+        return (
+            self.nproc,
+            self.device,
+            self.launcher,
+            self.nodes,
+            self.hosts,
+            self.interface,
+            self.partition,
+            self.time_limit,
+            self.account,
+        )
 
     def with_changes(self, **changes: object) -> LaunchSpec:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -271,4 +339,18 @@ class LaunchSpec:
 
     def describe(self) -> str:
         kind = "GPU" if self.device is Device.CUDA else "CPU"
-        return f"{self.nproc} {kind} rank{'s' if self.nproc != 1 else ''} · {self.strategy}"
+        ranks = f"{self.nproc} {kind} rank{'s' if self.nproc != 1 else ''}"
+        if self.launcher == "local":
+            return f"{ranks} · {self.strategy}"
+        nodes = f"{self.nodes} node{'s' if self.nodes != 1 else ''}"
+        return f"{nodes} × {ranks} ({self.launcher}) · {self.strategy}"
+
+
+def _hosts(hosts: str | Sequence[str] | None) -> tuple[str, ...]:
+    if hosts is None:
+        return ()
+    items = hosts.split(",") if isinstance(hosts, str) else list(hosts)
+    names = tuple(h.strip() for h in items)
+    if not names or any(not h or h.startswith("-") or any(c.isspace() for c in h) for h in names):
+        raise SpecError(f"--hosts {hosts!r} is not valid; give host names like node1,node2")
+    return names

@@ -19,8 +19,14 @@ ENTRY_POINT_GROUP = "jupyter_shard.launchers"
 
 def _registry() -> dict[str, type[Launcher]]:
     from jupyter_shard.launchers.local import LocalLauncher
+    from jupyter_shard.launchers.slurm import SlurmLauncher
+    from jupyter_shard.launchers.torchrun import TorchrunLauncher
 
-    found: dict[str, type[Launcher]] = {"local": LocalLauncher}
+    found: dict[str, type[Launcher]] = {
+        "local": LocalLauncher,
+        "torchrun": TorchrunLauncher,
+        "slurm": SlurmLauncher,
+    }
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name not in found:
             found[ep.name] = ep.load()

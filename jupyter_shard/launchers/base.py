@@ -45,15 +45,49 @@ class RankHandle(ABC):
     def wait(self, timeout: float) -> int | None:
         """Wait up to ``timeout`` seconds for exit; the exit code, or None if still running."""
 
+    def exit_reason(self, code: int) -> str:
+        """How the rank ended, for messages: ``exited with code 3``, ``was killed by SIGKILL``…"""
+        return describe_exit(code)
+
+    def bind(self, pid: int, host: str, node: int) -> None:  # noqa: B027 (optional hook)
+        """Learn where the rank runs from its ``ready`` (a launcher that did not start it directly)."""
+
+    def heard(self) -> None:  # noqa: B027 (optional hook)
+        """The kernel received a message from the rank (its liveness, where it cannot be polled)."""
+
 
 class Launcher(ABC):
-    """Starts the ranks of one pool. Lifetime of the ranks is tied to ``lifeline_fd``."""
+    """Starts the ranks of one pool. Lifetime of the ranks is tied to ``lifeline_fd``.
+
+    A ``remote`` launcher's ranks may run on other machines: they dial back to the kernel over TCP,
+    on the address :meth:`bind_address` chooses, through an encrypted CurveZMQ channel.
+    """
 
     name: ClassVar[str]
+    remote: ClassVar[bool] = False
 
     @abstractmethod
     def start(self, spec: LaunchSpec, ranks: list[RankLaunch], lifeline_fd: int) -> list[RankHandle]:
         """Spawn every rank as a fresh process; must not block on rank start-up."""
+
+    def bind_address(self, spec: LaunchSpec) -> str:
+        """The IP address remote ranks dial back to (only asked of ``remote`` launchers)."""
+        return "127.0.0.1"
+
+    def waiting(self) -> str | None:
+        """While the ranks wait for something outside the pool (a queued job, nodes to join): what."""
+        return None
+
+    def started_note(self) -> str:
+        """A line for the user once every rank is ready (e.g. the job id), or ""."""
+        return ""
+
+    def local_pids(self) -> list[int]:
+        """Processes on this machine the launcher started (recorded for stale-pool clean-up)."""
+        return []
+
+    def stop(self) -> None:  # noqa: B027 (optional hook)
+        """After the ranks were told to stop: end whatever the launcher still runs (cancel jobs)."""
 
 
 def describe_exit(code: int) -> str:

@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from jupyter_shard._curve import secure_client
 from jupyter_shard.protocol import KERNEL, MAX_FRAME, Message, ProtocolError, Wire
 
 FLUSH_INTERVAL = 0.05
@@ -34,11 +35,24 @@ HEARTBEAT_INTERVAL = 1.0
 Handler = Callable[[Message], None]
 
 
-def _connect(ctx: zmq.Context[zmq.Socket[bytes]], address: str, identity: str) -> zmq.Socket[bytes]:
+KERNEL_LOST_AFTER = 10.0  # a rank started by an agent ends this long after losing the kernel
+START_WAIT = 120.0  # ... or when it cannot reach the kernel this long after starting
+
+Curve = str | None  # the pool's Curve client keys (ranks that dial back over TCP), or None
+
+
+def _connect(
+    ctx: zmq.Context[zmq.Socket[bytes]], address: str, identity: str, curve: Curve = None
+) -> zmq.Socket[bytes]:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, identity.encode())
     sock.setsockopt(zmq.LINGER, 2000)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+    if curve:
+        secure_client(sock, curve)
+        # TCP keeps no watch on a peer that vanished without closing: ZMTP heartbeats do.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
     sock.connect(address)
     return sock
 
@@ -54,9 +68,20 @@ def _decode(wire: Wire, frames: list[bytes]) -> Message | None:
 class ShellSocket:
     """Main-thread requests and replies."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, key: bytes, identity: str) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        address: str,
+        key: bytes,
+        identity: str,
+        curve: Curve = None,
+    ) -> None:
         self.wire = Wire(key, identity)
-        self._sock = _connect(ctx, address, identity)
+        self._sock = _connect(ctx, address, identity, curve)
+
+    def monitor(self) -> zmq.Socket[bytes]:
+        """A socket of connection events (connected, disconnected) for :func:`watch_kernel`."""
+        return self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
 
     def recv(self) -> Message:
         while True:
@@ -71,14 +96,21 @@ class ShellSocket:
 class Channel:
     """The I/O thread's socket, its outbox, and request handlers that run on that thread."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, key: bytes, identity: str) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        address: str,
+        key: bytes,
+        identity: str,
+        curve: Curve = None,
+    ) -> None:
         self.wire = Wire(key, identity)
         self._outbox: queue.SimpleQueue[tuple[str, dict[str, Any], list[bytes]]] = queue.SimpleQueue()
         self._count = 0
         self._count_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        self._sock = _connect(ctx, address, identity)
+        self._sock = _connect(ctx, address, identity, curve)
         self.io_handlers: dict[str, Handler] = {}
         self.flushers: list[Callable[[], None]] = []
         self.heartbeat: Callable[[], dict[str, Any]] | None = None  # body of the periodic heartbeat
@@ -176,6 +208,40 @@ def watch_lifeline(fd: int, parent_pid: int) -> None:
             if gone:
                 os.killpg(os.getpgrp(), signal.SIGKILL)
                 time.sleep(1)
+                os._exit(1)
+
+    threading.Thread(target=run, name="jupyter_shard-lifeline", daemon=True).start()
+
+
+def watch_kernel(events: zmq.Socket[bytes], parent_pid: int) -> None:
+    """For a rank started by an agent: end it when the agent dies or the kernel is gone.
+
+    The kernel is gone when the connection to it (TCP, with ZMTP heartbeats) stays down for
+    ``KERNEL_LOST_AFTER`` seconds, or never comes up within ``START_WAIT`` seconds.
+    """
+    from zmq.utils.monitor import recv_monitor_message
+
+    def run() -> None:
+        lost_since: float | None = time.monotonic()
+        ever = False
+        while True:
+            if events.poll(250):
+                event = recv_monitor_message(events)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    lost_since, ever = None, True
+                elif event == zmq.EVENT_DISCONNECTED and lost_since is None:
+                    lost_since = time.monotonic()
+            why = ""
+            if os.getppid() != parent_pid:
+                why = "its node agent is gone"
+            elif lost_since is not None and time.monotonic() - lost_since > (
+                KERNEL_LOST_AFTER if ever else START_WAIT
+            ):
+                why = "the connection to the kernel is gone" if ever else "the kernel could not be reached"
+            if why:
+                print(f"jupyter_shard: stopping this rank: {why}", file=sys.__stderr__, flush=True)
+                if os.getpgrp() == os.getpid():
+                    os.killpg(os.getpid(), signal.SIGKILL)
                 os._exit(1)
 
     threading.Thread(target=run, name="jupyter_shard-lifeline", daemon=True).start()

@@ -26,8 +26,9 @@ from typing import Any
 
 import zmq
 
+from jupyter_shard._curve import CURVE_ENV
 from jupyter_shard.protocol import KEY_ENV, MAX_FRAME, Message, cell_head, io_identity, rank_identity
-from jupyter_shard.rank.channel import Channel, ShellSocket, watch_lifeline
+from jupyter_shard.rank.channel import Channel, ShellSocket, watch_kernel, watch_lifeline
 from jupyter_shard.rank.output import RankStream
 
 ENV_PREFIX = "JUPYTER_SHARD_"
@@ -57,13 +58,34 @@ def _env(name: str) -> str:
     return os.environ[ENV_PREFIX + name]
 
 
+def _log_path(rank: int) -> str:
+    """The rank's log file: named by the pool, or (started by an agent) in the pool's log directory."""
+    own = os.environ.get(ENV_PREFIX + "LOG")
+    return own or os.path.join(_env("RANK_LOGS"), f"rank-{rank}.log")
+
+
+def _log_to_own_file(path: str) -> None:
+    """A rank started by an agent writes its output (native too) to its own log, as local ranks do."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def main() -> None:
     key = bytes.fromhex(os.environ.pop(KEY_ENV))
+    curve = os.environ.pop(CURVE_ENV, None)  # set for ranks that dial back over TCP
     rank = int(os.environ["RANK"])
+    if curve:
+        _log_to_own_file(_log_path(rank))
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    channel = Channel(ctx, _env("ADDRESS"), key, io_identity(rank))
-    shell_sock = ShellSocket(ctx, _env("ADDRESS"), key, rank_identity(rank))
-    watch_lifeline(int(_env("LIFELINE_FD")), int(_env("PARENT_PID")))
+    channel = Channel(ctx, _env("ADDRESS"), key, io_identity(rank), curve)
+    shell_sock = ShellSocket(ctx, _env("ADDRESS"), key, rank_identity(rank), curve)
+    if ENV_PREFIX + "LIFELINE_FD" in os.environ:
+        watch_lifeline(int(_env("LIFELINE_FD")), int(_env("PARENT_PID")))
+    else:  # started by an agent: live while the agent and the kernel connection do
+        watch_kernel(shell_sock.monitor(), os.getppid())
     state = RankState()
     log = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="replace")
     lock = threading.Lock()
@@ -72,6 +94,7 @@ def main() -> None:
     channel.flushers.extend([sys.stdout.flush, sys.stderr.flush])
     channel.io_handlers["stacks"] = lambda msg: _reply_stacks(channel, msg)
     channel.io_handlers["status"] = lambda msg: _reply_status(channel, msg, state)
+    channel.io_handlers["signal"] = _signal_self
     channel.heartbeat = lambda: _status_body(state)
     channel.start()
     sys.argv = [""]
@@ -105,13 +128,24 @@ def _start_up(rank: int, channel: Channel, shell_sock: ShellSocket, state: RankS
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(
-        backend,
-        init_method="file://" + _env("STORE"),
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=float(_env("TIMEOUT"))),
-    )
+    timeout = timedelta(seconds=float(_env("TIMEOUT")))
+    if ENV_PREFIX + "STORE" in os.environ:
+        dist.init_process_group(
+            backend, init_method="file://" + _env("STORE"), rank=rank, world_size=world_size, timeout=timeout
+        )
+    else:  # started by torchrun: its store (c10d rendezvous), a prefix per process group
+        from torch._C._distributed_c10d import PrefixStore
+        from torch.distributed.rendezvous import rendezvous
+
+        store, _, _ = next(rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+        _agent_store.append(store)
+        dist.init_process_group(
+            backend,
+            store=PrefixStore("jupyter_shard/group-0/", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
     options = json.loads(os.environ.get(ENV_PREFIX + "OPTIONS", "{}"))
     helper = shard_module.Shard(
         rank, local_rank, world_size, device, _env("STRATEGY"), channel.enqueue, options
@@ -126,7 +160,9 @@ def _start_up(rank: int, channel: Channel, shell_sock: ShellSocket, state: RankS
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "device": str(device),
-            "log_path": _env("LOG"),
+            "log_path": _log_path(rank),
+            "node": int(os.environ.get(ENV_PREFIX + "NODE") or os.environ.get("GROUP_RANK") or 0),
+            "job": os.environ.get("SLURM_JOB_ID", ""),
         },
     )
     return _Runner(rank, channel, shell_sock, state, shell)
@@ -255,7 +291,11 @@ class _Runner:
             error = f"{type(exc).__name__}: {exc}"
         # The group's sockets close only with its last reference, which torch itself may keep (seen
         # after autograd steps); shutting down the connections to the other ranks frees them anyway.
-        closed = _shut_down_connections_to([int(pid) for pid in msg.body.get("peers", [])])
+        pids = [int(pid) for pid in msg.body.get("peers", [])]
+        hosts = [str(h) for h in msg.body.get("peer_hosts", [])] or [""] * len(pids)
+        here = socket.gethostname()
+        # Only processes on this machine can be looked up; ranks elsewhere fall back to the kill.
+        closed = _shut_down_connections_to([p for p, h in zip(pids, hosts, strict=False) if h in ("", here)])
         body = {"req_id": msg.body["req_id"], "ok": not error, "error": error, "closed": closed}
         self.sock.send("release_reply", body)
 
@@ -271,13 +311,20 @@ class _Runner:
             if dist.is_initialized():
                 with contextlib.suppress(Exception):  # a group broken by the release: drop it anyway
                     dist.destroy_process_group()
+            from torch._C._distributed_c10d import PrefixStore
+
             backend = "nccl" if _env("DEVICE") == "cuda" else "gloo"
+            meet: dict[str, Any] = (
+                {"store": PrefixStore(str(msg.body["prefix"]), _agent_store[0])}
+                if "prefix" in msg.body
+                else {"init_method": "file://" + str(msg.body["store"])}
+            )
             dist.init_process_group(
                 backend,
-                init_method="file://" + str(msg.body["store"]),
                 rank=self.rank,
                 world_size=int(os.environ["WORLD_SIZE"]),
                 timeout=timedelta(seconds=float(_env("TIMEOUT"))),
+                **meet,
             )
             helper = current()
             reply["prepared"] = helper is not None and helper.group_rebuilt()
@@ -314,6 +361,18 @@ def _shut_down_connections_to(peers: list[int]) -> int:
         finally:
             sock.detach()
     return closed
+
+
+_agent_store: list[Any] = []  # the torchrun agent's store, kept for rebuilding the process group
+
+
+def _signal_self(msg: Message) -> None:
+    """A signal from the kernel for a rank it cannot signal itself (started by an agent elsewhere)."""
+    sig = int(msg.body["signal"])
+    if sig == signal.SIGKILL and os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)  # the rank leads its group: its children go too
+    elif sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+        os.kill(os.getpid(), sig)
 
 
 def _ignore(signum: int, frame: FrameType | None) -> None:

@@ -1,0 +1,157 @@
+"""``--launcher slurm``: the pool is one ``srun`` job step running a torchrun agent per node.
+
+``srun --nodes N --ntasks-per-node 1`` asks SLURM for the nodes (a new job, or a step inside the
+allocation the kernel already runs in, when ``SLURM_JOB_ID`` is set); each task runs
+``torch.distributed.run`` with c10d rendezvous on the job's first node. The job carries a unique name,
+so the launcher can show its id and queue state while it waits and cancel it (``scancel``) on shutdown,
+on an interrupt that ends in a kill, and - through the tether - when the kernel dies.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from typing import ClassVar
+
+from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
+from jupyter_shard.launchers.remote import (
+    AgentProcess,
+    Deliver,
+    RemoteRank,
+    job_env,
+    need_interface,
+    resolve_interface,
+    spawn_agent,
+    torchrun_args,
+)
+from jupyter_shard.spec import LaunchSpec, SpecError
+
+RDZV_PORT = 29400
+QUEUE_POLL = 2.0
+
+
+class SlurmLauncher(Launcher):
+    name: ClassVar[str] = "slurm"
+    remote: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.agents: list[AgentProcess] = []
+        self.deliver: Deliver = lambda rank, sig: None  # set by the pool before start
+        self.job_name = f"jupyter_shard-{uuid.uuid4().hex[:10]}"
+        self._queue: tuple[float, str | None] = (0.0, None)
+        self.job_id = ""
+
+    def bind_address(self, spec: LaunchSpec) -> str:
+        if spec.interface is None:
+            raise need_interface("SLURM may place the ranks on other machines")
+        return resolve_interface(spec.interface)
+
+    def start(self, spec: LaunchSpec, ranks: list[RankLaunch], lifeline_fd: int) -> list[RankHandle]:
+        if shutil.which("srun") is None:
+            raise SpecError("--launcher slurm needs SLURM's srun on PATH, and it is not there")
+        env = job_env(ranks[0].env)
+        env.pop("GLOO_SOCKET_IFNAME", None)
+        env.pop("NCCL_SOCKET_IFNAME", None)
+        options = torchrun_args('"$SLURM_JOB_NUM_NODES"', spec.nproc, '"$head":' + str(RDZV_PORT), "")
+        options[options.index("--rdzv-id") + 1] = '"$SLURM_JOB_ID"'
+        torchrun = " ".join(
+            [shlex.quote(sys.executable), "-m", "torch.distributed.run", *options, "-m", "jupyter_shard.rank"]
+        )
+        script = (
+            'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1) && '
+            'export JUPYTER_SHARD_NODE="$SLURM_NODEID" && exec ' + torchrun
+        )
+        srun = ["srun", f"--job-name={self.job_name}", f"--nodes={spec.nodes}", "--ntasks-per-node=1"]
+        srun += [f"--cpus-per-task={spec.nproc}", "--kill-on-bad-exit=1", "--unbuffered"]
+        if spec.device.value == "cuda":
+            srun.append(f"--gpus-per-node={spec.nproc}")
+        for flag, value in (
+            ("partition", spec.partition),
+            ("time", spec.time_limit),
+            ("account", spec.account),
+        ):
+            if value:
+                srun.append(f"--{flag}={value}")
+        log = ranks[0].log_path.parent / "srun.log"
+        cancel = ["scancel", f"--name={self.job_name}"]
+        agent = spawn_agent(
+            None, "slurm", [*srun, "bash", "-c", script], env, log, ranks[0].cwd, lifeline_fd, cancel
+        )
+        agent.end_note = self._end_note
+        self.agents.append(agent)
+        return [RemoteRank(launch.rank, self.agents, lambda r, s: self.deliver(r, s)) for launch in ranks]
+
+    def job(self) -> tuple[str, str, str] | None:
+        """``(job id, state, reason or nodes)`` from squeue, or None once the job left the queue."""
+        try:
+            out = subprocess.run(
+                ["squeue", "-h", f"--name={self.job_name}", "-o", "%i|%T|%R"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if not out:
+            return None
+        job_id, state, reason = [*out.splitlines()[0].split("|"), "", ""][:3]
+        self.job_id = job_id
+        return job_id, state, reason
+
+    def waiting(self) -> str | None:
+        now = time.monotonic()
+        if now - self._queue[0] >= QUEUE_POLL:
+            job = self.job()
+            message = None
+            if job is not None and job[1] not in ("RUNNING", "COMPLETING"):
+                message = f"SLURM job {job[0]} is {job[1]} ({job[2]}); interrupt the cell to cancel it"
+            self._queue = (now, message)
+        return self._queue[1]
+
+    def started_note(self) -> str:
+        job = self.job()
+        if job is None:
+            return f"SLURM job {self.job_name}"
+        return f"SLURM job {job[0]} ({self.job_name}) {job[1]} on {job[2]}"
+
+    def _end_note(self) -> str:
+        if not self.job_id:
+            return ""
+        state = self.final_state(self.job_id)
+        return f"SLURM job {self.job_id} {state}" if state else f"SLURM job {self.job_id}"
+
+    def final_state(self, job_id: str) -> str:
+        """``CANCELLED``, ``FAILED``, ``NODE_FAIL``… for a job that left the queue, or ""."""
+        try:
+            out = subprocess.run(
+                ["scontrol", "-o", "show", "job", job_id],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        for field in out.split():
+            if field.startswith("JobState="):
+                return field.split("=", 1)[1]
+        return ""
+
+    def local_pids(self) -> list[int]:
+        return [a.pid for a in self.agents]
+
+    def stop(self) -> None:
+        subprocess.run(
+            ["scancel", f"--name={self.job_name}"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+        for agent in self.agents:
+            agent.stop()

@@ -1,0 +1,148 @@
+"""``--launcher torchrun``: ranks started by ``torch.distributed.run`` agents, one per node.
+
+- ``--hosts a,b``: one agent per host. A host that is this machine gets its agent as a local process;
+  any other host gets it over ``ssh`` (``ssh -o BatchMode=yes host``; the same Python path and working
+  directory are assumed there, as on a cluster with a shared file system). The pool key and the Curve
+  client keys go to the remote agent on ssh's stdin, never on a command line.
+- No ``--hosts``: one node is this machine; with ``--nodes N`` > 1 the pool prints the command to run
+  on each node (keys read from a 0600 file) and waits for the nodes to join.
+
+The agents meet through torch's own c10d rendezvous (a TCPStore on the first node, on
+``--rdzv-endpoint``); ranks then build their process group on that store. Every rank dials back to the
+kernel at the address :meth:`TorchrunLauncher.bind_address` chose.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import uuid
+from pathlib import Path
+from typing import ClassVar
+
+from jupyter_shard import _lifecycle
+from jupyter_shard._curve import CURVE_ENV
+from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
+from jupyter_shard.launchers.remote import (
+    AgentProcess,
+    Deliver,
+    RemoteRank,
+    is_this_machine,
+    job_env,
+    need_interface,
+    resolve_interface,
+    spawn_agent,
+    torchrun_args,
+)
+from jupyter_shard.protocol import KEY_ENV
+from jupyter_shard.spec import LaunchSpec
+
+RDZV_PORT = 29400  # torchrun's own default, for a first node that is not this machine
+SECRETS = (KEY_ENV, CURVE_ENV)
+
+
+class TorchrunLauncher(Launcher):
+    name: ClassVar[str] = "torchrun"
+    remote: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.agents: list[AgentProcess] = []
+        self.deliver: Deliver = lambda rank, sig: None  # set by the pool before start
+        self._manual: str = ""
+        self._joined = False
+
+    def _hosts(self, spec: LaunchSpec) -> list[str]:
+        return list(spec.hosts) if spec.hosts else ["localhost"] * (1 if spec.nodes == 1 else 0)
+
+    def bind_address(self, spec: LaunchSpec) -> str:
+        hosts = self._hosts(spec)
+        if spec.interface is not None:
+            return resolve_interface(spec.interface)
+        if hosts and all(is_this_machine(h) for h in hosts):
+            return "127.0.0.1"
+        if not hosts:
+            raise need_interface(f"--nodes {spec.nodes} without --hosts runs ranks on other machines")
+        others = ", ".join(h for h in hosts if not is_this_machine(h))
+        raise need_interface(f"ranks on {others} are not on this machine")
+
+    def start(self, spec: LaunchSpec, ranks: list[RankLaunch], lifeline_fd: int) -> list[RankHandle]:
+        base = job_env(ranks[0].env)
+        log_dir = ranks[0].log_path.parent
+        hosts = self._hosts(spec)
+        local = bool(hosts) and all(is_this_machine(h) for h in hosts)
+        if not local:
+            base.pop("GLOO_SOCKET_IFNAME", None)  # this machine's loopback name means nothing there
+            base.pop("NCCL_SOCKET_IFNAME", None)
+        first = hosts[0] if hosts else "NODE0"
+        port = _lifecycle.free_port() if hosts and is_this_machine(first) else RDZV_PORT
+        endpoint = f"{'127.0.0.1' if local else first}:{port}"
+        rdzv_id = f"jupyter_shard-{uuid.uuid4().hex[:12]}"
+        options = torchrun_args(str(spec.nodes), spec.nproc, endpoint, rdzv_id)
+        agent_cmd = [sys.executable, "-m", "torch.distributed.run", *options, "-m", "jupyter_shard.rank"]
+        cwd = ranks[0].cwd
+        try:
+            for node, host in enumerate(hosts):
+                env = {**base, "JUPYTER_SHARD_NODE": str(node)}
+                log = log_dir / f"node-{node}.log"
+                if is_this_machine(host):
+                    agent = spawn_agent(node, host, agent_cmd, env, log, cwd, lifeline_fd)
+                else:
+                    command, secrets = _ssh_command(host, env, agent_cmd, cwd)
+                    public = {k: v for k, v in os.environ.items() if k not in SECRETS}
+                    agent = spawn_agent(node, host, command, public, log, cwd, lifeline_fd, stdin=secrets)
+                self.agents.append(agent)
+        except BaseException:
+            self.stop()
+            raise
+        if not hosts:
+            self._manual = _manual_instructions(spec, base, options, log_dir, ranks[0].cwd)
+        return [RemoteRank(launch.rank, self.agents, lambda r, s: self.deliver(r, s)) for launch in ranks]
+
+    def waiting(self) -> str | None:
+        return self._manual or None
+
+    def started_note(self) -> str:
+        hosts = ", ".join(sorted({a.host for a in self.agents})) or "the nodes that joined"
+        return f"torchrun agents on {hosts}; agent logs next to the rank logs"
+
+    def local_pids(self) -> list[int]:
+        return [a.pid for a in self.agents]
+
+    def stop(self) -> None:
+        for agent in self.agents:
+            agent.stop()
+
+
+def _ssh_command(host: str, env: dict[str, str], agent: list[str], cwd: Path) -> tuple[list[str], bytes]:
+    """``ssh host <script>`` where the script reads the secrets from stdin; and those secrets."""
+    exported = " ".join(
+        f"{k}={shlex.quote(v)}"
+        for k, v in sorted(env.items())
+        if k.startswith(("JUPYTER_SHARD_", "OMP_", "PYTHON")) and k not in SECRETS
+    )
+    run = shlex.join(agent)
+    script = (
+        f"read -r {KEY_ENV} && read -r {CURVE_ENV} && export {KEY_ENV} {CURVE_ENV} && "
+        f"cd {shlex.quote(str(cwd))} && exec env {exported} {run}"
+    )
+    secrets = f"{env[KEY_ENV]}\n{env[CURVE_ENV]}\n".encode()
+    return ["ssh", "-o", "BatchMode=yes", host, script], secrets
+
+
+def _manual_instructions(
+    spec: LaunchSpec, env: dict[str, str], options: list[str], log_dir: Path, cwd: Path
+) -> str:
+    """Write the job's environment to a 0600 file; the line to run on every node."""
+    path = log_dir / "node.env"
+    wanted = {k: v for k, v in env.items() if k.startswith(("JUPYTER_SHARD_", "OMP_"))}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(wanted.items())))
+    run = shlex.join([sys.executable, "-m", "torch.distributed.run", *options, "-m", "jupyter_shard.rank"])
+    return (
+        f"waiting for {spec.nodes} nodes to join; on each node run (the file holds the pool's keys: copy it "
+        f"there if {log_dir} is not shared, and keep it private):\n"
+        f"  cd {shlex.quote(str(cwd))} && . {shlex.quote(str(path))} && {run}\n"
+        "where NODE0 is the first node's host name; interrupt the cell to give up"
+    )
