@@ -10,7 +10,7 @@ TORCH  := torch==2.13.0
 QUICKSTART := notebooks/00_quickstart.ipynb
 LINT_PATHS := jupyter_shard tests benchmarks notebooks/run_headless.py
 # Collected after tests/unit; each must exist and hold tests, so none is skipped silently.
-SUITES := tests/integration tests/faults tests/notebooks tests/gpu tests/ui
+SUITES := tests/integration tests/faults tests/notebooks tests/gpu tests/ui tests/launchers
 PIP_FLAGS := $(if $(CI),--progress-bar off,)
 # JupyterLab refuses to run as root (containers, CI) without this flag.
 LAB_FLAGS := $(if $(filter 0,$(shell id -u)),--allow-root,)
@@ -62,9 +62,11 @@ LINT_SH = status=0; \
 lint: setup
 	@$(LINT_SH); exit $$status
 
-# lint, then tests/unit (fast), then the real-process suites, the browser tests and the notebooks
-# (nbval compares the stored outputs). Every stage runs; the target fails if any stage failed.
-# pytest's exit code 5 (no tests collected) counts as a failure.
+# lint, then tests/unit (fast), then the real-process suites, the browser tests, the launcher tests
+# on a local SLURM and the notebooks (nbval compares the stored outputs). Every stage runs; the target
+# fails if any stage failed. pytest's exit code 5 (no tests collected) counts as a failure.
+# SLURM (.ci/slurm.sh) is started before the suites and stopped on exit, failure or interrupt
+# included, unless it was already up; a failed start fails the run under CI and is a warning elsewhere.
 test: setup
 	@failed=""; \
 	run_pytest() { \
@@ -79,6 +81,14 @@ test: setup
 		echo "+ npm test (labextension, Jest)"; (cd labextension && npm test) || failed="$$failed jest"; \
 	elif [ -n "$(CI)" ]; then echo "error: npm not found; the extension's Jest tests need Node"; failed="$$failed jest"; \
 	else echo "npm not found: skipping the extension's Jest tests"; fi; \
+	if ! bash .ci/slurm.sh status >/dev/null 2>&1; then \
+		trap 'bash .ci/slurm.sh stop || true' EXIT; trap 'exit 130' INT; trap 'exit 143' TERM; \
+	fi; \
+	echo "+ .ci/slurm.sh start"; \
+	if ! bash .ci/slurm.sh start; then \
+		if [ -n "$(CI)" ]; then echo "error: SLURM did not start"; failed="$$failed slurm"; \
+		else echo "warning: SLURM did not start; the tests in tests/launchers will be skipped"; fi; \
+	fi; \
 	for suite in $(SUITES); do \
 		if ! find $$suite \( -name 'test_*.py' -o -name '*_test.py' \) 2>/dev/null | grep -q .; then \
 			echo "error: $$suite has no test files"; failed="$$failed $$suite(missing)"; \
