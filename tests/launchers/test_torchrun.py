@@ -1,0 +1,164 @@
+"""Two torchrun agents on this machine as node 0 and node 1: ranks dial back over TCP with CurveZMQ.
+
+Each node runs one ``torch.distributed.run`` agent (c10d rendezvous) started by the pool; the ranks
+build their process group on the agents' store, connect to the kernel at ``tcp://127.0.0.1:port``
+through an encrypted channel that admits only the pool's client key, and keep their state between
+cells. A node whose agent is killed mid-cell is reported as that node failing, with its host.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import zmq
+
+from jupyter_shard import DistributedError, Pool
+from jupyter_shard._curve import CurveKeys, secure_client
+from jupyter_shard.protocol import Wire, rank_identity
+from jupyter_shard.spec import LaunchSpec
+from jupyter_shard.widgets.rank_output import ConsoleSink
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _spec(**extra: object) -> LaunchSpec:
+    return LaunchSpec.create(
+        nproc=1, device="cpu", strategy="ddp", launcher="torchrun", hosts="localhost,localhost", **extra
+    )
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    logs = tmp_path_factory.mktemp("logs")
+    with Pool(spec=_spec(), log_dir=logs, sink=ConsoleSink()) as p:
+        yield p
+
+
+def test_ranks_on_two_agents_all_reduce_and_keep_state(pool: Pool) -> None:
+    assert pool.address.startswith("tcp://127.0.0.1:"), pool.address
+    result = pool.run(
+        "import os, torch, torch.distributed as dist\n"
+        "t = torch.full((1,), float(dist.get_rank() + 1))\n"
+        "dist.all_reduce(t)\n"
+        "print(os.environ['RANK'], os.environ['JUPYTER_SHARD_NODE'], os.environ['TORCHELASTIC_RUN_ID'], t.item())"
+    )
+    lines = {k: r.stdout.split() for k, r in result.ranks.items()}
+    assert {k: (v[0], v[3]) for k, v in lines.items()} == {0: ("0", "3.0"), 1: ("1", "3.0")}
+    assert sorted(v[1] for v in lines.values()) == ["0", "1"]  # one rank per node (rendezvous picks which)
+    assert {k: str(pool._ranks[k].node) for k in lines} == {k: v[1] for k, v in lines.items()}
+    assert lines[0][2] == lines[1][2] and lines[0][2].startswith("jupyter_shard-")  # one rendezvous
+    # the agents are the pool's children; the ranks are theirs, not the kernel's
+    agents = {
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if p.cmdline()[1:3] == ["-m", "torch.distributed.run"]
+    }
+    assert len(agents) == 2
+    rank_pids = {s.pid for s in pool.status()}
+    assert all(psutil.Process(pid).ppid() in agents for pid in rank_pids)
+    assert pool.run("t.item() + 1").ranks[1].result == {"text/plain": "4.0"}  # state kept
+
+
+def test_status_names_each_ranks_host_and_the_world(pool: Pool) -> None:
+    rows = pool.status()
+    assert [r.rank for r in rows] == [0, 1]
+    assert all(r.host == socket.gethostname() and r.pid > 0 for r in rows)
+    assert pool.world_size == 2
+    assert "2 nodes × 1 CPU rank (torchrun)" in pool.spec.describe()
+
+
+def test_interrupt_reaches_a_rank_started_by_an_agent(pool: Pool) -> None:
+    """SIGINT goes through the rank's I/O thread (the kernel is not the rank's parent)."""
+    timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(DistributedError) as err:
+        pool.run("import time\nfor _ in range(600):\n    time.sleep(0.05)")
+    timer.join()
+    assert time.monotonic() - started < 10
+    assert {r.status for r in err.value.result.ranks.values()} == {"interrupted"}
+    assert "KeyboardInterrupt" in str(err.value)
+    assert pool.run("t.item()").ranks[0].result == {"text/plain": "3.0"}  # same processes, state kept
+
+
+def test_without_the_curve_keys_a_client_is_refused(pool: Pool, tmp_path: Path) -> None:
+    """A peer that knows the HMAC key but not the Curve keys gets nothing through; raw bytes neither."""
+    host, port = pool.address.removeprefix("tcp://").rsplit(":", 1)
+    marker = tmp_path / "forged-code-ran"
+    assert pool._wire is not None
+    forged = Wire(pool._wire._key, rank_identity(0)).encode(
+        "stream", {"name": "stdout", "text": f"open({str(marker)!r}, 'w')", "cell_id": "x"}
+    )
+    dropped_before = pool.dropped
+    refused_before = pool._curve.refused if pool._curve is not None else -1
+    ctx = zmq.Context()
+    try:
+        plain = ctx.socket(zmq.DEALER)  # no Curve at all: the handshake cannot even start
+        plain.setsockopt(zmq.IDENTITY, b"rank-7")
+        plain.connect(pool.address)
+        wrong = ctx.socket(zmq.DEALER)  # Curve with the right server key but another client key
+        other = CurveKeys.new()
+        server_public = (
+            CurveKeys.new().server_public if pool._curve is None else pool._curve.keys.server_public
+        )
+        secure_client(
+            wrong, f"{server_public.decode()} {other.client_public.decode()} {other.client_secret.decode()}"
+        )
+        wrong.setsockopt(zmq.IDENTITY, b"rank-8")
+        wrong.connect(pool.address)
+        for sock in (plain, wrong):
+            sock.send_multipart(forged, zmq.NOBLOCK) if sock.poll(0, zmq.POLLOUT) else None
+        # raw TCP with a ZMTP 3.0 greeting asking for the NULL mechanism (no encryption): the server
+        # hangs up without a handshake (reading to the end would time out if it kept the connection)
+        greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
+        received = b""
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            raw.sendall(greeting + b"\x04\x19\x05READY\x0bSocket-Type\x00\x00\x00\x06DEALER")
+            raw.settimeout(5)
+            try:
+                while chunk := raw.recv(4096):
+                    received += chunk
+            except ConnectionResetError:
+                pass
+        deadline = time.monotonic() + 5
+        while (
+            pool._curve is not None and pool._curve.refused == refused_before and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        pool.run("pass")  # the pool receives whatever got in, and still works
+    finally:
+        ctx.destroy(linger=0)
+    assert received.startswith(b"\xff") and b"READY" not in received, received[:64]
+    assert pool._curve is not None and pool._curve.refused > refused_before  # the wrong key, refused
+    assert pool.dropped == dropped_before  # nothing reached the decoder at all
+    assert not marker.exists()
+
+
+def test_a_node_killed_mid_cell_is_reported_as_that_node(tmp_path: Path) -> None:
+    with Pool(spec=_spec(), log_dir=tmp_path, sink=ConsoleSink()) as p:
+        p.run("import torch, torch.distributed as dist")
+        assert p._launcher is not None
+        tether = psutil.Process(p._launcher.agents[1].pid)  # type: ignore[attr-defined]
+        (agent,) = tether.children()
+        killer = threading.Timer(2.0, agent.kill)  # node 1's torchrun agent dies, like its machine
+        killer.start()
+        started = time.monotonic()
+        with pytest.raises(DistributedError) as err:
+            p.run("import time\nfor _ in range(600):\n    dist.all_reduce(torch.ones(1)); time.sleep(0.05)")
+        killer.join()
+        took = time.monotonic() - started
+        message = str(err.value)
+        assert f"went down with node 1 ({socket.gethostname()})" in message, message
+        on_node_1 = next(k for k, r in p._ranks.items() if r.node == 1)
+        assert err.value.result.ranks[on_node_1].status == "dead"
+        assert took < 30, took
+        other = 1 - on_node_1
+        assert "went down with node" not in p._ranks[other].exit  # the rank on node 0 is not blamed
