@@ -9,6 +9,7 @@ on an interrupt that ends in a kill, and - through the tether - when the kernel 
 
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
 import subprocess
@@ -120,9 +121,19 @@ class SlurmLauncher(Launcher):
         return f"SLURM job {job[0]} ({self.job_name}) {job[1]} on {job[2]}"
 
     def _end_note(self) -> str:
+        """``SLURM job 11 CANCELLED``: from slurmstepd's line in srun's output, else from scontrol."""
         if not self.job_id:
             return ""
-        state = self.final_state(self.job_id)
+        state = ""
+        for agent in self.agents:
+            found = re.search(r"\*\*\* (?:JOB|STEP) \S+ ON \S+ ([A-Z_]+)", agent.tail(20000))
+            state = state or (found.group(1) if found else "")
+        deadline = time.monotonic() + 3.0
+        while not state or state == "COMPLETING":  # still ending: its final state follows shortly
+            state = self.final_state(self.job_id)
+            if state != "COMPLETING" or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         return f"SLURM job {self.job_id} {state}" if state else f"SLURM job {self.job_id}"
 
     def final_state(self, job_id: str) -> str:

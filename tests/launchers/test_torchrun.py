@@ -48,7 +48,8 @@ def test_ranks_on_two_agents_all_reduce_and_keep_state(pool: Pool) -> None:
         "import os, torch, torch.distributed as dist\n"
         "t = torch.full((1,), float(dist.get_rank() + 1))\n"
         "dist.all_reduce(t)\n"
-        "print(os.environ['RANK'], os.environ['JUPYTER_SHARD_NODE'], os.environ['TORCHELASTIC_RUN_ID'], t.item())"
+        "env = os.environ\n"
+        "print(env['RANK'], env['JUPYTER_SHARD_NODE'], env['TORCHELASTIC_RUN_ID'], t.item())"
     )
     lines = {k: r.stdout.split() for k, r in result.ranks.items()}
     assert {k: (v[0], v[3]) for k, v in lines.items()} == {0: ("0", "3.0"), 1: ("1", "3.0")}
