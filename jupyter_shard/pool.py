@@ -485,7 +485,27 @@ class Pool(Receiver):
             )
         self._notice(note)
 
+    def _node_failures(self) -> list[str]:
+        """One line per node whose ranks went down together (its agent or job step ended)."""
+        down: dict[int, list[RankRecord]] = {}
+        for r in self._ranks.values():
+            if r.state is RankState.DEAD and getattr(r.handle, "node_down", False):
+                down.setdefault(r.node, []).append(r)
+        lines = []
+        for node, records in sorted(down.items()):
+            where = records[0].handle.host or "its host"
+            again = "in a new SLURM allocation" if self.spec.launcher == "slurm" else "on the same hosts"
+            lines.append(
+                f"node {node} ({where}) failed: rank {format_ranks([r.rank for r in records])} went down "
+                f"with it. %dist_restart starts the pool again {again}; to go on without it, run the next "
+                "cell with --hosts naming the other hosts (or fewer --nodes)"
+            )
+        return lines
+
     def _end(self, gathering: Gathering) -> None:
+        for line in self._node_failures():
+            if line not in gathering.result.notes:
+                gathering.result.notes.append(line)
         failed = [k for k, r in gathering.result.ranks.items() if r.status not in ("ok", "pending")]
         if failed and len(failed) < len(gathering.targets) and self._restart_reason is None:
             self._out_of_step = format_ranks(failed)

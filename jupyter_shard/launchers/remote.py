@@ -111,6 +111,7 @@ class RemoteRank(RankHandle):
         self._code: int | None = None
         self._reason = ""
         self._seen = 0.0
+        self.node_down = False  # it ended because its node's agent (or the whole job step) did
 
     def bind(self, pid: int, host: str, node: int) -> None:
         self.pid, self.host, self.node = pid, host, node
@@ -137,6 +138,7 @@ class RemoteRank(RankHandle):
             if code is not None:
                 self._code = code
                 self._reason = self._agent_ended(agent, code)
+                self.node_down = True
                 return self._code
         if self.pid and time.monotonic() - self._seen > SILENT_AFTER:
             self._code = -signal.SIGKILL

@@ -78,17 +78,23 @@ class TorchrunLauncher(Launcher):
         port = _lifecycle.free_port() if hosts and is_this_machine(first) else RDZV_PORT
         endpoint = f"{'127.0.0.1' if local else first}:{port}"
         rdzv_id = f"jupyter_shard-{uuid.uuid4().hex[:12]}"
-        options = torchrun_args(str(spec.nodes), spec.nproc, endpoint, rdzv_id)
-        agent_cmd = [sys.executable, "-m", "torch.distributed.run", *options, "-m", "jupyter_shard.rank"]
         cwd = ranks[0].cwd
+
+        def agent_cmd(node: int) -> list[str]:
+            # Node 0 hosts the rendezvous store (which the ranks' process groups use too), so losing
+            # another node leaves it standing; losing node 0 ends every node.
+            options = torchrun_args(str(spec.nodes), spec.nproc, endpoint, rdzv_id)
+            options += ["--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}"]
+            return [sys.executable, "-m", "torch.distributed.run", *options, "-m", "jupyter_shard.rank"]
+
         try:
             for node, host in enumerate(hosts):
                 env = {**base, "JUPYTER_SHARD_NODE": str(node)}
                 log = log_dir / f"node-{node}.log"
                 if is_this_machine(host):
-                    agent = spawn_agent(node, host, agent_cmd, env, log, cwd, lifeline_fd)
+                    agent = spawn_agent(node, host, agent_cmd(node), env, log, cwd, lifeline_fd)
                 else:
-                    command, secrets = _ssh_command(host, env, agent_cmd, cwd)
+                    command, secrets = _ssh_command(host, env, agent_cmd(node), cwd)
                     public = {k: v for k, v in os.environ.items() if k not in SECRETS}
                     agent = spawn_agent(node, host, command, public, log, cwd, lifeline_fd, stdin=secrets)
                 self.agents.append(agent)
@@ -96,7 +102,8 @@ class TorchrunLauncher(Launcher):
             self.stop()
             raise
         if not hosts:
-            self._manual = _manual_instructions(spec, base, options, log_dir, ranks[0].cwd)
+            options = torchrun_args(str(spec.nodes), spec.nproc, endpoint, rdzv_id)
+            self._manual = _manual_instructions(spec, base, options, log_dir, cwd)
         return [RemoteRank(launch.rank, self.agents, lambda r, s: self.deliver(r, s)) for launch in ranks]
 
     def waiting(self) -> str | None:
