@@ -85,6 +85,8 @@ class TorchrunLauncher(Launcher):
             # another node leaves it standing; losing node 0 ends every node.
             options = torchrun_args(str(spec.nodes), spec.nproc, endpoint, rdzv_id)
             options += ["--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}"]
+            # Peers reach this node's store and ranks by the name the user gave it, not its own FQDN.
+            options += ["--local-addr", "127.0.0.1" if local else hosts[node]]
             return [sys.executable, "-m", "torch.distributed.run", *options, "-m", "jupyter_shard.rank"]
 
         try:
