@@ -10,6 +10,7 @@ messages (through :class:`~jupyter_shard.receiver.Receiver`) until every target 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -293,7 +294,9 @@ class Pool(Receiver):
         """Stop every rank (and its children) and release the socket, key and private directory."""
         self._stop_watcher()
         if self._sock is not None and self._wire is not None:
-            self._send(self._live(), "shutdown", {})
+            for r in self._live():
+                with contextlib.suppress(PoolError):  # one not (yet) connected: it is killed below
+                    self._send([r], "shutdown", {})
         deadline = time.monotonic() + 1.0
         for r in self._ranks.values():
             r.handle.wait(max(0.0, deadline - time.monotonic()))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -166,3 +168,67 @@ def test_a_node_killed_mid_cell_is_reported_as_that_node(tmp_path: Path) -> None
         assert "%dist_restart starts the pool again on the same hosts" in notes
         other = 1 - on_node_1
         assert "went down with node" not in p._ranks[other].exit  # the rank on node 0 is not blamed
+
+
+def test_the_kernels_death_ends_agents_and_ranks(tmp_path: Path) -> None:
+    script = (
+        "import time\n"
+        "from jupyter_shard import Pool\n"
+        "from jupyter_shard.spec import LaunchSpec\n"
+        "spec = LaunchSpec.create(nproc=1, device='cpu', launcher='torchrun', hosts='localhost,localhost')\n"
+        f"pool = Pool(spec=spec, log_dir={str(tmp_path)!r})\n"
+        "pool.start()\n"
+        "print(*[s.pid for s in pool.status()], *pool._launcher.local_pids(), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 4  # two ranks, two tethers (each running a torchrun agent)
+        family = [psutil.Process(p) for p in pids]
+        family += [c for p in family[2:] for c in p.children(recursive=True)]
+        proc.kill()  # no clean-up from the kernel itself
+        proc.wait(10)
+        _, alive = psutil.wait_procs(family, timeout=20)
+        assert alive == [], [p.cmdline()[:4] for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_nodes_started_by_hand_join_from_the_printed_command(tmp_path: Path) -> None:
+    """``--nodes 2`` without ``--hosts``: the pool prints the command for each node and waits."""
+    spec = LaunchSpec.create(nproc=1, device="cpu", launcher="torchrun", nodes=2, interface="lo")
+    pool = Pool(spec=spec, log_dir=tmp_path, sink=ConsoleSink())
+    notices: list[str] = []
+    pool.on_notice = notices.append
+    nodes: list[subprocess.Popen[bytes]] = []
+
+    def join_when_asked() -> None:
+        deadline = time.monotonic() + 30
+        while not notices and time.monotonic() < deadline:
+            time.sleep(0.1)
+        command = notices[0].splitlines()[1].strip().replace("NODE0:", "127.0.0.1:")
+        for _ in range(2):
+            nodes.append(subprocess.Popen(["bash", "-c", command], cwd=tmp_path, start_new_session=True))
+
+    joiner = threading.Thread(target=join_when_asked)
+    joiner.start()
+    try:
+        pool.start()
+        joiner.join()
+        assert notices[0].startswith("waiting for 2 nodes to join; on each node run")
+        assert pool._wire is not None and pool._wire._key.hex() not in notices[0]  # keys stay in the file
+        result = pool.run(
+            "import torch, torch.distributed as dist\nt = torch.ones(1); dist.all_reduce(t); t.item()"
+        )
+        assert [r.result for r in result.ranks.values()] == [{"text/plain": "2.0"}] * 2
+    finally:
+        pool.shutdown()
+        for node in nodes:
+            try:
+                node.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert [node.returncode for node in nodes] == [0, 0]  # the agents ended when the pool shut down
