@@ -378,3 +378,132 @@ def test_strategy_registered_in_this_process_is_accepted() -> None:
             LaunchSpec.create(strategy="theirs", gpu_count=0)
     finally:
         _registered.pop("mine")
+
+
+# -- multi-node options: --nodes, --hosts, --interface, SLURM's --partition/--time/--account -------------
+
+
+def test_several_nodes_need_torchrun_or_slurm() -> None:
+    msg = _err(nodes=2)
+    assert msg.startswith("--nodes 2 needs --launcher torchrun or slurm")
+    for launcher in ("torchrun", "slurm"):
+        s = LaunchSpec.create(nodes=2, launcher=launcher, gpu_count=0)
+        assert (s.nodes, s.launcher) == (2, launcher)
+
+
+@pytest.mark.parametrize("launcher", ["local", "slurm"])
+def test_hosts_only_with_torchrun(launcher: str) -> None:
+    assert _err(hosts="a,b", launcher=launcher) == (
+        "--hosts applies only to --launcher torchrun (one host per node)"
+    )
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_hosts_give_the_node_count(nodes: int) -> None:
+    s = LaunchSpec.create(launcher="torchrun", hosts="a,b,c", nodes=nodes, gpu_count=0)
+    assert s.nodes == 3
+    assert s.hosts == ("a", "b", "c")
+
+
+def test_hosts_as_a_list_with_spaces_around_names() -> None:
+    s = LaunchSpec.create(launcher="torchrun", hosts=[" a", "b "], gpu_count=0)
+    assert (s.hosts, s.nodes) == (("a", "b"), 2)
+    assert LaunchSpec.create(launcher="torchrun", hosts="a, b", gpu_count=0).hosts == ("a", "b")
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_hosts_disagreeing_with_nodes_are_refused(nodes: int) -> None:
+    msg = _err(launcher="torchrun", hosts="a,b,c", nodes=nodes)
+    assert msg == f"--hosts names 3 host(s) but --nodes is {nodes}; give one host per node"
+
+
+def test_constructor_refuses_hosts_that_disagree_with_nodes() -> None:
+    with pytest.raises(SpecError, match=r"--hosts names 2 host\(s\) but --nodes is 3"):
+        LaunchSpec(launcher="torchrun", hosts=("a", "b"), nodes=3)
+
+
+@pytest.mark.parametrize(
+    "hosts", ["", ",", "a,,b", "a,", "-oProxyCommand=touch /tmp/x", "a,-b", "a b", "a,b\tc", "a\nb", []]
+)
+def test_bad_hosts_are_refused(hosts: object) -> None:
+    msg = _err(launcher="torchrun", hosts=hosts)
+    assert msg.startswith("--hosts ") and msg.endswith("is not valid; give host names like node1,node2")
+
+
+@pytest.mark.parametrize(
+    ("option", "flag", "value"),
+    [("partition", "--partition", "gpu"), ("time_limit", "--time", "1:00:00"), ("account", "--account", "p")],
+)
+@pytest.mark.parametrize("launcher", ["local", "torchrun"])
+def test_slurm_options_only_with_slurm(option: str, flag: str, value: str, launcher: str) -> None:
+    assert _err(launcher=launcher, **{option: value}) == f"{flag} applies only to --launcher slurm"
+    s = LaunchSpec.create(launcher="slurm", gpu_count=0, **{option: value})
+    assert getattr(s, option) == value
+
+
+def test_slurm_options_are_kept() -> None:
+    s = LaunchSpec.create(
+        launcher="slurm", nodes=2, partition="gpu", time_limit="30", account="proj", gpu_count=0
+    )
+    assert (s.partition, s.time_limit, s.account, s.nodes) == ("gpu", "30", "proj", 2)
+
+
+def test_interface_refused_for_the_local_launcher() -> None:
+    msg = _err(interface="eth0")
+    assert msg == "--interface applies only to --launcher torchrun or slurm (remote ranks)"
+    assert "--interface" in _err(interface="")
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_interface_kept_for_remote_launchers(launcher: str) -> None:
+    assert LaunchSpec.create(launcher=launcher, interface="eth0", gpu_count=0).interface == "eth0"
+
+
+def test_world_size_is_ranks_per_node_times_nodes() -> None:
+    assert LaunchSpec.create(nproc=3, gpu_count=0).world_size == 3
+    assert LaunchSpec.create(nproc=3, nodes=2, launcher="torchrun", gpu_count=0).world_size == 6
+    assert LaunchSpec.create(gpus=4, nodes=3, launcher="slurm", gpu_count=0).world_size == 12
+
+
+def test_multi_node_means_a_remote_launcher() -> None:
+    assert not LaunchSpec.create(gpu_count=0).multi_node
+    assert LaunchSpec.create(launcher="torchrun", gpu_count=0).multi_node
+    assert LaunchSpec.create(launcher="slurm", gpu_count=0).multi_node
+
+
+def test_describe_local_and_multi_node() -> None:
+    assert LaunchSpec.create(nproc=1, gpu_count=0).describe() == "1 CPU rank · none"
+    s = LaunchSpec.create(nproc=3, launcher="torchrun", hosts="a,b", strategy="ddp", gpu_count=0)
+    assert s.describe() == "2 nodes × 3 CPU ranks (torchrun) · ddp"
+    s = LaunchSpec.create(gpus=1, launcher="slurm", gpu_count=0)
+    assert s.describe() == "1 node × 1 GPU rank (slurm) · none"
+
+
+def test_pool_key_changes_with_the_multi_node_options() -> None:
+    base = LaunchSpec.create(launcher="torchrun", hosts="a,b", interface="eth0", gpu_count=0)
+    keys = {
+        base.pool_key(),
+        base.with_changes(hosts=("a", "c")).pool_key(),
+        base.with_changes(interface="eth1").pool_key(),
+        base.with_changes(nodes=3, hosts=("a", "b", "c")).pool_key(),
+        base.with_changes(launcher="slurm", hosts=(), partition="gpu").pool_key(),
+        base.with_changes(launcher="slurm", hosts=(), partition="cpu").pool_key(),
+        base.with_changes(launcher="slurm", hosts=(), time_limit="10").pool_key(),
+        base.with_changes(launcher="slurm", hosts=(), account="x").pool_key(),
+    }
+    assert len(keys) == 8
+    assert base.with_changes(strategy="ddp").pool_key() == base.pool_key()
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_gpus_on_remote_nodes_are_not_counted_here(launcher: str) -> None:
+    s = LaunchSpec.create(gpus=4, launcher=launcher, gpu_count=0)
+    assert (s.device, s.nproc) == (Device.CUDA, 4)
+    s = LaunchSpec.create(nproc=4, device="cuda", launcher=launcher, gpu_count=0)
+    assert (s.device, s.nproc) == (Device.CUDA, 4)
+    assert "--gpus 4 asked for, but 0 CUDA device(s) are visible" in _err(gpus=4)
+    assert "--nproc 4 CUDA ranks need 4 GPUs" in _err(nproc=4, device="cuda", gpu_count=2)
+
+
+def test_gpus_on_remote_nodes_still_need_cuda() -> None:
+    assert "needs CUDA but --device is cpu" in _err(gpus=4, device="cpu", launcher="torchrun")
