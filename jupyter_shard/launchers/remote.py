@@ -85,7 +85,10 @@ class AgentProcess:
             text = self.log_path.read_text(errors="replace")[-20000:]
         except OSError:
             return ""
-        match = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank.*?\n.*?exitcode\s*:\s*(-?\d+)", text, re.S)
+        # torchrun's summary lists other failures first and the first observed one under "Root Cause"
+        root = text.rfind("Root Cause")
+        entry = r"rank\s*:\s*(\d+)\s*\(local_rank.*?\n.*?exitcode\s*:\s*(-?\d+)"
+        match = re.search(entry, text[root:] if root >= 0 else text, re.S)
         if not match:
             return ""
         rank, code = int(match.group(1)), int(match.group(2))
@@ -112,6 +115,7 @@ class RemoteRank(RankHandle):
         self._reason = ""
         self._seen = 0.0
         self.node_down = False  # it ended because its node's agent (or the whole job step) did
+        self._killing = False  # the pool is stopping its agent to kill it: not a node failure
 
     def bind(self, pid: int, host: str, node: int) -> None:
         self.pid, self.host, self.node = pid, host, node
@@ -137,8 +141,11 @@ class RemoteRank(RankHandle):
             code = agent.poll()
             if code is not None:
                 self._code = code
-                self._reason = self._agent_ended(agent, code)
-                self.node_down = True
+                if self._killing:
+                    self._reason = f"was killed (its node agent was stopped; agent log: {agent.log_path})"
+                else:
+                    self._reason = self._agent_ended(agent, code)
+                    self.node_down = True
                 return self._code
         if self.pid and time.monotonic() - self._seen > SILENT_AFTER:
             self._code = -signal.SIGKILL
@@ -177,6 +184,7 @@ class RemoteRank(RankHandle):
         if self.wait(KILL_WAIT) is None:
             agent = self.agent()
             if agent is not None:
+                self._killing = True
                 agent.stop()
             self.wait(KILL_WAIT)
         if self._code is None:
@@ -269,12 +277,18 @@ def resolve_interface(choice: str) -> str:
         ipaddress.ip_address(choice)
         if choice in addresses.values():
             return choice
-    shown = ", ".join(f"{name} {addr}" for name, addr in sorted(addresses.items()))
-    raise SpecError(f"--interface {choice!r} is not an interface or address of this machine; it has: {shown}")
+    raise SpecError(
+        f"--interface {choice!r} is not an interface or address of this machine; it has: {interfaces_here()}"
+    )
+
+
+def interfaces_here() -> str:
+    """``eth0 10.0.0.2, lo 127.0.0.1``: this machine's interfaces with their IPv4 addresses."""
+    return ", ".join(f"{name} {addr}" for name, addr in sorted(_local_addresses().items()))
 
 
 def need_interface(why: str) -> SpecError:
-    shown = ", ".join(f"{name} {addr}" for name, addr in sorted(_local_addresses().items()))
+    shown = interfaces_here()
     return SpecError(
         f"{why}, so they dial back to this kernel over TCP: give --interface with the interface they "
         f"can reach it on (this machine has: {shown}); nothing listens beyond loopback until you do"

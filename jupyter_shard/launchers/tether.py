@@ -50,14 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("no command given")
     cancel = [str(part) for part in json.loads(args.cancel)]
-    proc = subprocess.Popen(command, start_new_session=True)
     asked: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         asked.append(signum)
 
+    # Handlers first: a SIGTERM that came between starting the command and installing them would
+    # end the tether and leave the command running.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    proc = subprocess.Popen(command, start_new_session=True)
     lifeline = args.lifeline
     while True:
         code = proc.poll()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import sys
 import uuid
 from pathlib import Path
@@ -28,6 +29,7 @@ from jupyter_shard.launchers.remote import (
     AgentProcess,
     Deliver,
     RemoteRank,
+    interfaces_here,
     is_this_machine,
     job_env,
     need_interface,
@@ -36,7 +38,7 @@ from jupyter_shard.launchers.remote import (
     torchrun_args,
 )
 from jupyter_shard.protocol import KEY_ENV
-from jupyter_shard.spec import LaunchSpec
+from jupyter_shard.spec import LaunchSpec, SpecError
 
 RDZV_PORT = 29400  # torchrun's own default, for a first node that is not this machine
 SECRETS = (KEY_ENV, CURVE_ENV)
@@ -57,9 +59,17 @@ class TorchrunLauncher(Launcher):
 
     def bind_address(self, spec: LaunchSpec) -> str:
         hosts = self._hosts(spec)
+        elsewhere = [h for h in hosts if not is_this_machine(h)]
         if spec.interface is not None:
-            return resolve_interface(spec.interface)
-        if hosts and all(is_this_machine(h) for h in hosts):
+            address = resolve_interface(spec.interface)
+            if address.startswith("127.") and elsewhere:
+                where = ", ".join(elsewhere)
+                raise SpecError(
+                    f"--interface {spec.interface} is loopback, which {where} cannot reach; "
+                    f"give an interface of this machine they can reach ({interfaces_here()})"
+                )
+            return address
+        if hosts and not elsewhere:
             return "127.0.0.1"
         if not hosts:
             raise need_interface(f"--nodes {spec.nodes} without --hosts runs ranks on other machines")
@@ -74,9 +84,13 @@ class TorchrunLauncher(Launcher):
         if not local:
             base.pop("GLOO_SOCKET_IFNAME", None)  # this machine's loopback name means nothing there
             base.pop("NCCL_SOCKET_IFNAME", None)
-        first = hosts[0] if hosts else "NODE0"
-        port = _lifecycle.free_port() if hosts and is_this_machine(first) else RDZV_PORT
-        endpoint = f"{'127.0.0.1' if local else first}:{port}"
+        # How the other nodes reach each node: as the user named it, and this machine (named
+        # "localhost" or by one of its addresses) by the --interface address, else its host name.
+        here = resolve_interface(spec.interface) if spec.interface is not None else socket.gethostname()
+        reach = ["127.0.0.1" if local else (here if is_this_machine(h) else h) for h in hosts]
+        first = reach[0] if hosts else "NODE0"
+        port = _lifecycle.free_port() if hosts and is_this_machine(hosts[0]) else RDZV_PORT
+        endpoint = f"{first}:{port}"
         rdzv_id = f"jupyter_shard-{uuid.uuid4().hex[:12]}"
         cwd = ranks[0].cwd
 
@@ -86,7 +100,7 @@ class TorchrunLauncher(Launcher):
             options = torchrun_args(str(spec.nodes), spec.nproc, endpoint, rdzv_id)
             options += ["--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}"]
             # Peers reach this node's store and ranks by the name the user gave it, not its own FQDN.
-            options += ["--local-addr", "127.0.0.1" if local else hosts[node]]
+            options += ["--local-addr", reach[node]]
             return [sys.executable, "-m", "torch.distributed.run", *options, "-m", "jupyter_shard.rank"]
 
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -108,7 +109,7 @@ def test_interface_lo_or_its_address_resolves_to_loopback(launcher: str, choice:
 
 
 def test_interface_wins_over_hosts_on_this_machine() -> None:
-    spec = _spec(launcher="torchrun", hosts=f"localhost,{ELSEWHERE}", interface="lo")
+    spec = _spec(launcher="torchrun", hosts="localhost,localhost", interface="lo")
     assert TorchrunLauncher().bind_address(spec) == "127.0.0.1"
 
 
@@ -362,12 +363,19 @@ def test_remote_nodes_are_not_sent_to_a_loopback_rendezvous(
     told an address of this machine it can reach, not ``localhost``, which is node 2 itself there."""
     spawned = _Spawned()
     monkeypatch.setattr(torchrun_mod, "spawn_agent", spawned)
-    spec = _spec(launcher="torchrun", hosts=f"localhost,{ELSEWHERE}", interface="lo")
+    spec = _spec(launcher="torchrun", hosts=f"localhost,{ELSEWHERE}")
     TorchrunLauncher().start(spec, _rank_launches(tmp_path, 2), lifeline_fd=99)
     host = _rdzv_endpoint(spawned.calls[1]["command"][-1]).rsplit(":", 1)[0]
     assert host not in ("localhost", "::1") and not host.startswith("127."), (
         f"node 1 on {ELSEWHERE} is told to meet at {host}, which is itself there"
     )
+    assert host == socket.gethostname()  # this machine, by a name the other node can look up
+
+
+def test_a_loopback_interface_is_refused_for_ranks_on_other_hosts() -> None:
+    spec = _spec(launcher="torchrun", hosts=f"localhost,{ELSEWHERE}", interface="lo")
+    with pytest.raises(SpecError, match=f"--interface lo is loopback, which {ELSEWHERE} cannot reach"):
+        TorchrunLauncher().bind_address(spec)
 
 
 def test_torchrun_on_this_machine_meets_on_loopback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
