@@ -92,6 +92,10 @@ def finish() -> None:
         _current.flush_metrics()
         _current.metrics.close()
     if dist.is_initialized():
+        # Every rank is past its last collective before any tears its group down: a rank that left
+        # while a peer's gloo threads still talked to it aborted the peer ("terminate called
+        # without an active exception").
+        dist.barrier()
         dist.destroy_process_group()
 
 
