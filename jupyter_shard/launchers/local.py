@@ -1,9 +1,11 @@
-"""The default launcher: one fresh ``python -m jupyter_shard.rank`` process per rank on this host.
+"""The default launcher: ranks on this host, each a fresh process leading its own session.
 
-Ranks are spawned with exec (never forked from the kernel, so CUDA state in the kernel cannot leak
-into them), each as the leader of its own session so that a whole rank - DataLoader workers
-included - can be killed by process group. Output goes straight to the rank's log file, so no pipe
-can fill up and stall a rank.
+Ranks are forked from a zygote (:mod:`~jupyter_shard.launchers.zygote`: a process the kernel
+started with exec, which imported torch once), or, with ``JUPYTER_SHARD_ZYGOTE=0``, spawned as
+``python -m jupyter_shard.rank`` each. Neither is ever forked from the kernel, so CUDA state in the
+kernel cannot leak into them. Each rank leads its own session so that a whole rank - DataLoader
+workers included - can be killed by process group. Output goes straight to the rank's log file, so
+no pipe can fill up and stall a rank.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import subprocess
 import sys
 from typing import ClassVar
 
+from jupyter_shard.launchers import zygote
 from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
+from jupyter_shard.launchers.zygote import ZygoteClient
 from jupyter_shard.spec import LaunchSpec
 
 
@@ -49,13 +53,64 @@ class LocalRank(RankHandle):
             return None
 
 
+class ForkedRank(RankHandle):
+    """A rank forked by the zygote: not this process's child, so its exit comes from the zygote."""
+
+    def __init__(self, rank: int, pid: int, zygote: ZygoteClient) -> None:
+        self.rank = rank
+        self.pid = pid
+        self.host = socket.gethostname()
+        self._zygote = zygote
+
+    def poll(self) -> int | None:
+        code = self._zygote.exit_code(self.pid)
+        if code is None and not self._zygote.alive():
+            return -signal.SIGKILL  # the zygote killed its children as it ended
+        return code
+
+    def exit_reason(self, code: int) -> str:
+        if self._zygote.exit_code(self.pid) is None and not self._zygote.alive():
+            return f"ended with the process it was forked from (zygote pid {self._zygote.pid}, which ended)"
+        return super().exit_reason(code)
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.pid, sig)
+
+    def kill_tree(self) -> None:
+        # Also after the rank itself exited: its children (DataLoader workers, subprocesses) may
+        # still be in its group, and a group id is not reused while the group has members.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.send_signal(signal.SIGKILL)
+        self.wait(5.0)
+
+    def wait(self, timeout: float) -> int | None:
+        code = self.poll()
+        return code if code is not None else self._zygote.wait_exit(self.pid, timeout)
+
+
 class LocalLauncher(Launcher):
     name: ClassVar[str] = "local"
 
     def start(self, spec: LaunchSpec, ranks: list[RankLaunch], lifeline_fd: int) -> list[RankHandle]:
         handles: list[RankHandle] = []
+        forking = zygote.enabled() and not any(launch.argv for launch in ranks)
         try:
+            client = zygote.zygote_for(ranks[0].env) if forking and ranks else None
             for launch in ranks:
+                if client is not None:
+                    try:
+                        pid = client.fork(launch.env, launch.cwd, launch.log_path, lifeline_fd)
+                        handles.append(ForkedRank(launch.rank, pid, client))
+                        continue
+                    except zygote.ZygoteUnavailable as exc:
+                        # Ranks spawned one by one say for themselves what fails (a broken import).
+                        with open(launch.log_path, "a") as log:
+                            print(f"jupyter_shard: spawning ranks instead: {exc}", file=log)
+                        zygote.mark_failed(client)
+                        client = None
                 handles.append(self._spawn(launch, lifeline_fd))
         except BaseException:
             for handle in handles:

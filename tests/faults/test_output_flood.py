@@ -122,6 +122,9 @@ def test_flood_at_startup_goes_to_the_log_without_stalling_the_pool(
         + "\n"
     )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    # Interpreter start-up code (sitecustomize) runs in each rank only when ranks are spawned: a rank
+    # forked from the zygote starts from the zygote's interpreter, which ran it without rank variables.
+    monkeypatch.setenv("JUPYTER_SHARD_ZYGOTE", "0")
     kernel = kernel_factory()
     assert kernel.execute("%load_ext jupyter_shard").ok
     since = time.monotonic()

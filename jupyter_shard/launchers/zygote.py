@@ -1,0 +1,344 @@
+"""A preloaded process that forks fresh ranks: torch is imported once, not once per rank and restart.
+
+The kernel starts the zygote with exec (``python -m jupyter_shard.launchers.zygote``), never by
+forking itself, so nothing of the kernel (CUDA state included) reaches a rank. The zygote imports
+torch - without touching CUDA - ZeroMQ, IPython and the rank runtime, then waits on a Unix socket.
+Each request carries one rank's environment, working directory and log path, plus the pool's
+lifeline pipe as a passed file descriptor; the zygote forks, and the child becomes a new session,
+takes that environment, reseeds its random generators, points fds 1 and 2 at its log and runs the
+rank runtime as a spawned rank would. The zygote reaps its children and reports each exit status
+to the kernel, so a rank forked here is polled, signalled and killed like a spawned one.
+
+A zygote serves one kernel: it ends - killing its children - when the kernel's lifeline to it
+closes. Requests whose interpreter environment (``PYTHON*``, ``LD_*``, ``sys.executable``) differs
+from the zygote's go to a new zygote. ``JUPYTER_SHARD_ZYGOTE=0`` turns it off: ranks are then
+spawned one process each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ENV_SWITCH = "JUPYTER_SHARD_ZYGOTE"
+READY_TIMEOUT = 120.0
+_MAX_MSG = 1 << 20
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") not in ("0", "false", "no", "off")
+
+
+def interpreter_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """What of an environment shapes a Python process at start-up (a zygote serves one such key)."""
+    keep = ("PYTHON", "LD_", "MALLOC", "CUDA_", "NCCL_", "GLOO_", "KMP_", "MKL_", "TORCH")
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(keep) and k != "PYTHONUNBUFFERED"))
+
+
+# -- the kernel's side ---------------------------------------------------------------------------
+
+
+class ZygoteUnavailable(RuntimeError):
+    """The zygote ended or could not fork; the launcher spawns ranks instead."""
+
+
+class ZygoteClient:
+    """The kernel's handle on one zygote: fork requests out, pids and exit statuses back."""
+
+    def __init__(self, env: dict[str, str], key: tuple[tuple[str, str], ...]) -> None:
+        self.key = key
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._lifeline_r, self._lifeline_w = os.pipe()
+        self._output = tempfile.TemporaryFile()  # noqa: SIM115 (kept open: the zygote writes to it)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(theirs.fileno()), str(self._lifeline_r)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            pass_fds=(theirs.fileno(), self._lifeline_r),
+        )
+        theirs.close()
+        os.close(self._lifeline_r)
+        self._lock = threading.Lock()
+        self._pids: dict[str, int] = {}
+        self._exits: dict[int, int] = {}
+        self._changed = threading.Condition(self._lock)
+        self._ready = False
+        self._error = ""
+        self._reader = threading.Thread(target=self._read, name="jupyter_shard-zygote", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and not self._error
+
+    def fork(self, env: dict[str, str], cwd: Path, log_path: Path, lifeline_fd: int) -> int:
+        """Fork one rank; its pid (the child's own session and process group)."""
+        token = os.urandom(8).hex()
+        request = json.dumps({"token": token, "env": env, "cwd": str(cwd), "log": str(log_path)}).encode()
+        if len(request) > _MAX_MSG:
+            raise RuntimeError("the rank's environment is too large for the zygote")
+        try:
+            socket.send_fds(self._sock, [request], [lifeline_fd])
+        except OSError as exc:
+            raise ZygoteUnavailable(f"the zygote is gone ({exc}): {self.output()}") from None
+        deadline = time.monotonic() + READY_TIMEOUT
+        with self._changed:
+            while token not in self._pids:
+                if self._error or self.proc.poll() is not None:
+                    raise ZygoteUnavailable(
+                        f"the zygote ended ({self._error or self.proc.returncode}): {self.output()}"
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ZygoteUnavailable(f"the zygote did not fork a rank within {READY_TIMEOUT:.0f} s")
+                self._changed.wait(min(left, 0.5))
+            return self._pids.pop(token)
+
+    def output(self, limit: int = 2000) -> str:
+        """The end of what the zygote printed (its traceback, when its preload failed)."""
+        try:
+            self._output.seek(0, os.SEEK_END)
+            size = self._output.tell()
+            self._output.seek(max(0, size - limit))
+            return self._output.read().decode(errors="replace").strip()
+        except (OSError, ValueError):
+            return ""
+
+    def exit_code(self, pid: int) -> int | None:
+        with self._lock:
+            return self._exits.get(pid)
+
+    def wait_exit(self, pid: int, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while pid not in self._exits:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None:
+                    break
+                self._changed.wait(min(left, 0.5))
+            return self._exits.get(pid)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(_MAX_MSG)
+            except OSError as exc:
+                data, self._error = b"", str(exc)
+            if not data:
+                with self._changed:
+                    self._error = self._error or "its socket closed"
+                    self._changed.notify_all()
+                return
+            msg = json.loads(data)
+            with self._changed:
+                if "forked" in msg:
+                    self._pids[str(msg["token"])] = int(msg["forked"])
+                elif "exit" in msg:
+                    self._exits[int(msg["exit"])] = int(msg["code"])
+                elif "ready" in msg:
+                    self._ready = True
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        """End the zygote (its children too)."""
+        with contextlib.suppress(OSError):
+            os.close(self._lifeline_w)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._sock.close()
+        self._output.close()
+
+
+_zygotes: dict[tuple[tuple[str, str], ...], ZygoteClient] = {}
+_failed: set[tuple[tuple[str, str], ...]] = set()  # environments whose zygote could not fork
+_zygotes_lock = threading.Lock()
+
+
+def zygote_for(env: dict[str, str]) -> ZygoteClient | None:
+    """The running zygote for this interpreter environment, started when there is none; None for
+    an environment whose zygote failed before (its ranks are spawned)."""
+    key = interpreter_key(env)
+    with _zygotes_lock:
+        if key in _failed:
+            return None
+        current = _zygotes.get(key)
+        if current is not None and current.alive():
+            return current
+        if current is not None:
+            current.close()
+        fresh = _zygotes[key] = ZygoteClient(_zygote_env(env), key)
+        return fresh
+
+
+def _zygote_env(env: dict[str, str]) -> dict[str, str]:
+    """The zygote's own environment: the rank's, minus what belongs to one pool or one rank."""
+    return {k: v for k, v in env.items() if not k.startswith("JUPYTER_SHARD_")}
+
+
+def mark_failed(client: ZygoteClient) -> None:
+    """Spawn ranks for this environment from now on (its zygote could not fork them)."""
+    with _zygotes_lock:
+        _failed.add(client.key)
+        if _zygotes.get(client.key) is client:
+            del _zygotes[client.key]
+    client.close()
+
+
+def close_all() -> None:
+    with _zygotes_lock:
+        for client in _zygotes.values():
+            client.close()
+        _zygotes.clear()
+
+
+# -- the zygote process --------------------------------------------------------------------------
+
+
+def _preload() -> None:
+    import cloudpickle  # noqa: F401
+    import IPython.core.interactiveshell  # noqa: F401
+    import torch
+    import torch.distributed
+    import zmq  # noqa: F401
+
+    import jupyter_shard.rank.runtime
+    import jupyter_shard.rank.shard
+    import jupyter_shard.rank.shell  # noqa: F401
+
+    assert not torch.cuda.is_initialized(), "the zygote must not touch CUDA"
+
+
+def _serve(sock: socket.socket, lifeline: int) -> None:
+    children: set[int] = set()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    sock.send(json.dumps({"ready": os.getpid()}).encode())
+    while True:
+        readable, _, _ = select.select([sock.fileno(), lifeline, wake_r], [], [], 1.0)
+        if wake_r in readable:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 4096)
+        _reap(sock, children)
+        if lifeline in readable and os.read(lifeline, 1) == b"":
+            _end(children)
+        if sock.fileno() in readable:
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 1)
+            except OSError:
+                _end(children)
+            if not data:
+                _end(children)
+            request = json.loads(data)
+            pid = os.fork()
+            if pid == 0:
+                _child(request, fds[0] if fds else -1, sock, lifeline, (wake_r, wake_w))
+            for fd in fds:
+                os.close(fd)
+            children.add(pid)
+            sock.send(json.dumps({"token": request["token"], "forked": pid}).encode())
+
+
+def _reap(sock: socket.socket, children: set[int]) -> None:
+    for pid in list(children):
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done, status = pid, 0
+        if done:
+            children.discard(pid)
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            with contextlib.suppress(OSError):
+                sock.send(json.dumps({"exit": pid, "code": code}).encode())
+
+
+def _end(children: set[int]) -> None:
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+    os._exit(0)
+
+
+def _child(
+    request: dict[str, Any], lifeline: int, sock: socket.socket, own_lifeline: int, wake: tuple[int, int]
+) -> None:
+    """In the forked child: become a fresh rank process, then run the rank runtime."""
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+        sock.close()
+        for fd in (own_lifeline, *wake):
+            os.close(fd)
+        os.setsid()
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        env = {str(k): str(v) for k, v in request["env"].items()}
+        env["JUPYTER_SHARD_LIFELINE_FD"] = str(lifeline)
+        env["JUPYTER_SHARD_PARENT_PID"] = str(os.getppid())
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(request["cwd"])
+        sys.argv = [""]
+        _fresh_state(env)
+        from jupyter_shard.rank.runtime import main
+
+        main()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+def _fresh_state(env: dict[str, str]) -> None:
+    """What a new interpreter would have that a fork shares with its siblings."""
+    import random
+
+    import torch
+
+    random.seed()
+    with contextlib.suppress(ImportError):
+        import numpy
+
+        numpy.random.seed(None)
+    threads = env.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit():
+        torch.set_num_threads(int(threads))
+    sys.stdout = open(1, "w", encoding="utf-8", errors="replace", closefd=False, buffering=1)  # noqa: SIM115
+    sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False, buffering=1)  # noqa: SIM115
+
+
+def main() -> None:
+    fd, lifeline = int(sys.argv[1]), int(sys.argv[2])
+    sock = socket.socket(fileno=fd)
+    _preload()
+    _serve(sock, lifeline)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Ranks forked from the zygote: a process started with exec that imported torch once.
+
+The zygote is the ranks' parent (never the kernel, which is only the zygote's parent, by exec); each
+forked rank is a fresh session with its own random state; a restart forks new ranks from the same
+zygote; a different interpreter environment gets its own zygote; ``JUPYTER_SHARD_ZYGOTE=0`` spawns
+ranks instead; and ranks whose zygote is killed are reported as such.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from jupyter_shard import Pool, PoolError
+from jupyter_shard.launchers import zygote
+from jupyter_shard.widgets.rank_output import ConsoleSink
+
+pytestmark = pytest.mark.timeout(120)
+
+PROBE = (
+    "import os, random, sys\n"
+    "print(os.getpid(), os.getppid(), os.getsid(0), random.random(), 'torch' in sys.modules)"
+)
+
+
+def _probe(pool: Pool) -> dict[int, list[str]]:
+    return {k: r.stdout.split() for k, r in pool.run(PROBE).ranks.items()}
+
+
+def test_ranks_are_forked_by_an_execd_zygote_with_fresh_state(tmp_path: Path) -> None:
+    with Pool(nproc=2, device="cpu", log_dir=tmp_path, sink=ConsoleSink()) as pool:
+        seen = _probe(pool)
+        pids = {int(v[0]) for v in seen.values()}
+        parents = {int(v[1]) for v in seen.values()}
+        assert len(parents) == 1
+        (zygote_pid,) = parents
+        z = psutil.Process(zygote_pid)
+        assert z.ppid() == os.getpid()  # started by this process ...
+        assert z.cmdline()[1:3] == ["-m", "jupyter_shard.launchers.zygote"]  # ... with exec, not a fork
+        assert all(int(v[2]) == int(v[0]) for v in seen.values())  # each rank leads its own session
+        assert len({v[3] for v in seen.values()}) == 2  # random state reseeded in each child
+        assert all(v[4] == "True" for v in seen.values())  # torch came preloaded
+        pool.restart()
+        again = _probe(pool)
+        assert {int(v[1]) for v in again.values()} == {zygote_pid}  # the same zygote ...
+        assert not pids & {int(v[0]) for v in again.values()}  # ... forked new ranks
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+
+
+def test_another_interpreter_environment_gets_its_own_zygote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with Pool(nproc=1, device="cpu", log_dir=tmp_path, sink=ConsoleSink()) as pool:
+        first = int(_probe(pool)[0][1])
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    with Pool(nproc=1, device="cpu", log_dir=tmp_path, sink=ConsoleSink()) as pool:
+        second = int(_probe(pool)[0][1])
+        assert pool.run("import sys; sys.flags.hash_randomization").ranks[0].result == {"text/plain": "0"}
+    assert first != second
+
+
+def test_switched_off_ranks_are_spawned_by_the_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(zygote.ENV_SWITCH, "0")
+    with Pool(nproc=2, device="cpu", log_dir=tmp_path, sink=ConsoleSink()) as pool:
+        assert {int(v[1]) for v in _probe(pool).values()} == {os.getpid()}
+
+
+def test_ranks_of_a_killed_zygote_are_reported_with_it(tmp_path: Path) -> None:
+    with Pool(nproc=2, device="cpu", log_dir=tmp_path, sink=ConsoleSink()) as pool:
+        zygote_pid = int(_probe(pool)[0][1])
+        os.kill(zygote_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(r.state.value != "dead" for r in pool.status()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(PoolError) as err:
+            pool.run("pass")
+        assert f"zygote pid {zygote_pid}, which ended" in str(err.value)
+        pool.restart()  # a fresh zygote serves the restart
+        assert int(_probe(pool)[0][1]) != zygote_pid
