@@ -86,7 +86,8 @@ class ZygoteClient:
         return self.proc.pid
 
     def alive(self) -> bool:
-        return self.proc.poll() is None and not self._error
+        """No system call: the zygote's end closes its socket, which the reader thread notices."""
+        return not self._error
 
     def fork(self, env: dict[str, str], cwd: Path, log_path: Path, lifeline_fd: int) -> int:
         """Fork one rank; its pid (the child's own session and process group)."""

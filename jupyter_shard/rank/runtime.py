@@ -185,7 +185,19 @@ class _Runner:
             "release": self.release,
             "regroup": self.regroup,
         }
-        signal.signal(signal.SIGINT, _ignore)
+        # One SIGINT handler for the rank's life: it interrupts a running cell and is a no-op between
+        # cells, so a cell costs no sigaction calls; a cell that installs its own is undone after it.
+        self._sigint = self._on_sigint
+        signal.signal(signal.SIGINT, self._sigint)
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        """Between cells nothing is interrupted (a no-op handler, not SIG_IGN, which children inherit)."""
+        if self.state.executing:
+            raise KeyboardInterrupt
+
+    def _own_sigint(self) -> None:
+        if signal.getsignal(signal.SIGINT) is not self._sigint:
+            signal.signal(signal.SIGINT, self._sigint)
 
     def loop(self) -> None:
         while True:
@@ -202,14 +214,13 @@ class _Runner:
         started = time.perf_counter()
         self.state.begin(cell_id, code)
         try:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self._own_sigint()
             error = self.shell.run(code, cell_id, int(body.get("exec_count", 0)))
-            signal.signal(signal.SIGINT, _ignore)
         except KeyboardInterrupt:
             error = ("KeyboardInterrupt", "", ["KeyboardInterrupt"])
         finally:
-            signal.signal(signal.SIGINT, _ignore)
             self.state.end()
+            self._own_sigint()
         name, value, tb = error or ("", "", [])
         self.sock.send(
             "done",
@@ -373,10 +384,6 @@ def _signal_self(msg: Message) -> None:
         os.killpg(os.getpid(), signal.SIGKILL)  # the rank leads its group: its children go too
     elif sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
         os.kill(os.getpid(), sig)
-
-
-def _ignore(signum: int, frame: FrameType | None) -> None:
-    """SIGINT between cells: nothing to interrupt (a no-op handler, not SIG_IGN, which children inherit)."""
 
 
 def _reply_stacks(channel: Channel, msg: Message) -> None:
