@@ -7,8 +7,7 @@ one :class:`RankHandle` per rank, a Popen-shaped object the pool polls and signa
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
-
+from jupyter_shard._plugins import entry_point_map
 from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
 from jupyter_shard.spec import SpecError
 
@@ -27,9 +26,9 @@ def _registry() -> dict[str, type[Launcher]]:
         "torchrun": TorchrunLauncher,
         "slurm": SlurmLauncher,
     }
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name not in found:
-            found[ep.name] = ep.load()
+    for name, ep in entry_point_map(ENTRY_POINT_GROUP).items():
+        if name not in found:
+            found[name] = ep.load()
     return found
 
 

@@ -8,8 +8,9 @@ that the kernel never imports torch through this module.
 from __future__ import annotations
 
 from importlib import import_module
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
+
+from jupyter_shard._plugins import entry_point_map
 
 if TYPE_CHECKING:
     from jupyter_shard.strategies.base import StrategyBase
@@ -38,7 +39,7 @@ def registered(name: str) -> tuple[type[StrategyBase], dict[str, Any]] | None:
 
 
 def _entry_points() -> dict[str, str]:
-    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return {name: ep.value for name, ep in entry_point_map(ENTRY_POINT_GROUP).items()}
 
 
 def available_strategies() -> list[str]:
