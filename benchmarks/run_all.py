@@ -1,0 +1,297 @@
+"""Run every benchmark, then assemble their sections into ``benchmarks/RESULTS.md`` with a summary of targets.
+
+Each benchmark is a script in this folder that takes ``--results PATH`` (the markdown section it
+writes) and ``--quick`` (a smoke run with few repeats), draws its plots beside that file as
+``<name>-*.png`` linked relatively, and ends its section with one machine-readable line per target::
+
+    <!-- target: <what is promised> | <measured value> | met -->
+
+(the last field is ``met``, ``not met`` or ``n/a``; see ``benchmarks/README.md``). This script runs
+them one after another (never two at once), collects those lines into one table at the top of
+``RESULTS.md`` and appends every section, headings demoted one level and links rewritten to stay
+valid. ``strategies.py`` predates the format: its targets are read from its table here.
+
+    .venv/bin/python benchmarks/run_all.py                  # everything, full settings
+    .venv/bin/python benchmarks/run_all.py --only dispatch  # one benchmark; RESULTS.md keeps the others
+    .venv/bin/python benchmarks/run_all.py --quick          # smoke run into a temporary folder
+    .venv/bin/python benchmarks/run_all.py --assemble-only  # rebuild RESULTS.md from results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    title: str
+    quick: tuple[str, ...] = ("--quick",)  # arguments of a smoke run
+    optional: bool = False  # written by someone else; skipped (and said so) while absent
+
+    @property
+    def script(self) -> Path:
+        return HERE / f"{self.name}.py"
+
+
+BENCHMARKS = (
+    Benchmark("dispatch", "Dispatch round trip, cold start, warm restart"),
+    Benchmark(
+        "strategies",
+        "Training throughput against torchrun",
+        quick=("--width", "512", "--steps", "2", "--warmup", "1", "--rounds", "1", "--strategies", "ddp"),
+    ),
+    Benchmark("streaming", "Streaming output and metrics", optional=True),
+    Benchmark("memory", "Memory per rank against torchrun", optional=True),
+)
+NAMES = [b.name for b in BENCHMARKS]
+
+TARGET_LINE = re.compile(
+    r"^<!--\s*target:\s*(?P<name>[^|]+?)\s*\|\s*(?P<value>[^|]*?)\s*\|\s*(?P<met>met|not met|n/a)\s*-->\s*$"
+)
+STRATEGY_THROUGHPUT = 0.98  # issue 8: training throughput ≥ 0.98 of torchrun's, every strategy
+
+
+@dataclass
+class Target:
+    benchmark: str
+    name: str
+    value: str
+    met: str
+
+
+# -- running ------------------------------------------------------------------------------------------
+
+
+def load_average() -> str:
+    with contextlib.suppress(OSError):
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    return "unknown"
+
+
+def other_benchmarks() -> list[str]:
+    """Benchmark scripts of this folder running in processes that are not this run's."""
+    mine, pid = set(), os.getpid()
+    while pid > 1:  # this process and its ancestors (a `timeout` or shell that started it)
+        mine.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) in mine:
+            continue
+        with contextlib.suppress(OSError):
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            hit = [a.decode(errors="replace") for a in argv if re.search(rb"benchmarks/\w+\.py$", a)]
+            if hit:
+                found.append(f"pid {proc.name}: {hit[0]}")
+    return found
+
+
+def run_one(bench: Benchmark, out: Path, quick: bool) -> str:
+    """Run one benchmark script; '' when it succeeded, otherwise why not."""
+    if not bench.script.exists():
+        return f"`{bench.script.relative_to(ROOT)}` is not there yet"
+    if quick and bench.quick == ("--quick",) and "--quick" not in bench.script.read_text():
+        return "it has no `--quick` option yet, so a quick run leaves it out"
+    argv = [sys.executable, str(bench.script), "--results", str(out / f"{bench.name}.md")]
+    argv += list(bench.quick) if quick else []
+    print(f"== {bench.name}: {' '.join(argv[1:])}", flush=True)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=ROOT)
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        proc.wait()  # the child got the same Ctrl-C and stops what it started
+        raise
+    print(f"== {bench.name}: exit {code} after {time.monotonic() - t0:.0f} s", flush=True)
+    return "" if code == 0 else f"exited with status {code}"
+
+
+# -- assembling ---------------------------------------------------------------------------------------
+
+
+def targets_of(bench: Benchmark, text: str) -> list[Target]:
+    found = [
+        Target(bench.name, m["name"], m["value"], m["met"])
+        for m in map(TARGET_LINE.match, text.splitlines())
+        if m
+    ]
+    if bench.name == "strategies" and not found:
+        found = strategy_targets(text)
+    return found
+
+
+def strategy_targets(text: str) -> list[Target]:
+    """``strategies.py`` writes no target lines: its throughput ratio column, checked against issue 8."""
+    found, column = [], -1
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if "throughput ratio" in cells:
+            column = cells.index("throughput ratio")
+        elif column > 0 and len(cells) > column and re.fullmatch(r"\d+\.\d+", cells[column]):
+            ratio = float(cells[column])
+            name = f"Training throughput ≥ {STRATEGY_THROUGHPUT} of torchrun's, {cells[0]}"
+            found.append(
+                Target(
+                    "strategies", name, f"{ratio:.3f}", "met" if ratio >= STRATEGY_THROUGHPUT else "not met"
+                )
+            )
+        elif not line.strip():
+            column = -1
+    return found
+
+
+def demote(text: str, folder: Path, summary_dir: Path) -> str:
+    """Headings one level down; relative links to files of ``folder`` made relative to the summary."""
+
+    def relink(m: re.Match[str]) -> str:
+        target = m["target"]
+        if re.match(r"^[a-z]+:|^/|^#", target) or not (folder / target).exists():
+            return m[0]
+        return f"]({os.path.relpath(folder / target, summary_dir)})"
+
+    out = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            line = "#" + line
+        out.append(re.sub(r"\]\((?P<target>[^)\s]+)\)", relink, line))
+    return "\n".join(out)
+
+
+def git_revision() -> str:
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+        )
+    except OSError:
+        return "unknown"
+    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+def cpu() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} logical cores"
+    return f"{os.cpu_count()} logical cores"
+
+
+def assemble(
+    out: Path,
+    summary: Path,
+    ran: dict[str, str],
+    skipped: dict[str, str],
+    loads: tuple[str, str],
+    others: list[str],
+) -> str:
+    sections, goals, status = [], [], []
+    for bench in BENCHMARKS:
+        path = out / f"{bench.name}.md"
+        if ran.get(bench.name):
+            status.append(f"- **{bench.name}**: failed in this run, {ran[bench.name]}")
+        if bench.name in skipped:
+            status.append(f"- **{bench.name}**: not run, {skipped[bench.name]}")
+        if not path.exists():
+            if bench.name not in ran and bench.name not in skipped:
+                where = os.path.relpath(path, summary.parent)
+                status.append(f"- **{bench.name}**: no results yet (`{where}`)")
+            continue
+        when = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        origin = "this run" if ran.get(bench.name) == "" else "an earlier run"
+        status.append(f"- **{bench.name}**: {bench.title}; from {origin}, written {when}")
+        text = path.read_text()
+        goals += targets_of(bench, text)
+        sections.append(demote(text, out, summary.parent))
+    lines = [
+        "# Benchmark results",
+        "",
+        "Assembled by `.venv/bin/python benchmarks/run_all.py` from the sections in "
+        f"`{os.path.relpath(out, summary.parent)}/`; each section describes its machine, settings and load.",
+        "",
+        f"- Assembled: {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, "
+        f"revision {git_revision()}; {cpu()}",
+        f"- Load average (1, 5, 15 min) when run_all started: {loads[0]}; when it finished: {loads[1]}",
+    ]
+    if others:
+        lines.append(f"- Other benchmark processes running when it started: {'; '.join(others)}")
+    lines += ["", *status, "", "## Targets", ""]
+    if goals:
+        lines += ["| benchmark | target | measured | |", "|---|---|---:|---|"]
+        lines += [
+            f"| {g.benchmark} | {g.name} | {g.value} | {'**' + g.met + '**' if g.met != 'n/a' else g.met} |"
+            for g in goals
+        ]
+        met = sum(g.met == "met" for g in goals)
+        missed = sum(g.met == "not met" for g in goals)
+        lines += ["", f"{met} met, {missed} not met, {len(goals) - met - missed} not measured."]
+    else:
+        lines.append("No section reported a target.")
+    lines.append("")
+    for text in sections:
+        lines += [text.rstrip(), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
+    parser.add_argument("--only", nargs="+", choices=NAMES, help="run only these benchmarks")
+    parser.add_argument("--skip", nargs="+", choices=NAMES, default=[], help="run all but these")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: few repeats, into a temporary folder"
+    )
+    parser.add_argument("--assemble-only", action="store_true", help="run nothing; rebuild the summary")
+    parser.add_argument(
+        "--out", type=Path, help="folder for the sections and plots (default benchmarks/results)"
+    )
+    parser.add_argument("--summary", type=Path, help="the assembled file (default benchmarks/RESULTS.md)")
+    args = parser.parse_args(argv)
+
+    if args.quick and args.out is None:  # a smoke run must not replace measured results
+        args.out = Path(tempfile.mkdtemp(prefix="jshard-bench-quick-")) / "results"
+    out = (args.out or HERE / "results").resolve()
+    summary = (args.summary or (out.parent / "RESULTS.md" if args.quick else HERE / "RESULTS.md")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    chosen = [b for b in BENCHMARKS if (not args.only or b.name in args.only) and b.name not in args.skip]
+    load_before, others = load_average(), other_benchmarks()
+    if others:
+        print(f"warning: other benchmarks are running and will skew these numbers: {'; '.join(others)}")
+    ran: dict[str, str] = {}  # name -> '' (succeeded) or why it failed
+    skipped: dict[str, str] = {}
+    try:
+        for bench in [] if args.assemble_only else chosen:
+            why = run_one(bench, out, args.quick)
+            if why and not why.startswith("exited"):
+                print(f"== {bench.name}: skipped, {why}")
+                skipped[bench.name] = why
+                continue
+            ran[bench.name] = why
+    except KeyboardInterrupt:
+        print("interrupted: RESULTS.md not written", file=sys.stderr)
+        return 130
+    summary.write_text(assemble(out, summary, ran, skipped, (load_before, load_average()), others))
+    print(f"written to {summary}")
+    return 1 if any(ran.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
