@@ -32,6 +32,15 @@ from jupyter_shard.widgets.rank_output import RankSink, visible_text
 CAPTURE_LIMIT = 4 * 1024 * 1024
 
 
+def _last_visible_line(text: str, look_back: int = 64) -> str:
+    """The last non-blank line a terminal would show, looking only at the end of ``text``."""
+    for line in reversed(text.rsplit("\n", look_back)[-look_back:]):
+        shown = visible_text(line.removesuffix("\r"))
+        if shown.strip():
+            return shown
+    return ""
+
+
 class RankRecord:
     """The kernel's record of one rank process."""
 
@@ -203,10 +212,9 @@ class Receiver:
     def _on_stream(self, r: RankRecord, msg: Message) -> None:
         name, text = str(msg.body["name"]), str(msg.body["text"])
         self.sink.stream(r.rank, name, text)
-        shown = [visible_text(line) for line in text.splitlines()]
-        shown = [line for line in shown if line.strip()]
-        if shown:
-            r.last_line = shown[-1][:200]
+        last = _last_visible_line(text)
+        if last:
+            r.last_line = last[:200]
         if self._run is not None and r.rank in self._run.ranks:
             res = self._run.ranks[r.rank]
             if name == "stderr" and len(res.stderr) < CAPTURE_LIMIT:

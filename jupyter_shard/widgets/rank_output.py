@@ -74,6 +74,12 @@ class RankSink(ABC):
 
     def stream(self, rank: int, name: str, text: str) -> None:
         assembler = self._assemblers.setdefault((rank, name), LineAssembler())
+        budget = self._budgets.get(rank)
+        if budget is not None and budget.exhausted and "\r" not in text and "\r" not in assembler.partial:
+            # Nothing more of this rank's plain lines is shown this cell: skip the per-line work
+            # (a flood is millions of lines); only live lines (carriage returns) still are.
+            assembler.partial = (assembler.partial + text).rsplit("\n", 1)[-1]
+            return
         lines, live = assembler.feed(text)
         self._emit(rank, name, lines)
         if live is not None:
