@@ -9,11 +9,11 @@
 #
 # Needs root or passwordless sudo. Without either, `start` says the SLURM tests will be skipped and
 # exits 0, or 1 under CI=true. State, spool, logs and pid files live in $JUPYTER_SHARD_SLURM_DIR
-# (default /tmp/jupyter_shard-slurm); the clients find the cluster through /etc/slurm/slurm.conf,
+# (default /tmp/slurm-for-jupyter_shard); the clients find the cluster through /etc/slurm/slurm.conf,
 # so tests need no extra environment.
 set -euo pipefail
 
-DIR=${JUPYTER_SHARD_SLURM_DIR:-/tmp/jupyter_shard-slurm}
+DIR=${JUPYTER_SHARD_SLURM_DIR:-/tmp/slurm-for-jupyter_shard}
 CONF=/etc/slurm/slurm.conf
 MARK="# Written by jupyter_shard .ci/slurm.sh for the test suite; \`.ci/slurm.sh start\` rewrites it."
 READY_TIMEOUT=60
@@ -78,7 +78,7 @@ healthy() {
 install_packages() {
     command -v srun >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 && return 0
     local t0=$SECONDS apt_log
-    apt_log=$(mktemp /tmp/jupyter_shard-slurm-apt.XXXXXX)
+    apt_log=$(mktemp /tmp/slurm-for-jupyter_shard-apt.XXXXXX)
     log "installing slurm-wlm and munge with apt-get (output in $apt_log)"
     if ! { as_root apt-get update -q && as_root env DEBIAN_FRONTEND=noninteractive \
         apt-get install -y -q slurm-wlm munge; } >"$apt_log" 2>&1; then

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -21,6 +22,7 @@ import psutil
 from jupyter_shard.launchers.local import kill_recorded
 
 DIR_PREFIX = "jupyter_shard-"
+_POOL_DIR_NAME = re.compile(re.escape(DIR_PREFIX) + r"[a-z0-9_]{8}")
 
 
 def _start_time(pid: int) -> float | None:
@@ -56,6 +58,10 @@ def clean_stale_pools(base: Path | None = None) -> list[Path]:
     removed = []
     for directory in root.glob(DIR_PREFIX + "*"):
         try:
+            # Only what new_pool_dir makes (mkdtemp: the prefix and 8 random characters), never
+            # another program's directory that happens to share the prefix.
+            if not _POOL_DIR_NAME.fullmatch(directory.name):
+                continue
             if not directory.is_dir() or directory.stat().st_uid != os.getuid():
                 continue
             record = json.loads((directory / "pool.json").read_text())

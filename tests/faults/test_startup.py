@@ -224,6 +224,11 @@ def test_stale_files_are_cleaned_by_pid_and_start_time_and_a_live_pool_is_left_a
         )
         crashed_before_record = _pool_dir(root, None, age=7200.0, files=True)
         being_started = _pool_dir(root, None, files=True)
+        # another program's directory sharing the prefix (a test SLURM's state was once removed so)
+        foreign = root / "jupyter_shard-slurm"
+        foreign.mkdir()
+        then = time.time() - 7200.0
+        os.utime(foreign, (then, then))
 
         fresh = _run_collective(tmp_path)
 
@@ -236,6 +241,7 @@ def test_stale_files_are_cleaned_by_pid_and_start_time_and_a_live_pool_is_left_a
         assert procs["live_kernel"].poll() is None and procs["live_rank"].poll() is None
         assert not crashed_before_record.exists(), "an hour-old directory without a record was kept"
         assert being_started.is_dir(), "a young directory without a record (a pool starting) was removed"
+        assert foreign.is_dir(), "a directory not named like a pool's was removed"
     finally:
         for proc in procs.values():
             proc.kill()
