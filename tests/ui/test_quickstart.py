@@ -17,7 +17,9 @@ def test_run_all_shows_rank_output(open_nb: OpenNotebook) -> None:
     nb.screenshot("after-run-all", show=nb.code_cell(hello))
 
     assert not nb.error_outputs(), nb.error_outputs()
-    assert all(prompt.removeprefix("[").removesuffix("]:").isdigit() for prompt in nb.prompts()), nb.prompts()
+    assert all(prompt.removeprefix("[").removesuffix("]:").isdigit() for prompt in nb.prompts()), str(
+        nb.prompts()
+    )
     shown = nb.output_text(hello)
     assert "[rank 0] rank 0 of 2 on cpu: all_reduce sum = 3" in shown
     assert "[rank 1] rank 1 of 2 on cpu: all_reduce sum = 3" in shown
