@@ -22,6 +22,7 @@ Run: ``.venv/bin/python benchmarks/memory.py [--rounds 3]``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,29 @@ while not os.path.exists({release!r}):  # stay alive while the agent is measured
     time.sleep(0.05)
 dist.destroy_process_group()
 """
+
+
+class LoadWatch(threading.Thread):
+    """The 1-minute load average every 5 s, and other test or benchmark runs seen meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.loads: list[float] = []
+        self.others: set[str] = set()
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            self.loads.append(os.getloadavg()[0])
+            with contextlib.suppress(psutil.Error):
+                mine = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
+                for proc in psutil.process_iter(["cmdline"]):
+                    argv = proc.info["cmdline"] or []
+                    names = [Path(a).name for a in argv if a.endswith(".py") and "benchmarks/" in a]
+                    names += ["pytest"] if "pytest" in argv else []
+                    if proc.pid not in mine:
+                        self.others.update(names)
+            self.stopped.wait(5.0)
 
 
 def _memory(proc: psutil.Process) -> dict[str, int]:
@@ -161,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.steps = 1, 5
     began, load_before = time.monotonic(), os.getloadavg()
+    watch = LoadWatch()
+    watch.start()
     cells = [
         textwrap.dedent(SETUP).format(width=args.width, batch=args.batch),
         textwrap.dedent(TRAIN).format(steps=args.steps),
@@ -190,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     helper_medians = {
         v: {m: statistics.median(h[m] for h in hs) for m in METRICS} for v, hs in helpers.items() if all(hs)
     }
+    watch.stopped.set()
     meta = {
+        "loads": watch.loads,
+        "others": watch.others,
         "load_before": load_before,
         "load_after": os.getloadavg(),
         "run_s": time.monotonic() - began,
@@ -252,7 +282,10 @@ def report(
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {platform.platform()}, {os.cpu_count()} "
         f"cores, Python {platform.python_version()}; load average (1 min) before "
-        f"{meta['load_before'][0]:.2f}, after {meta['load_after'][0]:.2f}; whole run {meta['run_s']:.0f} s.",
+        f"{meta['load_before'][0]:.2f}, after {meta['load_after'][0]:.2f}, during the run max "
+        f"{max(meta['loads']):.2f}"
+        + (f" (also running: {', '.join(sorted(meta['others']))})" if meta["others"] else "")
+        + f"; whole run {meta['run_s']:.0f} s.",
         "",
         f"{NPROC} CPU ranks (gloo). Same code on every side: DDP over an MLP {args.width}-{args.width}-"
         f"{args.width}-1 with Adam, batch {args.batch}, {args.steps} steps, then `gc.collect()` and "

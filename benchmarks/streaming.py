@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import itertools
 import json
 import os
@@ -237,17 +238,36 @@ class CpuSampler(threading.Thread):
         super().__init__(daemon=True)
         self.proc = psutil.Process(pid)
         self.samples: list[tuple[float, float]] = []
+        self.loads: list[float] = []  # 1-minute load average, every 5 s
+        self.others: set[str] = set()  # other test or benchmark runs seen meanwhile
         self.stopped = threading.Event()
 
     def run(self) -> None:
         while not self.stopped.is_set():
             times = self.proc.cpu_times()
             self.samples.append((time.time(), times.user + times.system))
+            if len(self.samples) % 25 == 1:
+                self.loads.append(os.getloadavg()[0])
+                self.others |= other_runs()
             self.stopped.wait(0.2)
 
     def cpu_between(self, start: float, end: float) -> float:
         """CPU seconds the kernel used between two wall-clock times (linear between samples)."""
         return _interp(self.samples, end) - _interp(self.samples, start)
+
+
+def other_runs() -> set[str]:
+    """Test suites and benchmark scripts running outside this process tree (they share the cores)."""
+    found: set[str] = set()
+    with contextlib.suppress(psutil.Error):
+        mine = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
+        for proc in psutil.process_iter(["cmdline"]):
+            argv = proc.info["cmdline"] or []
+            names = [Path(a).name for a in argv if a.endswith(".py") and "benchmarks/" in a]
+            names += ["pytest"] if "pytest" in argv else []
+            if proc.pid not in mine:
+                found.update(names)
+    return found
 
 
 def _interp(samples: list[tuple[float, float]], t: float) -> float:
@@ -379,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         "spans": spans,
         "tags": tags,
         "run_s": time.monotonic() - began,
+        "loads": sampler.loads or [os.getloadavg()[0]],
+        "others": sampler.others,
         "load_before": load_before,
         "load_after": os.getloadavg(),
     }
@@ -548,7 +570,10 @@ def report(args: argparse.Namespace, s: dict[str, Any]) -> str:
     lines = [
         "# Streaming: ranks flooding output while they train",
         "",
-        machine_line(s["load_before"], s["load_after"]) + f"; whole run {s['run_s']:.0f} s.",
+        machine_line(s["load_before"], s["load_after"])
+        + f"; during the run mean {statistics.mean(s['loads']):.2f}, max {max(s['loads']):.2f}"
+        + (f" (also running: {', '.join(sorted(s['others']))})" if s["others"] else "")
+        + f"; whole run {s['run_s']:.0f} s.",
         "",
         f"{args.nproc} CPU ranks (gloo, ddp), MLP {args.width}-{args.width}-{args.width}-1, "
         f"batch {args.batch}, "
