@@ -78,8 +78,11 @@ try:
     from jupyter_distributed.kernel_group import DistributedKernelGroup
 
     JD_MISSING = ""
-except ImportError as exc:  # the bench extra installs it; without it, its rows say why
-    JD_MISSING = f"jupyter-distributed is not importable here ({exc})"
+except ImportError as exc:  # kept out of the venv (its server extension takes over %%rank in JupyterLab)
+    JD_MISSING = (
+        f"jupyter-distributed is not importable ({exc}); see benchmarks/README.md for running with it "
+        "from a folder outside the venv"
+    )
 
 NOOP = "pass"
 FIRST_CELL = "import torch; x = 1"
@@ -858,7 +861,9 @@ def machine(load_before: str, load_after: str, watch: LoadWatch, code: str, chan
             if line.startswith("MemTotal:"):
                 ram = f"{int(line.split()[1]) / 2**20:.1f} GiB"
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    jd = jupyter_distributed.__version__ if not JD_MISSING else "not installed"
+    jd = "not installed"
+    if not JD_MISSING:
+        jd = f"{jupyter_distributed.__version__} (from {Path(jupyter_distributed.__file__).parent.parent})"
     return [
         f"- Date: {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- CPU: {cpu}; {os.cpu_count()} logical cores ({usable} usable by this process); RAM {ram}",
