@@ -1017,8 +1017,8 @@ def report(res: Results, plots: list[str]) -> str:
         *res.machine,
         "",
     ]
-    for name, why in res.skipped.items():
-        out += [f"- `{name}` has no numbers: {why}"]
+    if res.skipped:
+        out += [f"- `{name}` has no numbers: {why}" for name, why in res.skipped.items()] + [""]
     if res.trips:
         out += [
             f"## No-op cell round trip (`{NOOP}`), ms: {settings['repeats']} timed "
