@@ -3,7 +3,9 @@ results as in a notebook, with results, displays and tracebacks sent to the kern
 
 from __future__ import annotations
 
+import contextlib
 import textwrap
+from collections.abc import Iterator
 from typing import Any
 
 from IPython.core.displayhook import DisplayHook
@@ -95,6 +97,17 @@ class RankShell(InteractiveShell):
         shell.channel = channel
         return shell
 
+    @contextlib.contextmanager
+    def _tee(self, channel: str) -> Iterator[None]:
+        """Keep no copy of what a cell prints.
+
+        IPython 9 wraps ``sys.stdout.write``/``sys.stderr.write`` during ``run_cell`` and appends
+        every write to ``history_manager.outputs``, history enabled or not. A rank's output already
+        goes to its log and the kernel; the copy grew by about 155 MB per million printed lines and
+        was never freed.
+        """
+        yield
+
     def transform_cell(self, raw_cell: str) -> str:
         """IPython's transform, skipping the tokenizer pass for plain Python (a third of a no-op cell)."""
         if not _plain_python(raw_cell) or self._transforms_customised():
@@ -141,6 +154,9 @@ class RankShell(InteractiveShell):
         if exec_count > 0:
             self.execution_count = exec_count
         result = self.run_cell(code, store_history=True)  # type: ignore[no-untyped-call]
+        # The display hook files each result's repr under its cell; nothing here reads them back.
+        if self.history_manager is not None:
+            self.history_manager.outputs.clear()
         if self.last_error is None and not result.success:
             exc = result.error_in_exec or result.error_before_exec
             if exc is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,3 +93,37 @@ def test_same_as_ipython_on_random_text(shell: RankShell, cell: str) -> None:
 def test_top_level_await_still_detected(shell: RankShell) -> None:
     assert shell.should_run_async("await x", transformed_cell="await x\n")
     assert not shell.should_run_async("x = 1", transformed_cell="x = 1\n")
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    def send(self, kind: str, body: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        self.sent.append((kind, body))
+
+
+def test_printed_output_is_not_kept(shell: RankShell, capsys: pytest.CaptureFixture[str]) -> None:
+    """IPython's own run_cell files every write to stdout/stderr in history_manager.outputs."""
+    recorder = _Recorder()
+    before = shell.channel
+    shell.channel = recorder  # type: ignore[assignment]
+    try:
+        error = shell.run(
+            "import sys\nfor i in range(2000):\n    print('line', i)\n    print('err', i, file=sys.stderr)\n"
+            "write_in_cell = sys.stdout.write\n41 + 1",
+            "cell-1",
+            1,
+        )
+    finally:
+        shell.channel = before
+    assert error is None
+    captured = capsys.readouterr()
+    assert captured.out.count("\n") == 2000 and "line 1999" in captured.out
+    assert "err 1999" in captured.err
+    assert shell.history_manager is not None
+    assert dict(shell.history_manager.outputs) == {}
+    # stdout's write was not wrapped while the cell ran
+    assert shell.user_ns["write_in_cell"] == sys.stdout.write
+    assert [kind for kind, _ in recorder.sent] == ["result"]
+    assert recorder.sent[0][1]["data"]["text/plain"] == "42"
