@@ -425,8 +425,9 @@ class Pool(Receiver):
         self._run = result
         self.sink.begin_cell()
         self._send(targets, "execute", {"cell_id": cell_id, "code": code, "exec_count": exec_count})
+        head = cell_head(code)
         for r in targets:
-            r.state, r.cell, r.collective = RankState.RUNNING, cell_head(code), ""
+            r.state, r.cell, r.collective = RankState.RUNNING, head, ""
         asked = None if ranks is None else tuple(sorted(set(ranks)))
         return Gathering(
             result,

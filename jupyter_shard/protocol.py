@@ -1,14 +1,18 @@
 """Every message that crosses the kernel/rank boundary, and the one way to sign and check them.
 
-A message on the wire is a list of frames::
+A message is signed as a list of parts::
 
     [b"jsh1", signature, header_json, body_json, *buffers]
 
 ``signature`` is HMAC-SHA256 over the tag, header, body and every buffer (each length-prefixed),
-computed with the pool's random key. :meth:`Wire.decode` checks size limits and the signature with a
-constant-time compare *before* parsing anything, then rejects replays (each sender's ``seq`` must
-grow). Bodies are JSON; only values the user explicitly pushes or pulls travel as pickled buffers,
-and those are unpickled by the caller after :meth:`Wire.decode` has authenticated them.
+computed with the pool's random key. On the socket the first four parts travel as one frame,
+``tag + signature + len(header) (4 bytes, big-endian) + header + body``, followed by one frame per
+buffer (:func:`pack`, :func:`unpack`): each ZeroMQ frame costs a Python-level send and receive on
+both ends, and most messages have no buffers. :meth:`Wire.decode` checks size limits and the
+signature with a constant-time compare *before* parsing anything, then rejects replays (each
+sender's ``seq`` must grow). Bodies are JSON; only values the user explicitly pushes or pulls
+travel as pickled buffers, and those are unpickled by the caller after :meth:`Wire.decode` has
+authenticated them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ __all__ = [
     "ProtocolError",
     "Wire",
     "new_key",
+    "pack",
+    "unpack",
 ]
 
 TAG = b"jsh1"
@@ -139,6 +145,35 @@ class Message:
     buffers: list[bytes] = field(default_factory=list)
 
 
+_SIG = 32  # HMAC-SHA256
+_HEAD = len(TAG) + _SIG + 4  # tag, signature, header length
+
+
+def pack(parts: Sequence[bytes]) -> list[bytes]:
+    """Signed parts ``[tag, signature, header, body, *buffers]`` as socket frames."""
+    tag, signature, header, body, *buffers = parts
+    return [b"".join((tag, signature, len(header).to_bytes(4, "big"), header, body)), *buffers]
+
+
+def unpack(frames: Sequence[bytes | memoryview]) -> list[bytes]:
+    """Socket frames back into the parts :meth:`Wire.decode` checks; only the layout is checked here."""
+    if not frames:
+        raise ProtocolError("not a jupyter_shard message (no frames)")
+    first = bytes(frames[0])
+    if len(first) < _HEAD or first[: len(TAG)] != TAG:
+        raise ProtocolError("not a jupyter_shard message (bad tag or too short)")
+    size = int.from_bytes(first[_HEAD - 4 : _HEAD], "big")
+    if size > MAX_HEADER or _HEAD + size > len(first):
+        raise ProtocolError("message header length is out of range")
+    return [
+        TAG,
+        first[len(TAG) : len(TAG) + _SIG],
+        first[_HEAD : _HEAD + size],
+        first[_HEAD + size :],
+        *(bytes(f) for f in frames[1:]),
+    ]
+
+
 def _mac(key: bytes, frames: Sequence[bytes]) -> bytes:
     digest = hmac.new(key, digestmod=hashlib.sha256)
     for frame in frames:
@@ -182,6 +217,19 @@ class Wire:
         except ProtocolError:
             self.rejected += 1
             raise
+
+    def to_socket(self, msg_type: str, body: dict[str, Any], buffers: Sequence[bytes] = ()) -> list[bytes]:
+        """:meth:`encode`, as the frames a socket sends (:func:`pack`)."""
+        return pack(self.encode(msg_type, body, buffers))
+
+    def from_socket(self, frames: Sequence[bytes | memoryview], expect_sender: str | None = None) -> Message:
+        """:meth:`decode` of frames received from a socket (:func:`unpack`)."""
+        try:
+            parts = unpack(frames)
+        except ProtocolError:
+            self.rejected += 1
+            raise
+        return self.decode(parts, expect_sender)
 
     def _decode(self, frames: Sequence[bytes], expect_sender: str | None) -> Message:
         if len(frames) < 4 or bytes(frames[0]) != TAG:

@@ -122,7 +122,7 @@ class Receiver:
     ) -> None:
         """Sign once, send to every target: each rank checks ``seq`` against its own history."""
         assert self._sock is not None and self._wire is not None
-        frames = self._wire.encode(msg_type, body, buffers)
+        frames = self._wire.to_socket(msg_type, body, buffers)
         io = msg_type in _IO_REQUESTS
         with self._io_lock:
             for r in targets:
@@ -170,7 +170,7 @@ class Receiver:
         try:
             if r is None:
                 raise ProtocolError(f"message from an unknown peer {frames[0][:40]!r}")
-            msg = wire.decode(frames[1:], expect_sender=frames[0].decode())
+            msg = wire.from_socket(frames[1:], expect_sender=frames[0].decode())
         except ProtocolError as exc:
             self.dropped += 1
             print(f"jupyter_shard: dropped a message on the pool socket: {exc}", file=sys.__stderr__)

@@ -59,7 +59,7 @@ def _connect(
 
 def _decode(wire: Wire, frames: list[bytes]) -> Message | None:
     try:
-        return wire.decode(frames, expect_sender=KERNEL)
+        return wire.from_socket(frames, expect_sender=KERNEL)
     except ProtocolError as exc:
         print(f"jupyter_shard: dropped a message from the kernel: {exc}", file=sys.__stderr__)
         return None
@@ -90,7 +90,7 @@ class ShellSocket:
                 return msg
 
     def send(self, msg_type: str, body: dict[str, Any], buffers: list[bytes] | None = None) -> None:
-        self._sock.send_multipart(self.wire.encode(msg_type, body, buffers or []), copy=False)
+        self._sock.send_multipart(self.wire.to_socket(msg_type, body, buffers or []), copy=False)
 
 
 class Channel:
@@ -179,7 +179,7 @@ class Channel:
                 msg_type, body, buffers = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            self._sock.send_multipart(self.wire.encode(msg_type, body, buffers), copy=False)
+            self._sock.send_multipart(self.wire.to_socket(msg_type, body, buffers), copy=False)
 
     def _receive(self) -> None:
         while True:

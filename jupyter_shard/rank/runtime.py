@@ -213,8 +213,7 @@ class _Runner:
         cell_id, code = str(body["cell_id"]), str(body["code"])
         started = time.perf_counter()
         self.state.begin(cell_id, code)
-        try:
-            self._own_sigint()
+        try:  # the handler is put back after every cell, so it is ours here
             error = self.shell.run(code, cell_id, int(body.get("exec_count", 0)))
         except KeyboardInterrupt:
             error = ("KeyboardInterrupt", "", ["KeyboardInterrupt"])

@@ -3,7 +3,9 @@ results as in a notebook, with results, displays and tracebacks sent to the kern
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import keyword
 import textwrap
 from collections.abc import Iterator
 from typing import Any
@@ -11,7 +13,7 @@ from typing import Any
 from IPython.core.displayhook import DisplayHook
 from IPython.core.displaypub import DisplayPublisher
 from IPython.core.inputtransformer2 import TransformerManager
-from IPython.core.interactiveshell import InteractiveShell
+from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
 from traitlets.config import Config
 
 from jupyter_shard.rank.channel import Channel
@@ -65,6 +67,20 @@ _SPECIAL_CHARS = frozenset("%!?")
 _SPECIAL_STARTS = (",", ";", "/", ">>>", "...", "In [")
 
 
+_KEYWORDS = frozenset(keyword.kwlist)
+
+
+def _keyword_line(line: str) -> bool:
+    """A single line whose first word is a Python keyword: IPython's prefilter leaves it unchanged.
+
+    Its checkers act on the first word as a name (a macro, an autocall object or a magic when not
+    shadowed, and keywords always are), and the Emacs checker on a trailing ``# PYTHON-MODE``.
+    """
+    word = line.split(None, 1)[0] if line.strip() else ""
+    word = word.split("(", 1)[0].split(":", 1)[0].split(".", 1)[0]
+    return word in _KEYWORDS and "#" not in line
+
+
 def _plain_python(cell: str) -> bool:
     """True when IPython's static input transforms would return the cell unchanged.
 
@@ -77,6 +93,15 @@ def _plain_python(cell: str) -> bool:
     return not any(line.lstrip().startswith(_SPECIAL_STARTS) for line in cell.splitlines())
 
 
+def _drive(coroutine: Any) -> Any:
+    """Run a coroutine that never awaits (IPython's ``run_code`` without top-level ``await``)."""
+    try:
+        coroutine.send(None)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("a plain-Python cell awaited")
+
+
 class RankShell(InteractiveShell):
     """One per rank process; ``channel`` and ``cell_id`` are set by the runtime."""
 
@@ -86,6 +111,7 @@ class RankShell(InteractiveShell):
     channel: Channel
     cell_id: str = ""
     last_error: tuple[str, str, list[str]] | None = None
+    _default_checkers: list[str] = []  # noqa: RUF012 (set once by create)
 
     @classmethod
     def create(cls, channel: Channel, user_ns: dict[str, Any]) -> RankShell:
@@ -95,6 +121,8 @@ class RankShell(InteractiveShell):
         config.InteractiveShell.xmode = "Context"
         shell = cls.instance(config=config, user_ns=user_ns)
         shell.channel = channel
+        assert shell.prefilter_manager is not None
+        shell._default_checkers = [type(c).__name__ for c in shell.prefilter_manager.checkers]
         return shell
 
     @contextlib.contextmanager
@@ -115,13 +143,21 @@ class RankShell(InteractiveShell):
         # IPython's leading_indent step also blanks whitespace-only lines (textwrap.dedent does that).
         cell = textwrap.dedent(raw_cell if raw_cell.endswith("\n") else raw_cell + "\n")
         if len(cell.splitlines()) == 1:
-            assert self.prefilter_manager is not None
-            with self.builtin_trap:
-                cell = self.prefilter_manager.prefilter_lines(cell) + "\n"
+            manager = self.prefilter_manager
+            assert manager is not None
+            if _keyword_line(cell) and not manager.transformers and self._checkers_default():
+                self._last_input_line = cell.rstrip("\n")  # as prefilter_line records it
+            else:
+                with self.builtin_trap:
+                    cell = manager.prefilter_lines(cell) + "\n"
         lines = cell.splitlines(keepends=True)
         for transform in self.input_transformers_post:
             lines = transform(lines)
         return "".join(lines)
+
+    def _checkers_default(self) -> bool:
+        checkers = self.prefilter_manager.checkers  # type: ignore[union-attr]
+        return [type(c).__name__ for c in checkers] == self._default_checkers
 
     def _transforms_customised(self) -> bool:
         manager = self.input_transformer_manager
@@ -144,6 +180,77 @@ class RankShell(InteractiveShell):
             )
         )
 
+    def _plain_ok(self, code: str) -> bool:
+        """Whether :meth:`_run_plain` gives what ``run_cell`` would for this cell."""
+        return (
+            _plain_python(code)
+            and "await" not in code
+            and "async" not in code
+            and not self.ast_transformers
+            and not self.trio_runner
+            and not self.logger.log_active
+            and self.ast_node_interactivity == "last_expr"
+            and not self._transforms_customised()
+        )
+
+    def _run_plain(self, raw_cell: str, cell_id: str, exec_count: int = 0) -> ExecutionResult | None:
+        """``run_cell`` for plain Python (no magics, no top-level ``await``), with IPython's pieces.
+
+        The same transform, history (``In``, ``_i``), events, ``__future__`` flags, builtins
+        (``get_ipython``), display hook for a last expression (``Out``, ``_``), source kept for
+        tracebacks and error handling (:meth:`run_code`), without the general path's per-cell
+        machinery, which was half of a rank's CPU in a no-op cell. Statements before a last
+        expression are compiled together, so the whole cell is compiled before any of it runs; a
+        cell that fails to compile returns None and goes through ``run_cell`` for IPython's report.
+        """
+        cell = self.transform_cell(raw_cell)
+        compiler = self.compile
+        count = exec_count if exec_count > 0 else self.execution_count
+        name = compiler.cache(cell, count, raw_code=raw_cell)
+        try:
+            tree = compiler.ast_parse(cell, filename=name)
+            assert isinstance(tree, ast.Module)
+            body = tree.body
+            last = body[-1] if body and isinstance(body[-1], ast.Expr) else None
+            codes = []
+            if last is None or len(body) > 1:
+                codes.append(compiler(ast.Module(body[:-1] if last else body, []), name, "exec"))  # type: ignore[arg-type]
+            if last is not None:
+                codes.append(compiler(ast.Interactive([last]), name, "single"))  # type: ignore[arg-type]
+        except Exception:  # SyntaxError and the rest: IPython reports them its own way
+            return None
+        info = ExecutionInfo(raw_cell, True, False, True, cell_id, None, transformed_cell=cell)
+        result = ExecutionResult(info)
+        result.execution_count = count
+        self.execution_count = count + 1
+        events = self.events
+        events.trigger("pre_execute")
+        events.trigger("pre_run_cell", info)
+        try:
+            assert self.history_manager is not None
+            if not ("run_line_magic(" in cell and "paste" in cell):  # as run_cell: no %paste
+                self.history_manager.store_inputs(count, cell, raw_cell)
+            raised = False
+            with self.builtin_trap, self.display_trap:
+                self.displayhook.exec_result = result
+                try:
+                    for code in codes:
+                        if _drive(self.run_code(code, result)):  # type: ignore[no-untyped-call]
+                            raised = True
+                            break
+                finally:
+                    self.displayhook.exec_result = None
+            self.last_execution_succeeded = not raised
+            self.last_execution_result = result
+            if result.error_in_exec is not None:
+                self.history_manager.exceptions[count] = self._format_exception_for_storage(  # type: ignore[no-untyped-call]
+                    result.error_in_exec
+                )
+        finally:
+            events.trigger("post_execute")
+            events.trigger("post_run_cell", result)
+        return result
+
     def _showtraceback(self, etype: type[BaseException], evalue: BaseException, stb: list[str]) -> None:
         self.last_error = (etype.__name__, str(evalue), list(stb))
 
@@ -151,9 +258,11 @@ class RankShell(InteractiveShell):
         """Run one cell; the error as (name, value, traceback lines), or None on success."""
         self.cell_id = cell_id
         self.last_error = None
-        if exec_count > 0:
-            self.execution_count = exec_count
-        result = self.run_cell(code, store_history=True)  # type: ignore[no-untyped-call]
+        result = self._run_plain(code, cell_id, exec_count) if self._plain_ok(code) else None
+        if result is None:
+            if exec_count > 0:
+                self.execution_count = exec_count
+            result = self.run_cell(code, store_history=True)  # type: ignore[no-untyped-call]
         # The display hook files each result's repr under its cell; nothing here reads them back.
         if self.history_manager is not None:
             self.history_manager.outputs.clear()

@@ -109,6 +109,12 @@ def _flip(data: bytes, index: int) -> bytes:
     return bytes(out)
 
 
+def _framed(parts: list[bytes]) -> list[bytes]:
+    """Signed parts laid out as a sender puts them on the socket (``protocol.pack``); anything that
+    is not even shaped like parts (fewer than four, no tag) goes out as it is."""
+    return protocol.pack(parts) if len(parts) >= 4 and parts[0] == TAG else parts
+
+
 def _send(pool: Pool, messages: Sequence[list[bytes]], identity: str | None = ALIAS) -> None:
     """Connect to the pool socket as a peer without the key, send, and return once all is sent."""
     assert pool._dir is not None
@@ -120,7 +126,7 @@ def _send(pool: Pool, messages: Sequence[list[bytes]], identity: str | None = AL
         sock.setsockopt(zmq.LINGER, 5000)
         sock.connect(f"ipc://{pool._dir / 'pool.sock'}")
         for frames in messages:
-            sock.send_multipart(frames)
+            sock.send_multipart(_framed(frames))
         sock.close()
     finally:
         ctx.term()  # waits until every queued frame is written to the socket
@@ -238,7 +244,7 @@ def test_frames_without_the_key_are_rejected_and_pool_keeps_working(pool: Pool) 
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(f"ipc://{pool._dir / 'pool.sock'}")
             socks.append(sock)
-            sock.send_multipart(Wire(new_key(), "rank-0").encode("done", {"cell_id": "x", "status": "ok"}))
+            sock.send_multipart(Wire(new_key(), "rank-0").to_socket("done", {"cell_id": "x", "status": "ok"}))
             sock.send_multipart([b"garbage"])
             sock.send_multipart([b"jsh1", b"sig", b"{}", b"{}", b"\x80" * 10])
         time.sleep(0.3)
@@ -439,7 +445,7 @@ def _to_rank0(pool: Pool, messages: Sequence[list[bytes]]) -> None:
     assert pool._sock is not None
     with pool._io_lock:
         for frames in messages:
-            pool._sock.send_multipart([rank_identity(0).encode(), *frames])
+            pool._sock.send_multipart([rank_identity(0).encode(), *_framed(frames)])
 
 
 def _from_kernel(
@@ -516,7 +522,7 @@ def test_rank_drops_a_replayed_genuine_execute(
 
 _KEYLESS_PEER = """
 import pickle, sys, zmq
-from jupyter_shard.protocol import TAG, Wire, new_key
+from jupyter_shard.protocol import TAG, Wire, new_key, pack
 
 address, marker = sys.argv[1], sys.argv[2]
 
@@ -536,10 +542,10 @@ for identity in (b"rank-00", b"rank-01.io", b"intruder", None):
     sock.connect(address)
     wire = Wire(new_key(), (identity or b"rank-0").decode())
     for frames in (
-        wire.encode("execute", {"cell_id": "c", "code": code, "exec_count": 1}),
-        wire.encode("push", {"names": ["x"], "req_id": "r"}, [payload]),
-        wire.encode("pull_reply", {"req_id": "r", "ok": True, "error": ""}, [payload]),
-        [TAG, b"", b'{"type": "stream"}', b'{"text": "%s"}' % sys.argv[3].encode()],
+        wire.to_socket("execute", {"cell_id": "c", "code": code, "exec_count": 1}),
+        wire.to_socket("push", {"names": ["x"], "req_id": "r"}, [payload]),
+        wire.to_socket("pull_reply", {"req_id": "r", "ok": True, "error": ""}, [payload]),
+        pack([TAG, b"", b'{"type": "stream"}', b'{"text": "%s"}' % sys.argv[3].encode()]),
         [payload] * 4,
         [b"garbage"],
     ):

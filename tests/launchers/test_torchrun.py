@@ -98,7 +98,7 @@ def test_without_the_curve_keys_a_client_is_refused(pool: Pool, tmp_path: Path) 
     host, port = pool.address.removeprefix("tcp://").rsplit(":", 1)
     marker = tmp_path / "forged-code-ran"
     assert pool._wire is not None
-    forged = Wire(pool._wire._key, rank_identity(0)).encode(
+    forged = Wire(pool._wire._key, rank_identity(0)).to_socket(
         "stream", {"name": "stdout", "text": f"open({str(marker)!r}, 'w')", "cell_id": "x"}
     )
     dropped_before = pool.dropped

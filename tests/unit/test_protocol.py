@@ -574,3 +574,77 @@ def test_cell_head_names_a_cell_by_its_first_line_of_code() -> None:
     assert cell_head(code) == "for step in range(10):"
     assert cell_head("# a comment of the user\nx = 1") == "# a comment of the user"
     assert cell_head("") == "" and len(cell_head("y = " + "1" * 200)) == 80
+
+
+# -- socket layout: the signed parts packed into one frame, then the buffers --------------------------
+
+
+def test_socket_frames_round_trip(sender: Wire, receiver: Wire) -> None:
+    buffers = [b"", b"\x00\x01", bytes(range(256))]
+    frames = sender.to_socket("push_reply", {"ok": True, "names": ["a"]}, buffers)
+    assert len(frames) == 1 + len(buffers) and frames[0].startswith(TAG) and frames[1:] == buffers
+    msg = receiver.from_socket([memoryview(f) for f in frames], expect_sender="rank-0")
+    assert msg.body == {"ok": True, "names": ["a"]} and msg.buffers == buffers
+    assert receiver.rejected == 0
+
+
+def test_pack_and_unpack_are_inverse(sender: Wire) -> None:
+    parts = sender.encode("stream", {"cell_id": "c", "name": "stdout", "text": "x\n"}, [b"b1", b"b2"])
+    assert protocol.unpack(protocol.pack(parts)) == parts
+
+
+def _count_rejected(receiver: Wire, frames: list[bytes], match: str) -> None:
+    before = receiver.rejected
+    with pytest.raises(ProtocolError, match=match):
+        receiver.from_socket(frames)
+    assert receiver.rejected == before + 1
+
+
+@pytest.mark.parametrize(
+    ("frames", "match"),
+    [
+        ([], "no frames"),
+        ([b""], "bad tag or too short"),
+        ([TAG + b"\x00" * 35], "bad tag or too short"),
+        ([b"jsh2" + b"\x00" * 60], "bad tag or too short"),
+        ([TAG + b"\x00" * 32 + (protocol.MAX_HEADER + 1).to_bytes(4, "big") + b"{}" * 3000], "length"),
+        ([TAG + b"\x00" * 32 + (10).to_bytes(4, "big") + b"{}"], "length"),
+    ],
+    ids=["nothing", "empty", "short", "tag", "header-too-long", "header-past-the-end"],
+)
+def test_malformed_socket_frames_are_rejected(receiver: Wire, frames: list[bytes], match: str) -> None:
+    _count_rejected(receiver, frames, match)
+
+
+def test_every_flipped_byte_of_a_packed_frame_is_rejected(sender: Wire, receiver: Wire) -> None:
+    """Tag, signature, the header's length, header and body all sit in the first frame."""
+    frames = sender.to_socket("execute", {"cell_id": "c", "code": "1", "exec_count": 1}, [b"buf"])
+    for index in range(len(frames[0])):
+        with pytest.raises(ProtocolError):
+            receiver.from_socket([flip(frames[0], index), *frames[1:]])
+    with pytest.raises(ProtocolError):
+        receiver.from_socket([frames[0], flip(frames[1], 1)])
+    assert receiver.rejected == len(frames[0]) + 1
+    assert receiver.from_socket(frames).type == "execute"
+
+
+def test_moving_the_header_boundary_is_rejected(sender: Wire, receiver: Wire) -> None:
+    """A length that splits header and body elsewhere keeps every byte but not the signature."""
+    frames = sender.to_socket("status", {"req_id": "r"})
+    head = len(TAG) + 32
+    size = int.from_bytes(frames[0][head : head + 4], "big")
+    for moved in (size - 1, size + 1):
+        first = frames[0][:head] + moved.to_bytes(4, "big") + frames[0][head + 4 :]
+        with pytest.raises(ProtocolError):
+            receiver.from_socket([first])
+    assert receiver.from_socket(frames).type == "status"
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.lists(st.binary(max_size=80), max_size=4), st.data())
+def test_random_socket_frames_are_only_ever_protocol_errors(rest: list[bytes], data: Any) -> None:
+    receiver = Wire(KEY, "kernel")
+    first = data.draw(st.one_of(st.binary(max_size=120), st.binary(max_size=80).map(lambda b: TAG + b)))
+    with pytest.raises(ProtocolError):
+        receiver.from_socket([first, *rest])
+    assert receiver.rejected == 1

@@ -62,6 +62,19 @@ CELLS = [
     "async def f():\n    await g()",
     "0\n ",
     "x = 1\n   \ny = 2\n\t\n",
+    "pass",
+    "import os",
+    "pass  # PYTHON-MODE",
+    "for x in y: pass",
+    "del x",
+    "True",
+    "not x",
+    "lambda: 1",
+    "print(1)",
+    "pass",
+    "raise",
+    "if x:pass",
+    "return",
 ]
 
 
@@ -127,3 +140,99 @@ def test_printed_output_is_not_kept(shell: RankShell, capsys: pytest.CaptureFixt
     assert shell.user_ns["write_in_cell"] == sys.stdout.write
     assert [kind for kind, _ in recorder.sent] == ["result"]
     assert recorder.sent[0][1]["data"]["text/plain"] == "42"
+
+
+# -- the plain-Python path must behave as IPython's run_cell ----------------------------------------
+
+SEQUENCE = [
+    "x = 1",
+    "x + 1",
+    "y = x * 3\ny",
+    "1; 2",
+    "def f():\n    return 1 / 0\n",
+    "f()",
+    "for i in range(3):\n    i",
+    "print('hi')\n5",
+    "x = 1; y = undefined_name",
+    "x",
+    "_",
+    "_i",
+    "In[-2] if len(In) > 1 else None",
+    "Out.get(2)",
+    "from __future__ import annotations\ndef g(a: Undefined) -> int:\n    return 1\ng.__annotations__['a']",
+    "def h(a: Undefined2):\n    pass\nh.__annotations__",
+    "import sys\nsys.displayhook is get_ipython().displayhook",
+    "raise SystemExit(3)",
+    "1 +",
+    "return 5",
+    "class C:\n    def __repr__(self):\n        return 'C()'\nC()",
+    "# only a comment",
+    "x = 5  # comment",
+    "get_ipython().execution_count",
+    "assert False, 'message'",
+    "[n for n in range(3)]",
+    "pass",
+]
+
+
+def _run_sequence(shell: RankShell, fast: bool, counts: bool) -> list[Any]:
+    recorder = _Recorder()
+    before = shell.channel
+    shell.channel = recorder  # type: ignore[assignment]
+    shell.reset(new_session=False)
+    shell.execution_count = 1
+    taken: list[str] = []
+    run_plain = shell._run_plain
+
+    def counting(raw_cell: str, cell_id: str, exec_count: int = 0) -> Any:
+        result = run_plain(raw_cell, cell_id, exec_count)
+        if result is not None:
+            taken.append(raw_cell)
+        return result
+
+    shell._run_plain = counting  # type: ignore[method-assign]
+    if not fast:
+        shell._plain_ok = lambda code: False  # type: ignore[method-assign]
+    seen: list[Any] = []
+    try:
+        for n, cell in enumerate(SEQUENCE, start=1):
+            recorder.sent.clear()
+            error = shell.run(cell, f"cell-{n}", n + 10 if counts else 0)
+            seen.append((cell, error, [(k, b.get("data")) for k, b in recorder.sent], shell.execution_count))
+    finally:
+        shell.channel = before
+        del shell._run_plain
+        if not fast:
+            del shell._plain_ok
+    # every cell but the two that do not compile went the plain way, or none did
+    assert len(taken) == (len(SEQUENCE) - 2 if fast else 0), taken
+    return seen
+
+
+@pytest.mark.parametrize("counts", [False, True], ids=["own-count", "kernel-count"])
+def test_plain_path_matches_run_cell(
+    shell: RankShell, capsys: pytest.CaptureFixture[str], counts: bool
+) -> None:
+    fast = _run_sequence(shell, fast=True, counts=counts)
+    out_fast = capsys.readouterr()
+    slow = _run_sequence(shell, fast=False, counts=counts)
+    out_slow = capsys.readouterr()
+    for a, b in zip(fast, slow, strict=True):
+        assert a == b
+    assert out_fast == out_slow
+    results = {cell: sent for cell, _, sent, _ in fast}
+    assert results["x + 1"] == [("result", {"text/plain": "2"})]
+    assert results["1; 2"] == [("result", {"text/plain": "2"})]
+    assert results["for i in range(3):\n    i"] == []
+    errors = {cell: error for cell, error, _, _ in fast}
+    assert errors["f()"] is not None and errors["f()"][0] == "ZeroDivisionError"
+    assert any("1 / 0" in line for line in errors["f()"][2])  # the cell's source in the traceback
+    assert errors["1 +"] is not None and errors["1 +"][0] == "SyntaxError"
+    assert errors["def h(a: Undefined2):\n    pass\nh.__annotations__"] is None  # __future__ kept
+
+
+def test_plain_path_is_taken_only_for_plain_cells(shell: RankShell) -> None:
+    assert shell._plain_ok("x = 1\ny = x")
+    assert shell._plain_ok("pass")
+    for cell in ["%time x = 1", "!ls", "x?", "await f()", "async def f(): pass", "  x = 1", ""]:
+        assert not shell._plain_ok(cell), cell
