@@ -12,7 +12,8 @@ It reports the median step time, the throughput ratio (torchrun step time / jupy
 time; 1.0 means no overhead), peak RSS per rank, and the bytes each rank holds for parameters,
 gradients and optimizer state next to what the ZeRO paper's formulas predict for fp32 Adam
 (see :func:`predicted`).
-Run: ``.venv/bin/python benchmarks/strategies.py [--strategies ddp fsdp zero2 zero3] [--width 3584]``.
+Run: ``.venv/bin/python benchmarks/strategies.py [--strategies ddp fsdp zero2 zero3] [--width 3584]``
+(writes ``benchmarks/results/strategies.md``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "zero2": {"strategy": "deepspeed", "zero_stage": 2},
     "zero3": {"strategy": "deepspeed", "zero_stage": 3},
 }
+
+THROUGHPUT_TARGET = 0.98  # issue 8: at least this share of torchrun's throughput, every strategy
 
 TRAIN = """
 import json, resource, time, torch
@@ -146,15 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each side per strategy")
-    parser.add_argument("--results", default=str(ROOT / "benchmarks" / "STRATEGIES.md"))
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=6, help="alternating runs of each side per strategy")
+    parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "strategies.md"))
     args = parser.parse_args(argv)
     psi = args.depth * (args.width * args.width + args.width)
     code = textwrap.dedent(TRAIN).format(
         width=args.width, depth=args.depth, batch=args.batch, warmup=args.warmup, steps=args.steps
     )
     rows = []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="jsbench-") as tmp:
         scratch = Path(tmp)
         for name in args.strategies:
@@ -166,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                 ours.append(run_pool(entry, code, scratch))
                 print(f"[{name}] round {round_ + 1}: torchrun ...", flush=True)
                 theirs.append(run_torchrun(entry, code, scratch))
+                mine, other = (statistics.median(_step_times([r[-1]])) for r in (ours, theirs))
+                print(f"[{name}] round {round_ + 1}: step {mine:.3f} s against {other:.3f} s", flush=True)
             rows.append(_row(name, ours, theirs, predicted(name, psi, 2)))
+    args.loads = (load_before, os.getloadavg())
     lines = _table(rows, psi, args)
     text = "\n".join(lines) + "\n"
     print(text)
@@ -183,8 +190,16 @@ def _step_times(runs: list[list[dict[str, Any]]]) -> list[float]:
 def _row(
     name: str, ours: list[list[dict[str, Any]]], theirs: list[list[dict[str, Any]]], pred: dict[str, float]
 ) -> dict[str, Any]:
+    # Each round runs both sides back to back: the ratio within a round is free of the machine's
+    # drift between rounds (tens of percent on a shared VM), so the median of those is the figure.
+    paired = [
+        statistics.median(_step_times([b])) / statistics.median(_step_times([a]))
+        for a, b in zip(ours, theirs, strict=True)
+    ]
     return {
         "name": name,
+        "paired": statistics.median(paired),
+        "paired_range": (min(paired), max(paired)),
         "ours": statistics.median(_step_times(ours)),
         "theirs": statistics.median(_step_times(theirs)),
         "rss_ours": statistics.median(max(r["maxrss"] for r in ranks) for ranks in ours),
@@ -194,24 +209,35 @@ def _row(
     }
 
 
+def _loads(loads: tuple[float, float, float]) -> str:
+    return " ".join(f"{v:.2f}" for v in loads)
+
+
 def _table(rows: list[dict[str, Any]], psi: int, args: argparse.Namespace) -> list[str]:
     mib = 2**20
     lines = [
         "# Strategies: `%%distributed` (jupyter_shard Pool) vs the same script under torchrun",
         "",
         f"Model: {args.depth} × Linear({args.width}, {args.width}) + ReLU, Ψ = {psi / 1e6:.1f}M parameters, "
-        f"fp32 Adam, batch {args.batch} per rank, 2 CPU ranks (gloo); median over {args.rounds} alternating "
-        f"runs per side of {args.steps} steps each after {args.warmup} warm-up. "
-        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} cores.",
+        f"fp32 Adam, batch {args.batch} per rank, 2 CPU ranks (gloo); {args.rounds} rounds per strategy, "
+        f"each one run of jupyter_shard then one of torchrun, {args.steps} timed steps each after "
+        f"{args.warmup} warm-up. Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"{os.cpu_count()} cores; load average (1, 5, 15 min) before {_loads(args.loads[0])}, "
+        f"after {_loads(args.loads[1])}.",
         "",
-        "| strategy | step, jupyter_shard (s) | step, torchrun (s) | throughput ratio "
-        "| peak RSS/rank, ours (MiB) | peak RSS/rank, torchrun (MiB) | RSS ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "Throughput ratio = torchrun's step time / jupyter_shard's (1.0: no overhead), the median over "
+        "rounds of the ratio within a round (both sides back to back), with its range; the step columns "
+        "and the pooled ratio are medians over all rounds, which the machine's drift between rounds moves.",
+        "",
+        "| strategy | step, jupyter_shard (s) | step, torchrun (s) | throughput ratio | range over rounds "
+        "| pooled ratio | peak RSS/rank, ours (MiB) | peak RSS/rank, torchrun (MiB) | RSS ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        lo, hi = r["paired_range"]
         lines.append(
-            f"| {r['name']} | {r['ours']:.3f} | {r['theirs']:.3f} | {r['theirs'] / r['ours']:.3f} "
-            f"| {r['rss_ours'] / mib:.0f} | {r['rss_theirs'] / mib:.0f} "
+            f"| {r['name']} | {r['ours']:.3f} | {r['theirs']:.3f} | {r['paired']:.3f} | {lo:.3f}–{hi:.3f} "
+            f"| {r['theirs'] / r['ours']:.3f} | {r['rss_ours'] / mib:.0f} | {r['rss_theirs'] / mib:.0f} "
             f"| {r['rss_ours'] / r['rss_theirs']:.3f} |"
         )
     lines += [
@@ -229,8 +255,15 @@ def _table(rows: list[dict[str, Any]], psi: int, args: argparse.Namespace) -> li
         lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Targets: throughput ratio ≥ 0.95; peak RSS per rank within 10% of torchrun's; "
+        "Targets: throughput ratio ≥ 0.98 (issue 8); peak RSS per rank within 10% of torchrun's; "
         "held bytes match the formulas.",
+        "",
+    ]
+    lines += [
+        f"<!-- target: Training throughput ≥ {THROUGHPUT_TARGET} of torchrun's, {r['name']} | "
+        f"{r['paired']:.3f} ({r['paired_range'][0]:.3f}–{r['paired_range'][1]:.3f}) | "
+        f"{'met' if r['paired'] >= THROUGHPUT_TARGET else 'not met'} -->"
+        for r in rows
     ]
     return lines
 

@@ -192,6 +192,9 @@ class History:
                 return None
             times = np.frombuffer(columns.times, dtype=np.float64)
             first = int(np.searchsorted(times, columns.times[-1] - THROUGHPUT_WINDOW))
+            # the view pins the array's buffer (an extend meanwhile raises BufferError): drop it
+            # before the lock is released, not when the frame goes
+            del times
             first = min(first, len(columns) - 2)
             span = columns.times[-1] - columns.times[first]
             return (columns.steps[-1] - columns.steps[first]) / span if span > 0 else None
