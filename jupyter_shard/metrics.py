@@ -173,6 +173,29 @@ class History:
         keep = np.isfinite(values)
         return steps[keep], values[keep]
 
+    def sampled(self, rank: int, name: str, at_most: int) -> tuple[Floats, Floats, int]:
+        """``series`` thinned to at most ``at_most`` evenly spaced records (the last one always kept),
+        and how many records hold the metric: what a chart of a few hundred bins needs, without
+        copying millions of records at every redraw."""
+        with self._lock:
+            columns = self._ranks.get(rank)
+            if columns is None or name not in columns.values or not len(columns):
+                return np.empty(0), np.empty(0), 0
+            # views pin the arrays' buffers (an extend meanwhile raises BufferError): they are
+            # dropped before the lock is released
+            steps = np.frombuffer(columns.steps, dtype=np.float64)
+            values = np.frombuffer(columns.values[name], dtype=np.float64)
+            keep = np.flatnonzero(np.isfinite(values))
+            total = len(keep)
+            if total > at_most > 0:
+                last = keep[-1]
+                keep = keep[:: -(-total // at_most)]
+                if keep[-1] != last:
+                    keep = np.append(keep[:-1], last)
+            picked = steps[keep], values[keep]
+            del steps, values
+        return picked[0], picked[1], total
+
     def count(self, rank: int, name: str) -> int:
         steps, _ = self.series(rank, name)
         return len(steps)

@@ -28,10 +28,11 @@ if TYPE_CHECKING:
     from jupyter_shard.pool import Pool
 
 MIN_INTERVAL = 0.2  # seconds between redraws of one dashboard: at most 5 a second
-RENDER_SHARE = 0.05  # and longer apart when drawing is slow: drawing takes at most 5% of a core
+RENDER_SHARE = 0.02  # and longer apart when drawing is slow: drawing takes at most 2% of a core
 BUSY_INTERVAL = 1.0  # while ranks run, status and memory move even when no metric does
 IDLE_INTERVAL = 5.0  # between cells, only heartbeats move
 BINS = 300  # points drawn per series, however long it is
+SAMPLE = 16 * BINS  # records read per series for a redraw: evenly spaced, the last one always
 COMPACT_METRICS = 2
 
 COLUMNS = ("rank", "state", "step", "steps/s", "memory", "heartbeat", "cell", "last line")
@@ -40,13 +41,13 @@ _STATE_COLORS = {"dead": "#fde2e1", "stuck": "#fff3cd"}
 
 
 def metric_chart(history: History, name: str, width: int, height: int) -> str:
-    raw = {rank: history.series(rank, name) for rank in history.ranks}
-    raw = {rank: xy for rank, xy in raw.items() if len(xy[0])}
+    sampled = {rank: history.sampled(rank, name, SAMPLE) for rank in history.ranks}
+    raw = {rank: (x, y) for rank, (x, y, _) in sampled.items() if len(x)}
     if not raw:
         return line_chart(name, [], title=name, x_label="step", width=width, height=height)
     lo = min(float(x.min()) for x, _ in raw.values())
     hi = max(float(x.max()) for x, _ in raw.values())
-    traces = [Trace(str(k), *binned(x, y, lo, hi, BINS), points=len(x)) for k, (x, y) in raw.items()]
+    traces = [Trace(str(k), *binned(x, y, lo, hi, BINS), points=sampled[k][2]) for k, (x, y) in raw.items()]
     title = name
     if len(raw) > 1:
         mx, my = mean_across(list(raw.values()), lo, hi, BINS)

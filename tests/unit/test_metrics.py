@@ -99,3 +99,63 @@ def test_memory_samples_keep_cuda_as_nan_on_cpu() -> None:
     t, rss, cuda = h.memory(0)
     assert t.tolist() == [5.0, 6.0] and rss.tolist() == [100.0, 200.0]
     assert math.isnan(cuda[0]) and cuda[1] == 50.0
+
+
+def _columns(h: History, rank: int, n: int, every: int = 1, offset: int = 0) -> None:
+    """``n`` records logged as a batch; ``loss`` only on records ``offset``, ``offset + every``, …"""
+    from array import array
+
+    steps = np.arange(n, dtype=np.float64)
+    loss = np.full(n, math.nan)
+    loss[offset::every] = steps[offset::every] * 2.0
+    h.extend_columns(rank, array("d", steps), array("d", steps + 1000.0), {"loss": array("d", loss)})
+
+
+def test_sampled_reads_evenly_spaced_records_and_keeps_the_last() -> None:
+    h = History()
+    _columns(h, 0, 1_000_000)
+    steps, values, total = h.sampled(0, "loss", 4800)
+    assert total == 1_000_000 and 4000 <= len(steps) <= 4800
+    assert steps[0] == 0 and steps[-1] == 999_999 and values[-1] == 2 * 999_999
+    gaps = np.diff(steps[:-1])
+    assert gaps.min() == gaps.max()  # one stride
+    assert np.array_equal(values, steps * 2.0)
+    small, _, count = h.sampled(0, "loss", 2_000_000)
+    assert count == len(small) == 1_000_000
+
+
+def test_sampled_never_misses_a_sparse_metric() -> None:
+    """A metric on every 100th record, off the stride a plain step slice would take."""
+    h = History()
+    _columns(h, 0, 1_000_000, every=100, offset=7)
+    steps, values, total = h.sampled(0, "loss", 4800)
+    assert total == 10_000 and 0 < len(steps) <= 4800
+    assert np.isfinite(values).all() and (steps % 100 == 7).all()
+    assert steps[-1] == 999_907
+    assert h.sampled(0, "missing", 10)[2] == 0 and h.sampled(3, "loss", 10)[2] == 0
+
+
+def test_reads_release_their_views_of_the_columns_with_the_lock() -> None:
+    """numpy views on the columns block their growth (BufferError in the receiving thread): a read
+    must drop them before its lock is released, when a writer may take it."""
+    h = History()
+    _columns(h, 0, 1000)
+    columns = h._ranks[0]
+    resized: list[str] = []
+
+    class Probe:
+        """In place of the lock: on release, grow every column as a writer would."""
+
+        def __enter__(self) -> None:
+            pass
+
+        def __exit__(self, *exc: object) -> None:
+            for column in (columns.steps, columns.times, *columns.values.values()):
+                column.append(0.0)  # raises BufferError while a view is alive
+                column.pop()
+            resized.append("ok")
+
+    h._lock = Probe()  # type: ignore[assignment]
+    h.sampled(0, "loss", 300)
+    h.throughput(0, 2000.0)
+    assert resized == ["ok", "ok"]
