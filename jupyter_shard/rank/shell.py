@@ -203,7 +203,10 @@ class RankShell(InteractiveShell):
         expression are compiled together, so the whole cell is compiled before any of it runs; a
         cell that fails to compile returns None and goes through ``run_cell`` for IPython's report.
         """
-        cell = self.transform_cell(raw_cell)
+        try:
+            cell = self.transform_cell(raw_cell)
+        except Exception:  # run_cell shows a failed transform as the cell's error
+            return None
         compiler = self.compile
         count = exec_count if exec_count > 0 else self.execution_count
         name = compiler.cache(cell, count, raw_code=raw_cell)

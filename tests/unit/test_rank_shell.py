@@ -236,3 +236,21 @@ def test_plain_path_is_taken_only_for_plain_cells(shell: RankShell) -> None:
     assert shell._plain_ok("pass")
     for cell in ["%time x = 1", "!ls", "x?", "await f()", "async def f(): pass", "  x = 1", ""]:
         assert not shell._plain_ok(cell), cell
+
+
+def test_a_failing_transform_is_the_cells_error_not_the_ranks(
+    shell: RankShell, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefilter runs user objects' code (a macro or autocall check on the first word)."""
+
+    def broken(raw_cell: str) -> str:
+        raise RuntimeError("transform failed")
+
+    before = shell.channel
+    shell.channel = _Recorder()  # type: ignore[assignment]
+    monkeypatch.setattr(shell, "transform_cell", broken)
+    try:
+        error = shell.run("x = 1", "cell-t", 0)
+    finally:
+        shell.channel = before
+    assert error is not None and error[0] == "RuntimeError" and "transform failed" in error[1]
