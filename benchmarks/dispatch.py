@@ -48,7 +48,6 @@ import json
 import logging
 import os
 import platform
-import re
 import shutil
 import signal
 import statistics
@@ -68,6 +67,7 @@ import ipyparallel
 import psutil
 import torch
 import zmq
+from _running import other_runs
 from jupyter_client.manager import KernelManager
 
 from jupyter_shard import Pool
@@ -250,7 +250,7 @@ class LoadWatch:
         while not self._stop.wait(self._every):
             with contextlib.suppress(OSError, ValueError):
                 self.loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
-            self.others.update(other_benchmarks())
+            self.others |= other_runs()
 
     def describe(self) -> str:
         if not self.loads:
@@ -259,20 +259,6 @@ class LoadWatch:
             f"{min(self.loads):.2f} / {statistics.median(self.loads):.2f} / {max(self.loads):.2f} "
             f"(min / median / max of {len(self.loads)} samples)"
         )
-
-
-def other_benchmarks() -> list[str]:
-    """Other benchmark scripts of this folder that are running (not this one)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-            found += [
-                a.decode(errors="replace") for a in argv if re.search(rb"benchmarks/(?!dispatch)\w+\.py$", a)
-            ]
-    return found
 
 
 class Interrupts:

@@ -22,7 +22,6 @@ Run: ``.venv/bin/python benchmarks/memory.py [--rounds 3]``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import json
 import os
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from _running import other_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -101,14 +101,7 @@ class LoadWatch(threading.Thread):
     def run(self) -> None:
         while not self.stopped.is_set():
             self.loads.append(os.getloadavg()[0])
-            with contextlib.suppress(psutil.Error):
-                mine = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
-                for proc in psutil.process_iter(["cmdline"]):
-                    argv = proc.info["cmdline"] or []
-                    names = [Path(a).name for a in argv if a.endswith(".py") and "benchmarks/" in a]
-                    names += ["pytest"] if "pytest" in argv else []
-                    if proc.pid not in mine:
-                        self.others.update(names)
+            self.others |= other_runs()
             self.stopped.wait(5.0)
 
 

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from _running import other_runs
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -80,27 +82,6 @@ def load_average() -> str:
     with contextlib.suppress(OSError):
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
     return "unknown"
-
-
-def other_benchmarks() -> list[str]:
-    """Benchmark scripts of this folder running in processes that are not this run's."""
-    mine, pid = set(), os.getpid()
-    while pid > 1:  # this process and its ancestors (a `timeout` or shell that started it)
-        mine.add(pid)
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) in mine:
-            continue
-        with contextlib.suppress(OSError):
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-            hit = [a.decode(errors="replace") for a in argv if re.search(rb"benchmarks/\w+\.py$", a)]
-            if hit:
-                found.append(f"pid {proc.name}: {hit[0]}")
-    return found
 
 
 def run_one(bench: Benchmark, out: Path, quick: bool) -> str:
@@ -272,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     chosen = [b for b in BENCHMARKS if (not args.only or b.name in args.only) and b.name not in args.skip]
-    load_before, others = load_average(), other_benchmarks()
+    load_before, others = load_average(), sorted(other_runs())
     if others:
         print(f"warning: other benchmarks are running and will skew these numbers: {'; '.join(others)}")
     ran: dict[str, str] = {}  # name -> '' (succeeded) or why it failed

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import contextlib
 import itertools
 import json
 import os
@@ -48,6 +47,7 @@ from typing import Any
 
 import psutil
 import zmq
+from _running import other_runs
 from jupyter_client.manager import KernelManager
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -254,20 +254,6 @@ class CpuSampler(threading.Thread):
     def cpu_between(self, start: float, end: float) -> float:
         """CPU seconds the kernel used between two wall-clock times (linear between samples)."""
         return _interp(self.samples, end) - _interp(self.samples, start)
-
-
-def other_runs() -> set[str]:
-    """Test suites and benchmark scripts running outside this process tree (they share the cores)."""
-    found: set[str] = set()
-    with contextlib.suppress(psutil.Error):
-        mine = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
-        for proc in psutil.process_iter(["cmdline"]):
-            argv = proc.info["cmdline"] or []
-            names = [Path(a).name for a in argv if a.endswith(".py") and "benchmarks/" in a]
-            names += ["pytest"] if "pytest" in argv else []
-            if proc.pid not in mine:
-                found.update(names)
-    return found
 
 
 def _interp(samples: list[tuple[float, float]], t: float) -> float:

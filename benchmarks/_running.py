@@ -1,0 +1,44 @@
+"""Which other test or benchmark runs share the cores with this one (they skew timings).
+
+Imported by the benchmark scripts of this folder (a script's own folder is first on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from pathlib import Path
+
+_SCRIPT = re.compile(rb"benchmarks/(\w+\.py)$")
+
+
+def _ours() -> set[int]:
+    """This process, its ancestors (a ``run_all.py``, ``timeout`` or shell that started it) and its
+    descendants (ranks, engines and kernels it started)."""
+    mine, pid = set(), os.getpid()
+    while pid > 1:
+        mine.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    with contextlib.suppress(ImportError, OSError):
+        import psutil
+
+        mine.update(p.pid for p in psutil.Process().children(recursive=True))
+    return mine
+
+
+def other_runs() -> set[str]:
+    """Benchmark scripts of this folder (by file name) and pytest runs in processes not this run's."""
+    mine, found = _ours(), set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) in mine:
+            continue
+        with contextlib.suppress(OSError):
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            found.update(m[1].decode(errors="replace") for a in argv if (m := _SCRIPT.search(a)))
+            if any(Path(a.decode(errors="replace")).name == "pytest" or a == b"pytest" for a in argv):
+                found.add("pytest")
+    return found
