@@ -30,6 +30,7 @@ from typing import Any, Literal, TypedDict
 
 __all__ = [
     "KEY_ENV",
+    "TEXT_ERRORS",
     "Message",
     "ProtocolError",
     "Wire",
@@ -44,6 +45,7 @@ MAX_HEADER = 4 * 1024
 MAX_BODY = 64 * 1024 * 1024
 MAX_FRAME = int(os.environ.get("JUPYTER_SHARD_MAX_FRAME", str(1 << 30)))
 KERNEL = "kernel"
+TEXT_ERRORS = "surrogatepass"  # how stream text is encoded and decoded (:class:`StreamBody`)
 
 MsgType = Literal[
     # kernel -> rank
@@ -90,9 +92,11 @@ class HeartbeatBody(TypedDict):
 
 
 class StreamBody(TypedDict):
+    """The text travels as one buffer, UTF-8 (``surrogatepass``, so any ``str`` survives): a flood is
+    megabytes a second, and a JSON string costs both ends an escape pass over every character."""
+
     cell_id: str
     name: Literal["stdout", "stderr"]
-    text: str
 
 
 class DisplayBody(TypedDict):

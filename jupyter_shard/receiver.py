@@ -25,7 +25,15 @@ import zmq
 from jupyter_shard import oom
 from jupyter_shard.launchers import RankHandle
 from jupyter_shard.metrics import History
-from jupyter_shard.protocol import Message, ProtocolError, Wire, io_identity, parse_identity, rank_identity
+from jupyter_shard.protocol import (
+    TEXT_ERRORS,
+    Message,
+    ProtocolError,
+    Wire,
+    io_identity,
+    parse_identity,
+    rank_identity,
+)
 from jupyter_shard.results import PoolError, RankState, RunResult
 from jupyter_shard.widgets.rank_output import RankSink, visible_text
 
@@ -210,7 +218,14 @@ class Receiver:
         r.exit = str(msg.body["traceback"])
 
     def _on_stream(self, r: RankRecord, msg: Message) -> None:
-        name, text = str(msg.body["name"]), str(msg.body["text"])
+        name = str(msg.body["name"])
+        try:
+            (data,) = msg.buffers
+            text = data.decode("utf-8", TEXT_ERRORS)
+        except ValueError:  # not one buffer, or not UTF-8
+            self.dropped += 1
+            print(f"jupyter_shard: dropped malformed output from rank {r.rank}", file=sys.__stderr__)
+            return
         self.sink.stream(r.rank, name, text)
         last = _last_visible_line(text)
         if last:

@@ -8,6 +8,8 @@ import threading
 from collections.abc import Callable
 from typing import IO, Any
 
+from jupyter_shard.protocol import TEXT_ERRORS
+
 MAX_PENDING = 256 * 1024
 
 Sender = Callable[[str, dict[str, Any], list[bytes]], None]
@@ -70,4 +72,5 @@ class RankStream(io.TextIOBase):
         text = "".join(self._pending)
         self._pending.clear()
         self._size = 0
-        self._enqueue("stream", {"cell_id": self._cell_id(), "name": self.name, "text": text}, [])
+        data = text.encode("utf-8", TEXT_ERRORS)
+        self._enqueue("stream", {"cell_id": self._cell_id(), "name": self.name}, [data])

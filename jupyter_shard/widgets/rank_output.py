@@ -78,7 +78,8 @@ class RankSink(ABC):
         if budget is not None and budget.exhausted and "\r" not in text and "\r" not in assembler.partial:
             # Nothing more of this rank's plain lines is shown this cell: skip the per-line work
             # (a flood is millions of lines); only live lines (carriage returns) still are.
-            assembler.partial = (assembler.partial + text).rsplit("\n", 1)[-1]
+            cut = text.rfind("\n")  # only what follows the last newline is kept: no copy of the rest
+            assembler.partial = text[cut + 1 :] if cut >= 0 else assembler.partial + text
             return
         lines, live = assembler.feed(text)
         self._emit(rank, name, lines)

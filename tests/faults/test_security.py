@@ -81,7 +81,10 @@ class _Evil:
 
 
 def _stream(key: bytes, text: str = FORGED, sender: str = ALIAS) -> list[bytes]:
-    return Wire(key, sender).encode("stream", {"cell_id": "forged", "name": "stdout", "text": text + "\n"})
+    """Rank output as a rank sends it: the text is the message's one buffer."""
+    return Wire(key, sender).encode(
+        "stream", {"cell_id": "forged", "name": "stdout"}, [text.encode() + b"\n"]
+    )
 
 
 def _execute(key: bytes, marker: Path, sender: str = ALIAS) -> list[bytes]:
@@ -99,8 +102,8 @@ def _header(msg_type: str = "stream", sender: str = ALIAS, **extra: Any) -> byte
     return json.dumps(fields).encode()
 
 
-def _stream_body(text: str = FORGED) -> bytes:
-    return json.dumps({"cell_id": "forged", "name": "stdout", "text": text + "\n"}).encode()
+def _stream_body(pad: str = "") -> bytes:
+    return json.dumps({"cell_id": "forged", "name": "stdout", "pad": pad}).encode()
 
 
 def _flip(data: bytes, index: int) -> bytes:
@@ -299,11 +302,11 @@ def test_frames_signed_with_another_key_are_dropped_and_run_nothing(pool: Pool, 
 
 
 def test_genuine_frame_with_one_flipped_body_byte_is_dropped(pool: Pool) -> None:
-    """Signed with the pool's key, then one byte of the body changed (still valid JSON)."""
+    """Signed with the pool's key, then one byte of the text changed (still valid UTF-8)."""
     frames = _stream(_key(pool))
-    at = frames[3].index(FORGED.encode()) + len(FORGED) - 1
-    frames[3] = _flip(frames[3], at)  # "...TEST" becomes "...TESU": same JSON, different bytes
-    assert json.loads(frames[3])["text"].startswith(FORGED[:-1])
+    at = frames[4].index(FORGED.encode()) + len(FORGED) - 1
+    frames[4] = _flip(frames[4], at)  # "...TEST" becomes "...TESU": same shape, different bytes
+    assert frames[4].decode().startswith(FORGED[:-1])
     dropped = pool.dropped
     _send(pool, [frames])
     _assert_refused(pool, dropped, 1)
@@ -314,8 +317,8 @@ def test_replayed_and_reordered_genuine_frames_are_dropped(pool: Pool) -> None:
     """Two genuine frames from one sender: sent in order they are taken; sent again, or the older
     one after the newer, they are dropped and do not change what the pool shows."""
     wire = Wire(_key(pool), ALIAS)
-    older = wire.encode("stream", {"cell_id": "c", "name": "stdout", "text": "older frame\n"})
-    newer = wire.encode("stream", {"cell_id": "c", "name": "stdout", "text": "newer frame\n"})
+    older = wire.encode("stream", {"cell_id": "c", "name": "stdout"}, [b"older frame\n"])
+    newer = wire.encode("stream", {"cell_id": "c", "name": "stdout"}, [b"newer frame\n"])
     dropped = pool.dropped
     _send(pool, [older, newer])
     assert _wait_until(lambda: pool.activity()[0].last_line == "newer frame")
@@ -357,9 +360,10 @@ def test_oversized_header_and_body_are_dropped_unparsed(pool: Pool) -> None:
     """Validly signed, so only the size limits stop them (checked before the signature)."""
     key = _key(pool)
     header = _header(pad="x" * MAX_HEADER)
-    body = _stream_body(FORGED + " " + "y" * MAX_BODY)
+    body = _stream_body("y" * MAX_BODY)
     assert len(header) > MAX_HEADER and len(body) > MAX_BODY
-    attempts = [_signed(key, header, _stream_body()), _signed(key, _header(), body)]
+    text = FORGED.encode() + b"\n"
+    attempts = [_signed(key, header, _stream_body(), text), _signed(key, _header(), body, text)]
     dropped = pool.dropped
     _send(pool, attempts)
     _assert_refused(pool, dropped, len(attempts))
@@ -545,7 +549,7 @@ for identity in (b"rank-00", b"rank-01.io", b"intruder", None):
         wire.to_socket("execute", {"cell_id": "c", "code": code, "exec_count": 1}),
         wire.to_socket("push", {"names": ["x"], "req_id": "r"}, [payload]),
         wire.to_socket("pull_reply", {"req_id": "r", "ok": True, "error": ""}, [payload]),
-        pack([TAG, b"", b'{"type": "stream"}', b'{"text": "%s"}' % sys.argv[3].encode()]),
+        pack([TAG, b"", b'{"type": "stream"}', b'{"name": "stdout"}', sys.argv[3].encode()]),
         [payload] * 4,
         [b"garbage"],
     ):

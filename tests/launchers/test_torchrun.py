@@ -99,7 +99,7 @@ def test_without_the_curve_keys_a_client_is_refused(pool: Pool, tmp_path: Path) 
     marker = tmp_path / "forged-code-ran"
     assert pool._wire is not None
     forged = Wire(pool._wire._key, rank_identity(0)).to_socket(
-        "stream", {"name": "stdout", "text": f"open({str(marker)!r}, 'w')", "cell_id": "x"}
+        "stream", {"name": "stdout", "cell_id": "x"}, [f"open({str(marker)!r}, 'w')".encode()]
     )
     dropped_before = pool.dropped
     refused_before = pool._curve.refused if pool._curve is not None else -1

@@ -271,3 +271,19 @@ def test_label_bundle_escapes_image_data_in_the_src_attribute() -> None:
     out = label_bundle(0, {"image/png": 'x" onerror="alert(1)'})
     assert 'onerror="alert' not in out["text/html"]
     assert "&quot;" in out["text/html"]
+
+
+def test_past_the_cap_the_unfinished_line_is_still_followed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the cap plain lines are skipped unread, but the line still open at the end of a chunk is
+    kept, so a progress bar that starts on it later shows the right text."""
+    monkeypatch.setattr(rank_output, "MAX_LINES_SHOWN", 2)
+    sink = _Recorder()
+    sink.begin_cell()
+    sink.stream(0, "stdout", "a\nb\nc\n")  # the cap is reached here
+    sink.stream(0, "stdout", "d\nep")  # skipped lines; "ep" is still open
+    sink.stream(0, "stdout", "och ")  # no newline: the open line grows
+    sink.stream(0, "stdout", "1\r")
+    assert sink.live == [(0, "stdout", "epoch 1", False)]
+    sink.stream(0, "stdout", "epoch 2\n")
+    assert sink.live[-1] == (0, "stdout", "epoch 2", True)
+    assert "".join(t for _, t in sink.writes).count("\n") == 3  # two lines and the notice

@@ -1,0 +1,91 @@
+"""Rank output on the wire: a rank's ``RankStream`` to the kernel's ``Receiver``, through real framing."""
+
+from __future__ import annotations
+
+import io
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jupyter_shard.launchers.base import RankHandle
+from jupyter_shard.protocol import Wire, io_identity, new_key
+from jupyter_shard.rank.output import RankStream
+from jupyter_shard.receiver import RankRecord, Receiver
+from jupyter_shard.results import RankResult, RunResult
+from jupyter_shard.widgets.rank_output import ConsoleSink
+
+
+class _Handle(RankHandle):
+    def __init__(self, rank: int) -> None:
+        self.rank, self.pid, self.host = rank, 0, "elsewhere"
+
+    def poll(self) -> int | None:
+        return None
+
+    def send_signal(self, sig: int) -> None:
+        raise AssertionError("not used")
+
+    def kill_tree(self) -> None:
+        raise AssertionError("not used")
+
+    def wait(self, timeout: float) -> int | None:
+        return None
+
+
+class _Link:
+    """One rank's I/O wire and the kernel's receiver, joined as the pool socket joins them."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        key = new_key()
+        self.rank_wire, self.kernel_wire = Wire(key, io_identity(0)), Wire(key, "kernel")
+        self.out, self.err = io.StringIO(), io.StringIO()
+        self.receiver = Receiver(ConsoleSink(self.out, self.err))
+        self.receiver._ranks[0] = RankRecord(_Handle(0), tmp_path / "rank-0.log")
+        self.receiver._run = RunResult("c", {0: RankResult(0)})
+        self.log = io.StringIO()
+        self.stream = RankStream("stdout", self.log, self.send, lambda: "c", threading.Lock())
+        self.sent: list[tuple[str, dict[str, Any], list[bytes]]] = []
+
+    def send(self, msg_type: str, body: dict[str, Any], buffers: list[bytes]) -> None:
+        self.sent.append((msg_type, body, buffers))
+        frames = self.rank_wire.to_socket(msg_type, body, buffers)
+        self.receiver._dispatch(self.kernel_wire, [io_identity(0).encode(), *frames])
+
+
+def test_any_text_arrives_unchanged_and_is_not_json_escaped(tmp_path: Path) -> None:
+    link = _Link(tmp_path)
+    text = 'plain "quoted" \\ tab\t é ✓ 𝔘 \x00 lone \udcff surrogate\n'
+    link.stream.write(text)
+    link.stream.flush()
+    assert [(t, b) for t, b, _ in link.sent] == [("stream", {"cell_id": "c", "name": "stdout"})]
+    assert link.sent[0][2] == [text.encode("utf-8", "surrogatepass")]
+    assert link.receiver._run is not None
+    assert link.receiver._run.ranks[0].stdout == text
+    assert link.receiver.dropped == 0
+    assert link.receiver._ranks[0].io_received == 1
+    assert link.log.getvalue() == text
+
+
+@pytest.mark.parametrize(
+    ("body", "buffers"),
+    [
+        ({"cell_id": "c", "name": "stdout", "text": "old layout\n"}, []),
+        ({"cell_id": "c", "name": "stdout"}, [b"one\n", b"two\n"]),
+        ({"cell_id": "c", "name": "stdout"}, [b"\xff\xfe not UTF-8\n"]),
+    ],
+    ids=["text-in-body", "two-buffers", "not-utf8"],
+)
+def test_malformed_output_is_dropped_and_counted(
+    tmp_path: Path, body: dict[str, Any], buffers: list[bytes]
+) -> None:
+    link = _Link(tmp_path)
+    link.send("stream", body, buffers)
+    assert link.receiver.dropped == 1
+    assert link.receiver._run is not None
+    assert link.receiver._run.ranks[0].stdout == ""
+    assert link.out.getvalue() == ""
+    link.stream.write("after\n")
+    link.stream.flush()
+    assert link.receiver._run.ranks[0].stdout == "after\n"  # the link still works
