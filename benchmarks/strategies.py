@@ -52,19 +52,21 @@ model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ 
 opt = torch.optim.Adam(model.parameters(), lr=1e-4)
 model, opt = shard.prepare(model, opt)
 x = torch.randn(batch, width, generator=torch.Generator().manual_seed(shard.rank))
-times = []
+times, cpu = [], []
 for step in range({warmup} + {steps}):
     shard.barrier()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.thread_time()
     loss = model(x).pow(2).mean()
     shard.backward(loss)
     if step == {warmup} + {steps} - 1:
         held = shard.memory()  # gradients still held: between backward and step
     shard.step()
+    cpu.append(time.thread_time() - cpu_started)  # the training thread's own CPU, barrier excluded
     shard.barrier()
     times.append(time.perf_counter() - started)
 report = json.dumps({{
     "times": times[{warmup}:],
+    "cpu": cpu[{warmup}:],
     "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     "held": {{k: held.get(k, 0) for k in ("parameters", "gradients", "optimizer")}},
 }})
@@ -166,10 +168,11 @@ def main(argv: list[str] | None = None) -> int:
             ours: list[list[dict[str, Any]]] = []
             theirs: list[list[dict[str, Any]]] = []
             for round_ in range(args.rounds):  # alternate, so drift on the machine hits both sides
-                print(f"[{name}] round {round_ + 1}: jupyter_shard ...", flush=True)
-                ours.append(run_pool(entry, code, scratch))
-                print(f"[{name}] round {round_ + 1}: torchrun ...", flush=True)
-                theirs.append(run_torchrun(entry, code, scratch))
+                # ... and which side goes first, so neither always runs in the other's wake
+                sides = [("jupyter_shard", run_pool, ours), ("torchrun", run_torchrun, theirs)]
+                for label, run, into in sides if round_ % 2 == 0 else sides[::-1]:
+                    print(f"[{name}] round {round_ + 1}: {label} ...", flush=True)
+                    into.append(run(entry, code, scratch))
                 mine, other = (statistics.median(_step_times([r[-1]])) for r in (ours, theirs))
                 print(f"[{name}] round {round_ + 1}: step {mine:.3f} s against {other:.3f} s", flush=True)
             rows.append(_row(name, ours, theirs, predicted(name, psi, 2)))
@@ -187,6 +190,11 @@ def _step_times(runs: list[list[dict[str, Any]]]) -> list[float]:
     return [max(r["times"][i] for r in ranks) for ranks in runs for i in range(len(ranks[0]["times"]))]
 
 
+def _cpu(runs: list[list[dict[str, Any]]]) -> list[float]:
+    """Every rank's training-thread CPU seconds per step (forward, backward, optimizer step)."""
+    return [t for ranks in runs for r in ranks for t in r["cpu"]]
+
+
 def _row(
     name: str, ours: list[list[dict[str, Any]]], theirs: list[list[dict[str, Any]]], pred: dict[str, float]
 ) -> dict[str, Any]:
@@ -202,6 +210,7 @@ def _row(
         "paired_range": (min(paired), max(paired)),
         "ours": statistics.median(_step_times(ours)),
         "theirs": statistics.median(_step_times(theirs)),
+        "cpu_ratio": statistics.median(_cpu(theirs)) / statistics.median(_cpu(ours)),
         "rss_ours": statistics.median(max(r["maxrss"] for r in ranks) for ranks in ours),
         "rss_theirs": statistics.median(max(r["maxrss"] for r in ranks) for ranks in theirs),
         "held": ours[0][0]["held"],
@@ -220,24 +229,30 @@ def _table(rows: list[dict[str, Any]], psi: int, args: argparse.Namespace) -> li
         "",
         f"Model: {args.depth} × Linear({args.width}, {args.width}) + ReLU, Ψ = {psi / 1e6:.1f}M parameters, "
         f"fp32 Adam, batch {args.batch} per rank, 2 CPU ranks (gloo); {args.rounds} rounds per strategy, "
-        f"each one run of jupyter_shard then one of torchrun, {args.steps} timed steps each after "
+        f"each one run of jupyter_shard and one of torchrun back to back (which goes first alternates), "
+        f"{args.steps} timed steps each after "
         f"{args.warmup} warm-up. Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
         f"{os.cpu_count()} cores; load average (1, 5, 15 min) before {_loads(args.loads[0])}, "
         f"after {_loads(args.loads[1])}.",
         "",
         "Throughput ratio = torchrun's step time / jupyter_shard's (1.0: no overhead), the median over "
         "rounds of the ratio within a round (both sides back to back), with its range; the step columns "
-        "and the pooled ratio are medians over all rounds, which the machine's drift between rounds moves.",
+        "and the pooled ratio are medians over all rounds, which the machine's drift between rounds moves. "
+        "Training-thread CPU ratio = torchrun's / jupyter_shard's median CPU seconds per step on the "
+        "thread that trains (`time.thread_time()`, barriers excluded): the work a step costs the rank, "
+        "which other processes' load barely moves.",
         "",
         "| strategy | step, jupyter_shard (s) | step, torchrun (s) | throughput ratio | range over rounds "
-        "| pooled ratio | peak RSS/rank, ours (MiB) | peak RSS/rank, torchrun (MiB) | RSS ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| pooled ratio | training-thread CPU ratio | peak RSS/rank, ours (MiB) "
+        "| peak RSS/rank, torchrun (MiB) | RSS ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lo, hi = r["paired_range"]
         lines.append(
             f"| {r['name']} | {r['ours']:.3f} | {r['theirs']:.3f} | {r['paired']:.3f} | {lo:.3f}–{hi:.3f} "
-            f"| {r['theirs'] / r['ours']:.3f} | {r['rss_ours'] / mib:.0f} | {r['rss_theirs'] / mib:.0f} "
+            f"| {r['theirs'] / r['ours']:.3f} | {r['cpu_ratio']:.3f} "
+            f"| {r['rss_ours'] / mib:.0f} | {r['rss_theirs'] / mib:.0f} "
             f"| {r['rss_ours'] / r['rss_theirs']:.3f} |"
         )
     lines += [
