@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from jupyter_shard.pool import Pool
 
 MIN_INTERVAL = 0.2  # seconds between redraws of one dashboard: at most 5 a second
-RENDER_SHARE = 0.02  # and longer apart when drawing is slow: drawing takes at most 2% of a core
+RENDER_SHARE = 0.02  # and longer apart when drawing is slow: drawing and sending take at most 2% of a core
 BUSY_INTERVAL = 1.0  # while ranks run, status and memory move even when no metric does
 IDLE_INTERVAL = 5.0  # between cells, only heartbeats move
 BINS = 300  # points drawn per series, however long it is
@@ -176,10 +176,10 @@ class Dashboard(ipywidgets.VBox):  # type: ignore[misc]
                 return
         self._drawn_at, self._drawn_version = now, pool.history.version
         markup = render(pool, compact=self.compact)
-        self._interval = max(MIN_INTERVAL, (time.monotonic() - now) / RENDER_SHARE)
         if markup != self._view.value:
-            self._view.value = markup
+            self._view.value = markup  # serialised and sent to the front end here: part of the cost
             self.redraws += 1
+        self._interval = max(MIN_INTERVAL, (time.monotonic() - now) / RENDER_SHARE)
 
     @property
     def html(self) -> str:

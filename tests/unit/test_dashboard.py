@@ -102,6 +102,37 @@ def test_redraws_are_coalesced_to_at_most_five_a_second(monkeypatch: pytest.Monk
     assert board.redraws == drawn + 1, "nothing changed: no redraw"
 
 
+class _SlowView:
+    """Stands in for the HTML widget: setting its value (serialising and sending it) takes time."""
+
+    def __init__(self, clock: list[float], cost: float) -> None:
+        self._clock, self._cost, self._value = clock, cost, ""
+
+    @property
+    def value(self) -> str:
+        return self._value
+
+    @value.setter
+    def value(self, markup: str) -> None:
+        self._clock[0] += self._cost
+        self._value = markup
+
+
+def test_sending_a_redraw_counts_towards_the_render_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drawing is free here but sending each redraw takes 50 ms: at most 2% of a core for both
+    means a redraw every 2.5 s, not every 0.2 s."""
+    clock = [1000.0]
+    monkeypatch.setattr(dash.time, "monotonic", lambda: clock[0])
+    pool = _Pool(rows=[_row(0)])
+    board = dash.Dashboard(pool, compact=True)  # type: ignore[arg-type]
+    board._view = _SlowView(clock, 0.05)  # type: ignore[assignment]
+    for i in range(1, 10_001):  # 10 s of metric batches, a refresh every millisecond
+        clock[0] += 0.001
+        pool.history.extend(0, [{"step": i, "ts": clock[0], "values": {"loss": 1.0 / i}}])
+        board.refresh(pool, False)  # type: ignore[arg-type]
+    assert 4 <= board.redraws <= 5, board.redraws
+
+
 def test_static_bundle_has_the_charts_and_a_text_summary() -> None:
     pool = _big_pool(ranks=2, points=50)
     board = dash.Dashboard(pool)  # type: ignore[arg-type]
