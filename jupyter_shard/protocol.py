@@ -10,9 +10,9 @@ computed with the pool's random key. On the socket the first four parts travel a
 buffer (:func:`pack`, :func:`unpack`): each ZeroMQ frame costs a Python-level send and receive on
 both ends, and most messages have no buffers. :meth:`Wire.decode` checks size limits and the
 signature with a constant-time compare *before* parsing anything, then rejects replays (each
-sender's ``seq`` must grow). Bodies are JSON; only values the user explicitly pushes or pulls
-travel as pickled buffers, and those are unpickled by the caller after :meth:`Wire.decode` has
-authenticated them.
+sender's ``seq`` must grow). Bodies are JSON. Buffers carry bulk data as it is: a rank's output
+text (UTF-8), metric columns (float64), and the values the user explicitly pushes or pulls
+(pickled, and unpickled by the caller only after :meth:`Wire.decode` has authenticated them).
 """
 
 from __future__ import annotations
