@@ -9,9 +9,9 @@ on 2 CPU ranks for ``--steps`` timed steps after ``--warmup`` untimed ones, twic
   the same ``shard`` helper directly (no pool) and runs the identical training code.
 
 It reports the median step time, the throughput ratio (torchrun step time / jupyter_shard step
-time; 1.0 means no overhead), peak RSS per rank, and the bytes each rank holds for parameters,
-gradients and optimizer state next to what the ZeRO paper's formulas predict for fp32 Adam
-(see :func:`predicted`).
+time; 1.0 means no overhead), the same ratio of the training thread's CPU time per step, peak RSS
+per rank, and the bytes each rank holds for parameters, gradients and optimizer state next to what
+the ZeRO paper's formulas predict for fp32 Adam (see :func:`predicted`).
 Run: ``.venv/bin/python benchmarks/strategies.py [--strategies ddp fsdp zero2 zero3] [--width 3584]``
 (writes ``benchmarks/results/strategies.md``).
 """

@@ -192,6 +192,11 @@ class Receiver:
             if r.pending_done is not None and r.io_received >= r.pending_done.body["io_count"]:
                 self._finish(r, r.pending_done)
 
+    def _drop_malformed(self, r: RankRecord, what: str) -> None:
+        """A signed message whose content does not have the shape its type promises: counted, logged."""
+        self.dropped += 1
+        print(f"jupyter_shard: dropped malformed {what} from rank {r.rank}", file=sys.__stderr__)
+
     def _notice(self, text: str) -> None:
         if self.on_notice is not None:
             self.on_notice(text)
@@ -223,8 +228,7 @@ class Receiver:
             (data,) = msg.buffers
             text = data.decode("utf-8", TEXT_ERRORS)
         except ValueError:  # not one buffer, or not UTF-8
-            self.dropped += 1
-            print(f"jupyter_shard: dropped malformed output from rank {r.rank}", file=sys.__stderr__)
+            self._drop_malformed(r, "output")
             return
         self.sink.stream(r.rank, name, text)
         last = _last_visible_line(text)
@@ -271,8 +275,7 @@ class Receiver:
     def _on_metrics(self, r: RankRecord, msg: Message) -> None:
         names, count = [str(n) for n in msg.body["names"]], int(msg.body["count"])
         if len(msg.buffers) != 2 + len(names) or any(len(b) != 8 * count for b in msg.buffers):
-            self.dropped += 1
-            print(f"jupyter_shard: dropped malformed metrics from rank {r.rank}", file=sys.__stderr__)
+            self._drop_malformed(r, "metrics")
             return
         steps, times, *values = (array("d", bytes(b)) for b in msg.buffers)
         self.history.extend_columns(r.rank, steps, times, dict(zip(names, values, strict=True)))
