@@ -1,12 +1,19 @@
 """Training under ``%%distributed`` against the same script under ``torchrun``, per strategy.
 
-For each strategy, one run on this machine trains the same model (about 50M parameters by default)
-on 2 CPU ranks for ``--steps`` timed steps after ``--warmup`` untimed ones, twice:
+For each strategy, each round trains the same model (about 50M parameters by default) on 2 CPU
+ranks two ways at once, taking turns step by step:
 
 - **jupyter_shard**: a :class:`jupyter_shard.Pool` runs the training cell (what ``%%distributed``
   does), with output capture, the I/O thread and the lifeline all live;
 - **torchrun**: ``python -m torch.distributed.run --nproc-per-node 2`` runs a worker that builds
   the same ``shard`` helper directly (no pool) and runs the identical training code.
+
+Both start together; before each step a side's rank 0 waits for its turn on a named pipe and after
+it hands the turn over, so no two steps overlap and each of ``--steps`` timed steps (after
+``--warmup`` untimed ones) of one side lies between two of the other's. A shared VM's speed drifts
+by tens of percent between minutes; interleaved this way, both sides see the same drift. While a
+side steps, the other side's ranks are stopped (SIGSTOP), so their threads take no CPU from it. Which
+side takes the first turn alternates from round to round.
 
 It reports the median step time, the throughput ratio (torchrun step time / jupyter_shard step
 time; 1.0 means no overhead), the same ratio of the training thread's CPU time per step, peak RSS
@@ -19,14 +26,17 @@ Run: ``.venv/bin/python benchmarks/strategies.py [--strategies ddp fsdp zero2 ze
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,9 +52,10 @@ STRATEGIES: dict[str, dict[str, Any]] = {
 }
 
 THROUGHPUT_TARGET = 0.98  # issue 8: at least this share of torchrun's throughput, every strategy
+PATIENCE = 600  # seconds one side waits for the other's turn (a step plus the other side's start)
 
 TRAIN = """
-import json, resource, time, torch
+import contextlib, glob, json, os, resource, select, signal, time, torch
 from torch import nn
 torch.manual_seed(0)
 width, depth, batch = {width}, {depth}, {batch}
@@ -52,9 +63,39 @@ model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ 
 opt = torch.optim.Adam(model.parameters(), lr=1e-4)
 model, opt = shard.prepare(model, opt)
 x = torch.randn(batch, width, generator=torch.Generator().manual_seed(shard.rank))
+# Turns: this side's rank 0 waits for the turn on its pipe, freezes the other side's ranks
+# (SIGSTOP: none of their threads runs during this side's step), and after the step wakes them and
+# hands the turn over through their pipe. Each rank leaves its pid for the other side to freeze.
+turns, me, other = {turns!r}, {me!r}, {other!r}
+with open(os.path.join(turns, f"{{me}}.{{shard.rank}}.pid.tmp"), "w") as fh:
+    fh.write(str(os.getpid()))
+os.replace(fh.name, fh.name[:-4])
+turn = os.open(os.path.join(turns, me), os.O_RDWR) if shard.rank == 0 else -1
+handoff = os.open(os.path.join(turns, other), os.O_RDWR) if shard.rank == 0 else -1
+peers = []
+
+def wait_turn():
+    global peers
+    if shard.rank == 0:
+        if not select.select([turn], [], [], {patience})[0]:
+            raise TimeoutError("the other side of the benchmark never handed over its turn")
+        os.read(turn, 1)
+        peers = [int(open(f).read()) for f in glob.glob(os.path.join(turns, f"{{other}}.*.pid"))]
+        for pid in peers:
+            with contextlib.suppress(ProcessLookupError):  # the other side may have failed and gone
+                os.kill(pid, signal.SIGSTOP)
+    shard.barrier()  # brings rank 1 along
+
+def pass_turn():
+    if shard.rank == 0:
+        for pid in peers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        os.write(handoff, b"x")
+
 times, cpu = [], []
 for step in range({warmup} + {steps}):
-    shard.barrier()
+    wait_turn()
     started, cpu_started = time.perf_counter(), time.thread_time()
     loss = model(x).pow(2).mean()
     shard.backward(loss)
@@ -64,6 +105,9 @@ for step in range({warmup} + {steps}):
     cpu.append(time.thread_time() - cpu_started)  # the training thread's own CPU, barrier excluded
     shard.barrier()
     times.append(time.perf_counter() - started)
+    pass_turn()
+wait_turn()  # one more turn: this side winds down only after the other side's last step
+pass_turn()
 report = json.dumps({{
     "times": times[{warmup}:],
     "cpu": cpu[{warmup}:],
@@ -105,7 +149,7 @@ def run_pool(entry: dict[str, Any], code: str, scratch: Path) -> list[dict[str, 
         return [json.loads(v) for _, v in sorted(pool.pull_all("report").items())]
 
 
-def run_torchrun(entry: dict[str, Any], code: str, scratch: Path) -> list[dict[str, Any]]:
+def start_torchrun(entry: dict[str, Any], code: str, scratch: Path) -> tuple[subprocess.Popen[bytes], Path]:
     out = Path(tempfile.mkdtemp(dir=scratch))
     worker = out / "worker.py"
     worker.write_text(
@@ -123,8 +167,66 @@ def run_torchrun(entry: dict[str, Any], code: str, scratch: Path) -> list[dict[s
         "2",
         str(worker),
     ]
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=1800)
-    return [json.loads((out / f"rank-{k}.json").read_text()) for k in range(2)]
+    # its own session, so that the agent and its workers can be stopped together
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    return proc, out
+
+
+def train_code(params: dict[str, int], turns: Path, me: str, other: str) -> str:
+    """The training cell, identical on both sides but for which side it names itself."""
+    return textwrap.dedent(TRAIN).format(**params, patience=PATIENCE, turns=str(turns), me=me, other=other)
+
+
+def _signal_ranks(turns: Path, side: str, sig: signal.Signals) -> None:
+    """Signal every rank of a side that has left its pid (after a failure: none is left frozen)."""
+    for f in turns.glob(f"{side}.*.pid"):
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(f.read_text()), sig)
+
+
+def run_pair(
+    entry: dict[str, Any], params: dict[str, int], scratch: Path, pool_first: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One round: both sides start together, then take turns step by step; returns (pool, torchrun).
+
+    Each side's rank 0 waits on its own pipe for the turn and hands it over through the other's, so
+    no two steps ever overlap and every step of one side sits between two of the other's: drift on a
+    shared machine over seconds and minutes reaches both sides alike. While one side steps, the
+    other's ranks are stopped (SIGSTOP), so their background threads cost the stepping side nothing;
+    the process that owns the pool and torchrun's agent keep running throughout.
+    """
+    turns = Path(tempfile.mkdtemp(dir=scratch))
+    ours, theirs = turns / "pool", turns / "torchrun"
+    for fifo in (ours, theirs):
+        os.mkfifo(fifo)
+    to_pool, to_torchrun = os.open(ours, os.O_RDWR), os.open(theirs, os.O_RDWR)
+    os.write(to_pool if pool_first else to_torchrun, b"x")  # the first turn is there before either side
+    proc, out = start_torchrun(entry, train_code(params, turns, "torchrun", "pool"), scratch)
+    err: list[bytes] = []
+
+    def watch() -> None:  # reads torchrun's stderr; if it fails, the pool's turns stop waiting for it
+        err.append(proc.communicate()[1])
+        if proc.returncode != 0:
+            _signal_ranks(turns, "pool", signal.SIGCONT)
+            os.write(to_pool, b"x" * (2 * params["warmup"] + 2 * params["steps"] + 2))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        mine = run_pool(entry, train_code(params, turns, "pool", "torchrun"), scratch)
+        watcher.join(PATIENCE)
+    finally:
+        if proc.poll() is None:  # the pool failed or torchrun hangs: nothing hands it turns any more
+            _signal_ranks(turns, "torchrun", signal.SIGKILL)  # its workers have sessions of their own
+            os.killpg(proc.pid, signal.SIGKILL)
+        watcher.join()
+        os.close(to_pool)
+        os.close(to_torchrun)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun failed ({proc.returncode}):\n{err[0].decode(errors='replace')[-4000:]}")
+    return mine, [json.loads((out / f"rank-{k}.json").read_text()) for k in range(2)]
 
 
 def predicted(name: str, psi: int, n: int) -> dict[str, float]:
@@ -151,14 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=6, help="alternating runs of each side per strategy")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved runs per strategy")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "strategies.md"))
     args = parser.parse_args(argv)
     psi = args.depth * (args.width * args.width + args.width)
-    code = textwrap.dedent(TRAIN).format(
-        width=args.width, depth=args.depth, batch=args.batch, warmup=args.warmup, steps=args.steps
-    )
+    sizes = {"width": args.width, "depth": args.depth, "batch": args.batch}
+    code = {**sizes, "warmup": args.warmup, "steps": args.steps}
     rows = []
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="jsbench-") as tmp:
@@ -167,14 +268,17 @@ def main(argv: list[str] | None = None) -> int:
             entry = STRATEGIES[name]
             ours: list[list[dict[str, Any]]] = []
             theirs: list[list[dict[str, Any]]] = []
-            for round_ in range(args.rounds):  # alternate, so drift on the machine hits both sides
-                # ... and which side goes first, so neither always runs in the other's wake
-                sides = [("jupyter_shard", run_pool, ours), ("torchrun", run_torchrun, theirs)]
-                for label, run, into in sides if round_ % 2 == 0 else sides[::-1]:
-                    print(f"[{name}] round {round_ + 1}: {label} ...", flush=True)
-                    into.append(run(entry, code, scratch))
-                mine, other = (statistics.median(_step_times([r[-1]])) for r in (ours, theirs))
-                print(f"[{name}] round {round_ + 1}: step {mine:.3f} s against {other:.3f} s", flush=True)
+            for round_ in range(args.rounds):  # which side takes the first turn alternates
+                pool_first = round_ % 2 == 0
+                print(
+                    f"[{name}] round {round_ + 1} ({'pool' if pool_first else 'torchrun'} first) ...",
+                    flush=True,
+                )
+                mine, other = run_pair(entry, code, scratch, pool_first)
+                ours.append(mine)
+                theirs.append(other)
+                a, b = (statistics.median(_step_times([r])) for r in (mine, other))
+                print(f"[{name}] round {round_ + 1}: step {a:.3f} s against {b:.3f} s", flush=True)
             rows.append(_row(name, ours, theirs, predicted(name, psi, 2)))
     args.loads = (load_before, os.getloadavg())
     lines = _table(rows, psi, args)
@@ -198,8 +302,9 @@ def _cpu(runs: list[list[dict[str, Any]]]) -> list[float]:
 def _row(
     name: str, ours: list[list[dict[str, Any]]], theirs: list[list[dict[str, Any]]], pred: dict[str, float]
 ) -> dict[str, Any]:
-    # Each round runs both sides back to back: the ratio within a round is free of the machine's
-    # drift between rounds (tens of percent on a shared VM), so the median of those is the figure.
+    # Within a round the two sides' steps interleave: the ratio within a round is free of the
+    # machine's drift (tens of percent on a shared VM between minutes), so the median of those is the
+    # figure.
     paired = [
         statistics.median(_step_times([b])) / statistics.median(_step_times([a]))
         for a, b in zip(ours, theirs, strict=True)
@@ -228,16 +333,17 @@ def _table(rows: list[dict[str, Any]], psi: int, args: argparse.Namespace) -> li
         "# Strategies: `%%distributed` (jupyter_shard Pool) vs the same script under torchrun",
         "",
         f"Model: {args.depth} × Linear({args.width}, {args.width}) + ReLU, Ψ = {psi / 1e6:.1f}M parameters, "
-        f"fp32 Adam, batch {args.batch} per rank, 2 CPU ranks (gloo); {args.rounds} rounds per strategy, "
-        f"each one run of jupyter_shard and one of torchrun back to back (which goes first alternates), "
-        f"{args.steps} timed steps each after "
-        f"{args.warmup} warm-up. Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"fp32 Adam, batch {args.batch} per rank, 2 CPU ranks (gloo); {args.rounds} rounds per strategy; "
+        f"in each, jupyter_shard and torchrun run at the same time and take turns step by step (which "
+        f"goes first alternates), {args.steps} timed steps each after {args.warmup} warm-up. "
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
         f"{os.cpu_count()} cores; load average (1, 5, 15 min) before {_loads(args.loads[0])}, "
         f"after {_loads(args.loads[1])}.",
         "",
         "Throughput ratio = torchrun's step time / jupyter_shard's (1.0: no overhead), the median over "
-        "rounds of the ratio within a round (both sides back to back), with its range; the step columns "
-        "and the pooled ratio are medians over all rounds, which the machine's drift between rounds moves. "
+        "rounds of the ratio within a round (the two sides' steps interleaved), with its range; the step "
+        "columns and the pooled ratio are medians over all rounds, which the machine's drift between "
+        "rounds moves. "
         "Training-thread CPU ratio = torchrun's / jupyter_shard's median CPU seconds per step on the "
         "thread that trains (`time.thread_time()`, barriers excluded): the work a step costs the rank, "
         "which other processes' load barely moves.",
