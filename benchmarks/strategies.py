@@ -13,7 +13,8 @@ it hands the turn over, so no two steps overlap and each of ``--steps`` timed st
 ``--warmup`` untimed ones) of one side lies between two of the other's. A shared VM's speed drifts
 by tens of percent between minutes; interleaved this way, both sides see the same drift. While a
 side steps, the other side's ranks are stopped (SIGSTOP), so their threads take no CPU from it. Which
-side takes the first turn alternates from round to round.
+side starts and takes the first turn alternates from round to round (the second starts once the
+first one's ranks are in the training cell).
 
 It reports the median step time, the throughput ratio (torchrun step time / jupyter_shard step
 time; 1.0 means no overhead), the same ratio of the training thread's CPU time per step, peak RSS
@@ -189,13 +190,14 @@ def _signal_ranks(turns: Path, side: str, sig: signal.Signals) -> None:
 def run_pair(
     entry: dict[str, Any], params: dict[str, int], scratch: Path, pool_first: bool
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """One round: both sides start together, then take turns step by step; returns (pool, torchrun).
+    """One round: both sides run at once and take turns step by step; returns (pool, torchrun).
 
     Each side's rank 0 waits on its own pipe for the turn and hands it over through the other's, so
     no two steps ever overlap and every step of one side sits between two of the other's: drift on a
     shared machine over seconds and minutes reaches both sides alike. While one side steps, the
     other's ranks are stopped (SIGSTOP), so their background threads cost the stepping side nothing;
-    the process that owns the pool and torchrun's agent keep running throughout.
+    the process that owns the pool and torchrun's agent keep running throughout. The side with the
+    first turn also starts first: the other starts once its ranks are in the training cell.
     """
     turns = Path(tempfile.mkdtemp(dir=scratch))
     ours, theirs = turns / "pool", turns / "torchrun"
@@ -203,30 +205,58 @@ def run_pair(
         os.mkfifo(fifo)
     to_pool, to_torchrun = os.open(ours, os.O_RDWR), os.open(theirs, os.O_RDWR)
     os.write(to_pool if pool_first else to_torchrun, b"x")  # the first turn is there before either side
-    proc, out = start_torchrun(entry, train_code(params, turns, "torchrun", "pool"), scratch)
+    started, abandoned = threading.Event(), threading.Event()
+    torchrun: list[tuple[subprocess.Popen[bytes], Path]] = []
     err: list[bytes] = []
 
-    def watch() -> None:  # reads torchrun's stderr; if it fails, the pool's turns stop waiting for it
+    def start_and_watch() -> None:  # starts torchrun and reads its stderr; if it fails, wakes the pool
+        if pool_first and not _wait_for_ranks(turns, "pool", gone=abandoned):
+            return
+        proc, out = start_torchrun(entry, train_code(params, turns, "torchrun", "pool"), scratch)
+        torchrun.append((proc, out))
+        started.set()
         err.append(proc.communicate()[1])
         if proc.returncode != 0:
             _signal_ranks(turns, "pool", signal.SIGCONT)
             os.write(to_pool, b"x" * (2 * params["warmup"] + 2 * params["steps"] + 2))
 
-    watcher = threading.Thread(target=watch, daemon=True)
+    watcher = threading.Thread(target=start_and_watch, daemon=True)
     watcher.start()
     try:
+        if not pool_first:
+            if not started.wait(PATIENCE):
+                raise RuntimeError("torchrun did not start")
+            _wait_for_ranks(turns, "torchrun", gone=torchrun[0][0])
         mine = run_pool(entry, train_code(params, turns, "pool", "torchrun"), scratch)
         watcher.join(PATIENCE)
     finally:
-        if proc.poll() is None:  # the pool failed or torchrun hangs: nothing hands it turns any more
-            _signal_ranks(turns, "torchrun", signal.SIGKILL)  # its workers have sessions of their own
-            os.killpg(proc.pid, signal.SIGKILL)
+        abandoned.set()  # a torchrun side not started yet never will be
+        _abandon(turns, torchrun)
         watcher.join()
         os.close(to_pool)
         os.close(to_torchrun)
+    proc, out = torchrun[0]
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun failed ({proc.returncode}):\n{err[0].decode(errors='replace')[-4000:]}")
     return mine, [json.loads((out / f"rank-{k}.json").read_text()) for k in range(2)]
+
+
+def _wait_for_ranks(turns: Path, side: str, gone: subprocess.Popen[bytes] | threading.Event) -> bool:
+    """Wait until both ranks of a side are in the training cell; False if it is ``gone`` first."""
+    deadline = time.monotonic() + PATIENCE
+    while len(list(turns.glob(f"{side}.*.pid"))) < 2:
+        ended = gone.is_set() if isinstance(gone, threading.Event) else gone.poll() is not None
+        if ended or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _abandon(turns: Path, torchrun: list[tuple[subprocess.Popen[bytes], Path]]) -> None:
+    """After the pool side: end a torchrun side that is still running (nothing hands it turns now)."""
+    if torchrun and torchrun[0][0].poll() is None:
+        _signal_ranks(turns, "torchrun", signal.SIGKILL)  # its workers have sessions of their own
+        os.killpg(torchrun[0][0].pid, signal.SIGKILL)
 
 
 def predicted(name: str, psi: int, n: int) -> dict[str, float]:
@@ -253,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=4, help="interleaved runs per strategy")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved runs per strategy")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "strategies.md"))
     args = parser.parse_args(argv)
     psi = args.depth * (args.width * args.width + args.width)
@@ -335,7 +365,7 @@ def _table(rows: list[dict[str, Any]], psi: int, args: argparse.Namespace) -> li
         f"Model: {args.depth} × Linear({args.width}, {args.width}) + ReLU, Ψ = {psi / 1e6:.1f}M parameters, "
         f"fp32 Adam, batch {args.batch} per rank, 2 CPU ranks (gloo); {args.rounds} rounds per strategy; "
         f"in each, jupyter_shard and torchrun run at the same time and take turns step by step (which "
-        f"goes first alternates), {args.steps} timed steps each after {args.warmup} warm-up. "
+        f"starts and goes first alternates), {args.steps} timed steps each after {args.warmup} warm-up. "
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
         f"{os.cpu_count()} cores; load average (1, 5, 15 min) before {_loads(args.loads[0])}, "
         f"after {_loads(args.loads[1])}.",
