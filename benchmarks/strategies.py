@@ -150,7 +150,9 @@ def run_pool(entry: dict[str, Any], code: str, scratch: Path) -> list[dict[str, 
         return [json.loads(v) for _, v in sorted(pool.pull_all("report").items())]
 
 
-def start_torchrun(entry: dict[str, Any], code: str, scratch: Path) -> tuple[subprocess.Popen[bytes], Path]:
+def start_torchrun(
+    entry: dict[str, Any], code: str, scratch: Path, stderr: Any = subprocess.PIPE
+) -> tuple[subprocess.Popen[bytes], Path]:
     out = Path(tempfile.mkdtemp(dir=scratch))
     worker = out / "worker.py"
     worker.write_text(
@@ -168,10 +170,9 @@ def start_torchrun(entry: dict[str, Any], code: str, scratch: Path) -> tuple[sub
         "2",
         str(worker),
     ]
-    # its own session, so that the agent and its workers can be stopped together
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-    )
+    # a session of its own, so that killpg ends the agent (its workers, in sessions of their own,
+    # are ended through the pids they leave)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
     return proc, out
 
 
@@ -259,6 +260,48 @@ def _abandon(turns: Path, torchrun: list[tuple[subprocess.Popen[bytes], Path]]) 
         os.killpg(torchrun[0][0].pid, signal.SIGKILL)
 
 
+def run_control(
+    entry: dict[str, Any], params: dict[str, int], scratch: Path, a_first: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One round of torchrun against itself, interleaved exactly as :func:`run_pair`: the noise floor."""
+    turns = Path(tempfile.mkdtemp(dir=scratch))
+    for side in "ab":
+        os.mkfifo(turns / side)
+    fds = {side: os.open(turns / side, os.O_RDWR) for side in "ab"}
+    os.write(fds["a" if a_first else "b"], b"x")
+    started: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+    try:
+        for me, other in ("ab", "ba") if a_first else ("ba", "ab"):
+            with open(turns / f"{me}.log", "wb") as log:
+                started[me] = start_torchrun(entry, train_code(params, turns, me, other), scratch, log)
+            if len(started) == 1 and not _wait_for_ranks(turns, me, gone=started[me][0]):
+                break
+        deadline = time.monotonic() + PATIENCE + 60 * (params["warmup"] + params["steps"])
+        while any(proc.poll() is None for proc, _ in started.values()):
+            failed = [me for me, (proc, _) in started.items() if proc.returncode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        for me, (proc, _) in started.items():
+            if proc.poll() is None:
+                _signal_ranks(turns, me, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for fd in fds.values():
+            os.close(fd)
+    for me, (proc, _) in started.items():
+        if proc.returncode != 0:
+            log_tail = (turns / f"{me}.log").read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"torchrun (control side {me}) failed ({proc.returncode}):\n{log_tail}")
+    if len(started) < 2:
+        raise RuntimeError("torchrun (control) did not start")
+    a_ranks, b_ranks = (
+        [json.loads((started[me][1] / f"rank-{k}.json").read_text()) for k in range(2)] for me in "ab"
+    )
+    return a_ranks, b_ranks
+
+
 def predicted(name: str, psi: int, n: int) -> dict[str, float]:
     """Bytes per rank for fp32 training with Adam, by where each part lives.
 
@@ -285,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=6, help="interleaved runs per strategy")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="also run torchrun against itself, interleaved the same way: the comparison's noise floor",
+    )
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "strategies.md"))
     args = parser.parse_args(argv)
     psi = args.depth * (args.width * args.width + args.width)
@@ -310,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                 a, b = (statistics.median(_step_times([r])) for r in (mine, other))
                 print(f"[{name}] round {round_ + 1}: step {a:.3f} s against {b:.3f} s", flush=True)
             rows.append(_row(name, ours, theirs, predicted(name, psi, 2)))
+            if args.control:
+                rows[-1]["control"] = _control(name, entry, code, scratch, args.rounds)
     args.loads = (load_before, os.getloadavg())
     lines = _table(rows, psi, args)
     text = "\n".join(lines) + "\n"
@@ -317,6 +367,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.results != "-":
         Path(args.results).write_text(text)
     return 0
+
+
+def _control(
+    name: str, entry: dict[str, Any], params: dict[str, int], scratch: Path, rounds: int
+) -> dict[str, Any]:
+    """Rounds of torchrun against itself: what the ratio is when there is no difference at all."""
+    firsts: list[list[dict[str, Any]]] = []
+    seconds: list[list[dict[str, Any]]] = []
+    for round_ in range(rounds):
+        print(f"[{name}] control round {round_ + 1}: torchrun against torchrun ...", flush=True)
+        a, b = run_control(entry, params, scratch, a_first=round_ % 2 == 0)
+        firsts.append(a)
+        seconds.append(b)
+    paired = _paired(firsts, seconds)
+    return {
+        "paired": statistics.median(paired),
+        "paired_range": (min(paired), max(paired)),
+        "cpu_ratio": statistics.median(_cpu(seconds)) / statistics.median(_cpu(firsts)),
+    }
+
+
+def _paired(ours: list[list[dict[str, Any]]], theirs: list[list[dict[str, Any]]]) -> list[float]:
+    """Per round, the other side's median step time over this side's."""
+    return [
+        statistics.median(_step_times([b])) / statistics.median(_step_times([a]))
+        for a, b in zip(ours, theirs, strict=True)
+    ]
 
 
 def _step_times(runs: list[list[dict[str, Any]]]) -> list[float]:
@@ -335,10 +412,7 @@ def _row(
     # Within a round the two sides' steps interleave: the ratio within a round is free of the
     # machine's drift (tens of percent on a shared VM between minutes), so the median of those is the
     # figure.
-    paired = [
-        statistics.median(_step_times([b])) / statistics.median(_step_times([a]))
-        for a, b in zip(ours, theirs, strict=True)
-    ]
+    paired = _paired(ours, theirs)
     return {
         "name": name,
         "paired": statistics.median(paired),
@@ -404,6 +478,21 @@ def _table(rows: list[dict[str, Any]], psi: int, args: argparse.Namespace) -> li
             for k in ("parameters", "gradients", "optimizer")
         ]
         lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    controls = [r for r in rows if "control" in r]
+    if controls:
+        lines += [
+            "",
+            "Control: torchrun against itself, the same rounds interleaved the same way (the second "
+            "side's step time over the first's). A ratio away from 1.0 here is the machine, not the "
+            "pool: read the throughput ratio against this spread.",
+            "",
+            "| strategy | ratio, torchrun against itself | range over rounds | training-thread CPU ratio |",
+            "|---|---:|---:|---:|",
+        ]
+        for r in controls:
+            c = r["control"]
+            lo, hi = c["paired_range"]
+            lines.append(f"| {r['name']} | {c['paired']:.3f} | {lo:.3f}–{hi:.3f} | {c['cpu_ratio']:.3f} |")
     lines += [
         "",
         "Targets: throughput ratio ≥ 0.98 (issue 8); peak RSS per rank within 10% of torchrun's; "
