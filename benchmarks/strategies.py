@@ -8,7 +8,7 @@ ranks two ways at once, taking turns step by step:
 - **torchrun**: ``python -m torch.distributed.run --nproc-per-node 2`` runs a worker that builds
   the same ``shard`` helper directly (no pool) and runs the identical training code.
 
-Both start together; before each step a side's rank 0 waits for its turn on a named pipe and after
+Both run at once; before each step a side's rank 0 waits for its turn on a named pipe and after
 it hands the turn over, so no two steps overlap and each of ``--steps`` timed steps (after
 ``--warmup`` untimed ones) of one side lies between two of the other's. A shared VM's speed drifts
 by tens of percent between minutes; interleaved this way, both sides see the same drift. While a
