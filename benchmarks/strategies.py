@@ -181,6 +181,24 @@ def train_code(params: dict[str, int], turns: Path, me: str, other: str) -> str:
     return textwrap.dedent(TRAIN).format(**params, patience=PATIENCE, turns=str(turns), me=me, other=other)
 
 
+def _turn_pipes(turns: Path, sides: tuple[str, str], first: str) -> dict[str, int]:
+    """One named pipe per side, held open here, with the first turn already in ``first``'s."""
+    fds = {}
+    for side in sides:
+        os.mkfifo(turns / side)
+        fds[side] = os.open(turns / side, os.O_RDWR)
+    os.write(fds[first], b"x")  # the first turn is there before either side is
+    return fds
+
+
+def _kill_torchrun(turns: Path, side: str, proc: subprocess.Popen[bytes]) -> None:
+    """End a torchrun side still running: its agent's group, and its workers (sessions of their own)."""
+    if proc.poll() is None:
+        _signal_ranks(turns, side, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def _signal_ranks(turns: Path, side: str, sig: signal.Signals) -> None:
     """Signal every rank of a side that has left its pid (after a failure: none is left frozen)."""
     for f in turns.glob(f"{side}.*.pid"):
@@ -201,11 +219,7 @@ def run_pair(
     first turn also starts first: the other starts once its ranks are in the training cell.
     """
     turns = Path(tempfile.mkdtemp(dir=scratch))
-    ours, theirs = turns / "pool", turns / "torchrun"
-    for fifo in (ours, theirs):
-        os.mkfifo(fifo)
-    to_pool, to_torchrun = os.open(ours, os.O_RDWR), os.open(theirs, os.O_RDWR)
-    os.write(to_pool if pool_first else to_torchrun, b"x")  # the first turn is there before either side
+    fds = _turn_pipes(turns, ("pool", "torchrun"), "pool" if pool_first else "torchrun")
     started, abandoned = threading.Event(), threading.Event()
     torchrun: list[tuple[subprocess.Popen[bytes], Path]] = []
     err: list[bytes] = []
@@ -219,7 +233,7 @@ def run_pair(
         err.append(proc.communicate()[1])
         if proc.returncode != 0:
             _signal_ranks(turns, "pool", signal.SIGCONT)
-            os.write(to_pool, b"x" * (2 * params["warmup"] + 2 * params["steps"] + 2))
+            os.write(fds["pool"], b"x" * (2 * params["warmup"] + 2 * params["steps"] + 2))
 
     watcher = threading.Thread(target=start_and_watch, daemon=True)
     watcher.start()
@@ -232,10 +246,11 @@ def run_pair(
         watcher.join(PATIENCE)
     finally:
         abandoned.set()  # a torchrun side not started yet never will be
-        _abandon(turns, torchrun)
+        if torchrun:  # still running: nothing hands it turns any more
+            _kill_torchrun(turns, "torchrun", torchrun[0][0])
         watcher.join()
-        os.close(to_pool)
-        os.close(to_torchrun)
+        for fd in fds.values():
+            os.close(fd)
     proc, out = torchrun[0]
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun failed ({proc.returncode}):\n{err[0].decode(errors='replace')[-4000:]}")
@@ -253,22 +268,12 @@ def _wait_for_ranks(turns: Path, side: str, gone: subprocess.Popen[bytes] | thre
     return True
 
 
-def _abandon(turns: Path, torchrun: list[tuple[subprocess.Popen[bytes], Path]]) -> None:
-    """After the pool side: end a torchrun side that is still running (nothing hands it turns now)."""
-    if torchrun and torchrun[0][0].poll() is None:
-        _signal_ranks(turns, "torchrun", signal.SIGKILL)  # its workers have sessions of their own
-        os.killpg(torchrun[0][0].pid, signal.SIGKILL)
-
-
 def run_control(
     entry: dict[str, Any], params: dict[str, int], scratch: Path, a_first: bool
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One round of torchrun against itself, interleaved exactly as :func:`run_pair`: the noise floor."""
     turns = Path(tempfile.mkdtemp(dir=scratch))
-    for side in "ab":
-        os.mkfifo(turns / side)
-    fds = {side: os.open(turns / side, os.O_RDWR) for side in "ab"}
-    os.write(fds["a" if a_first else "b"], b"x")
+    fds = _turn_pipes(turns, ("a", "b"), "a" if a_first else "b")
     started: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
     try:
         for me, other in ("ab", "ba") if a_first else ("ba", "ab"):
@@ -284,10 +289,7 @@ def run_control(
             time.sleep(0.2)
     finally:
         for me, (proc, _) in started.items():
-            if proc.poll() is None:
-                _signal_ranks(turns, me, signal.SIGKILL)
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            _kill_torchrun(turns, me, proc)
         for fd in fds.values():
             os.close(fd)
     for me, (proc, _) in started.items():
