@@ -7,6 +7,7 @@ never imports torch into the kernel.
 
 from __future__ import annotations
 
+import sys
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
@@ -15,11 +16,11 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
 
-    from jupyter_shard.checkpoint import consolidate
-    from jupyter_shard.metrics import History
-    from jupyter_shard.pool import Pool
+    from jupyter_shard.kernel.checkpoint import consolidate
+    from jupyter_shard.kernel.history import History
+    from jupyter_shard.kernel.pool import Pool
+    from jupyter_shard.kernel.results import DistributedError, PoolError, RunResult
     from jupyter_shard.rank.shard import Shard
-    from jupyter_shard.results import DistributedError, PoolError, RunResult
     from jupyter_shard.spec import LaunchSpec, SpecError
     from jupyter_shard.strategies import register_strategy
 
@@ -42,14 +43,14 @@ __all__ = [
 ]
 
 _LAZY = {
-    "Pool": "jupyter_shard.pool",
-    "DistributedError": "jupyter_shard.results",
-    "PoolError": "jupyter_shard.results",
-    "RunResult": "jupyter_shard.results",
+    "Pool": "jupyter_shard.kernel.pool",
+    "DistributedError": "jupyter_shard.kernel.results",
+    "PoolError": "jupyter_shard.kernel.results",
+    "RunResult": "jupyter_shard.kernel.results",
     "LaunchSpec": "jupyter_shard.spec",
     "SpecError": "jupyter_shard.spec",
     "register_strategy": "jupyter_shard.strategies",
-    "consolidate": "jupyter_shard.checkpoint",
+    "consolidate": "jupyter_shard.kernel.checkpoint",
 }
 
 
@@ -64,6 +65,8 @@ def __getattr__(name: str) -> Any:
                 "(or code run by jupyter_shard.Pool.run)"
             )
         return helper
+    if name == "Pool" and "ipykernel" in sys.modules:
+        import_module("jupyter_shard.notebook.display")  # in a Jupyter kernel: the notebook's sink
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'jupyter_shard' has no attribute {name!r}")
@@ -74,8 +77,8 @@ def history() -> History:
 
     Iterate for records ``{"rank", "step", "time", <metric>: value}``, or ``.to_csv(path)``.
     """
-    from jupyter_shard.pool import latest_pool
-    from jupyter_shard.results import PoolError
+    from jupyter_shard.kernel.pool import latest_pool
+    from jupyter_shard.kernel.results import PoolError
 
     pool = latest_pool()
     if pool is None:
@@ -84,12 +87,12 @@ def history() -> History:
 
 
 def load_ipython_extension(ipython: InteractiveShell) -> None:
-    from jupyter_shard.magics import load
+    from jupyter_shard.notebook.magics import load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython: InteractiveShell) -> None:
-    from jupyter_shard.magics import unload
+    from jupyter_shard.notebook.magics import unload
 
     unload(ipython)

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
+from jupyter_shard.errors import ProtocolError
+
 __all__ = [
     "KEY_ENV",
     "TEXT_ERRORS",
@@ -129,10 +131,6 @@ class MetricsBody(TypedDict):
     rank: int
     names: list[str]
     count: int
-
-
-class ProtocolError(Exception):
-    """A frame that failed a size, signature, replay or schema check. Never fatal to the pool."""
 
 
 def new_key() -> bytes:

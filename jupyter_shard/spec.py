@@ -16,6 +16,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from jupyter_shard.errors import SpecError
+
 __all__ = [
     "Device",
     "LaunchSpec",
@@ -30,10 +32,6 @@ __all__ = [
 
 DEFAULT_TIMEOUT = 60.0
 MAX_RANKS = 1 << 16
-
-
-class SpecError(ValueError):
-    """A bad option: the message is one line saying what is wrong and what is allowed."""
 
 
 class Device(str, Enum):

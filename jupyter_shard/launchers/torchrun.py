@@ -22,8 +22,8 @@ import uuid
 from pathlib import Path
 from typing import ClassVar
 
-from jupyter_shard import _lifecycle
 from jupyter_shard._curve import CURVE_ENV
+from jupyter_shard._net import free_port
 from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
 from jupyter_shard.launchers.remote import (
     AgentProcess,
@@ -89,7 +89,7 @@ class TorchrunLauncher(Launcher):
         here = resolve_interface(spec.interface) if spec.interface is not None else socket.gethostname()
         reach = ["127.0.0.1" if local else (here if is_this_machine(h) else h) for h in hosts]
         first = reach[0] if hosts else "NODE0"
-        port = _lifecycle.free_port() if hosts and is_this_machine(hosts[0]) else RDZV_PORT
+        port = free_port() if hosts and is_this_machine(hosts[0]) else RDZV_PORT
         endpoint = f"{first}:{port}"
         rdzv_id = f"jupyter_shard-{uuid.uuid4().hex[:12]}"
         cwd = ranks[0].cwd

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jupyter_shard.errors import PoolError
+
 ENV_SWITCH = "JUPYTER_SHARD_ZYGOTE"
 READY_TIMEOUT = 120.0
 _MAX_MSG = 1 << 20
@@ -49,7 +51,7 @@ def interpreter_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
 # -- the kernel's side ---------------------------------------------------------------------------
 
 
-class ZygoteUnavailable(RuntimeError):
+class ZygoteUnavailable(PoolError):
     """The zygote ended or could not fork; the launcher spawns ranks instead."""
 
 

@@ -10,7 +10,6 @@ reported with its traceback and the process exits, so a pool start never waits o
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -21,37 +20,17 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from types import FrameType
 from typing import Any
 
 import zmq
 
 from jupyter_shard._curve import CURVE_ENV
-from jupyter_shard.protocol import KEY_ENV, MAX_FRAME, Message, cell_head, io_identity, rank_identity
+from jupyter_shard.protocol import KEY_ENV, Message, io_identity, rank_identity
 from jupyter_shard.rank.channel import Channel, ShellSocket, watch_kernel, watch_lifeline
+from jupyter_shard.rank.handlers import CellState, Runner, agent_store
 from jupyter_shard.rank.output import RankStream
 
 ENV_PREFIX = "JUPYTER_SHARD_"
-
-
-class RankState:
-    """What the main thread is doing, readable from the I/O thread."""
-
-    def __init__(self) -> None:
-        self.executing = False
-        self.cell_id = ""
-        self.cell_head = ""
-        self.started = 0.0
-
-    def begin(self, cell_id: str, code: str) -> None:
-        self.cell_id = cell_id
-        self.cell_head = cell_head(code)
-        self.started = time.time()
-        self.executing = True
-
-    def end(self) -> None:
-        self.executing = False
-        self.cell_head = ""
 
 
 def _env(name: str) -> str:
@@ -86,7 +65,7 @@ def main() -> None:
         watch_lifeline(int(_env("LIFELINE_FD")), int(_env("PARENT_PID")))
     else:  # started by an agent: live while the agent and the kernel connection do
         watch_kernel(shell_sock.monitor(), os.getppid())
-    state = RankState()
+    state = CellState()
     log = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="replace")
     lock = threading.Lock()
     sys.stdout = RankStream("stdout", log, channel.enqueue, lambda: state.cell_id, lock)
@@ -110,7 +89,7 @@ def main() -> None:
     runner.loop()
 
 
-def _start_up(rank: int, channel: Channel, shell_sock: ShellSocket, state: RankState) -> _Runner:
+def _start_up(rank: int, channel: Channel, shell_sock: ShellSocket, state: CellState) -> Runner:
     import torch
     import torch.distributed as dist
 
@@ -138,7 +117,7 @@ def _start_up(rank: int, channel: Channel, shell_sock: ShellSocket, state: RankS
         from torch.distributed.rendezvous import rendezvous
 
         store, _, _ = next(rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
-        _agent_store.append(store)
+        agent_store.append(store)
         dist.init_process_group(
             backend,
             store=PrefixStore("jupyter_shard/group-0/", store),
@@ -165,215 +144,7 @@ def _start_up(rank: int, channel: Channel, shell_sock: ShellSocket, state: RankS
             "job": os.environ.get("SLURM_JOB_ID", ""),
         },
     )
-    return _Runner(rank, channel, shell_sock, state, shell)
-
-
-class _Runner:
-    """The main thread's loop: one handler per message type, an unknown type is logged."""
-
-    def __init__(self, rank: int, channel: Channel, sock: ShellSocket, state: RankState, shell: Any) -> None:
-        self.rank = rank
-        self.channel = channel
-        self.sock = sock
-        self.state = state
-        self.shell = shell
-        self.handlers = {
-            "execute": self.execute,
-            "push": self.push,
-            "pull": self.pull,
-            "shutdown": self.shutdown,
-            "release": self.release,
-            "regroup": self.regroup,
-        }
-        # One SIGINT handler for the rank's life: it interrupts a running cell and is a no-op between
-        # cells, so a cell costs no sigaction calls; a cell that installs its own is undone after it.
-        self._sigint = self._on_sigint
-        signal.signal(signal.SIGINT, self._sigint)
-
-    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
-        """Between cells nothing is interrupted (a no-op handler, not SIG_IGN, which children inherit)."""
-        if self.state.executing:
-            raise KeyboardInterrupt
-
-    def _own_sigint(self) -> None:
-        if signal.getsignal(signal.SIGINT) is not self._sigint:
-            signal.signal(signal.SIGINT, self._sigint)
-
-    def loop(self) -> None:
-        while True:
-            msg = self.sock.recv()
-            handler = self.handlers.get(msg.type)
-            if handler is None:
-                print(f"jupyter_shard: rank {self.rank} ignored a {msg.type!r} message", file=sys.__stderr__)
-                continue
-            handler(msg)
-
-    def execute(self, msg: Message) -> None:
-        body = msg.body
-        cell_id, code = str(body["cell_id"]), str(body["code"])
-        started = time.perf_counter()
-        self.state.begin(cell_id, code)
-        try:  # the handler is put back after every cell, so it is ours here
-            error = self.shell.run(code, cell_id, int(body.get("exec_count", 0)))
-        except KeyboardInterrupt:
-            error = ("KeyboardInterrupt", "", ["KeyboardInterrupt"])
-        finally:
-            self.state.end()
-            self._own_sigint()
-        name, value, tb = error or ("", "", [])
-        self.sock.send(
-            "done",
-            {
-                "io_count": self.channel.flush(),
-                "cell_id": cell_id,
-                "status": "error" if error else "ok",
-                "ename": name,
-                "evalue": value,
-                "traceback": tb,
-                "duration": time.perf_counter() - started,
-            },
-        )
-
-    def push(self, msg: Message) -> None:
-        import cloudpickle
-
-        names = [str(n) for n in msg.body["names"]]
-        try:
-            values = [cloudpickle.loads(buf) for buf in msg.buffers]
-            self.shell.user_ns.update(zip(names, values, strict=True))
-            reply: dict[str, Any] = {"req_id": msg.body["req_id"], "ok": True, "error": ""}
-        except Exception as exc:
-            reply = {"req_id": msg.body["req_id"], "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        self.sock.send("push_reply", reply)
-
-    def pull(self, msg: Message) -> None:
-        import cloudpickle
-
-        name = str(msg.body["name"])
-        reply: dict[str, Any] = {"req_id": msg.body["req_id"], "ok": False, "error": ""}
-        buffers: list[bytes] = []
-        if name not in self.shell.user_ns:
-            reply["error"] = f"name {name!r} is not defined on rank {self.rank}"
-        else:
-            try:
-                value = self.shell.user_ns[name]
-                if msg.body.get("gather"):
-                    value = self._gathered(name, value)
-            except Exception as exc:
-                reply["error"] = f"rank {self.rank}: {exc}"
-                self.sock.send("pull_reply", reply, buffers)
-                return
-            try:
-                data = cloudpickle.dumps(value)
-                if len(data) > MAX_FRAME:
-                    reply["error"] = (
-                        f"{name!r} is {len(data) / 2**20:.0f} MiB pickled, over the "
-                        f"{MAX_FRAME / 2**20:.0f} MiB message limit; save it to a file instead"
-                    )
-                else:
-                    reply["ok"], buffers = True, [data]
-            except Exception as exc:
-                reply["error"] = f"{name!r} could not be pickled: {type(exc).__name__}: {exc}"
-        self.sock.send("pull_reply", reply, buffers)
-
-    def _gathered(self, name: str, value: Any) -> Any:
-        """The plain, unsharded model behind ``value`` (a collective: every rank takes part)."""
-        from jupyter_shard.rank.shard import current
-
-        helper = current()
-        if helper is None or value is not helper.prepared_model:
-            raise ValueError(f"--gather applies to the model returned by shard.prepare; {name!r} is not it")
-        return helper.full_model()
-
-    def release(self, msg: Message) -> None:
-        """Close this idle rank's process groups, so peers blocked in a collective with it fail now.
-
-        A gloo collective waiting on a peer that has left the cell neither times out early nor sees
-        SIGINT; closing the peer's connections makes it raise "Connection closed by peer" at once.
-        """
-        import torch.distributed as dist
-
-        error = ""
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        # The group's sockets close only with its last reference, which torch itself may keep (seen
-        # after autograd steps); shutting down the connections to the other ranks frees them anyway.
-        pids = [int(pid) for pid in msg.body.get("peers", [])]
-        hosts = [str(h) for h in msg.body.get("peer_hosts", [])] or [""] * len(pids)
-        here = socket.gethostname()
-        # Only processes on this machine can be looked up; ranks elsewhere fall back to the kill.
-        closed = _shut_down_connections_to([p for p, h in zip(pids, hosts, strict=False) if h in ("", here)])
-        body = {"req_id": msg.body["req_id"], "ok": not error, "error": error, "closed": closed}
-        self.sock.send("release_reply", body)
-
-    def regroup(self, msg: Message) -> None:
-        """Replace the default process group with a new one on a fresh store (after a release)."""
-        import torch.distributed as dist
-
-        from jupyter_shard.rank.shard import current
-
-        started = time.perf_counter()
-        reply: dict[str, Any] = {"req_id": msg.body["req_id"], "ok": True, "error": "", "prepared": False}
-        try:
-            if dist.is_initialized():
-                with contextlib.suppress(Exception):  # a group broken by the release: drop it anyway
-                    dist.destroy_process_group()
-            from torch._C._distributed_c10d import PrefixStore
-
-            backend = "nccl" if _env("DEVICE") == "cuda" else "gloo"
-            meet: dict[str, Any] = (
-                {"store": PrefixStore(str(msg.body["prefix"]), _agent_store[0])}
-                if "prefix" in msg.body
-                else {"init_method": "file://" + str(msg.body["store"])}
-            )
-            dist.init_process_group(
-                backend,
-                rank=self.rank,
-                world_size=int(os.environ["WORLD_SIZE"]),
-                timeout=timedelta(seconds=float(_env("TIMEOUT"))),
-                **meet,
-            )
-            helper = current()
-            reply["prepared"] = helper is not None and helper.group_rebuilt()
-        except Exception as exc:
-            reply["ok"], reply["error"] = False, f"{type(exc).__name__}: {exc}"
-        reply["seconds"] = time.perf_counter() - started
-        self.sock.send("regroup_reply", reply)
-
-    def shutdown(self, msg: Message) -> None:
-        self.channel.close()
-        os._exit(0)
-
-
-def _shut_down_connections_to(peers: list[int]) -> int:
-    """Shut down (not close: torch owns the fds) this process's TCP connections to ``peers``' ports."""
-    import psutil
-
-    ports: set[int] = set()
-    for pid in peers:
-        if pid == os.getpid():
-            continue
-        with contextlib.suppress(psutil.Error):
-            ports.update(c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp"))
-    closed = 0
-    for conn in psutil.Process().net_connections(kind="tcp"):
-        if conn.fd < 0 or not conn.raddr or conn.raddr.port not in ports:
-            continue
-        sock = socket.socket(fileno=conn.fd)
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-            closed += 1
-        except OSError:
-            pass
-        finally:
-            sock.detach()
-    return closed
-
-
-_agent_store: list[Any] = []  # the torchrun agent's store, kept for rebuilding the process group
+    return Runner(rank, channel, shell_sock, state, shell, backend, timeout.total_seconds())
 
 
 def _signal_self(msg: Message) -> None:
@@ -398,7 +169,7 @@ def _reply_stacks(channel: Channel, msg: Message) -> None:
     channel.enqueue("stacks_reply", {"req_id": msg.body["req_id"], "stacks": stacks}, [])
 
 
-def _status_body(state: RankState) -> dict[str, Any]:
+def _status_body(state: CellState) -> dict[str, Any]:
     from jupyter_shard.rank.shard import current, memory_report
 
     helper = current()
@@ -426,5 +197,5 @@ def current_collective() -> str:
     return outermost
 
 
-def _reply_status(channel: Channel, msg: Message, state: RankState) -> None:
+def _reply_status(channel: Channel, msg: Message, state: CellState) -> None:
     channel.enqueue("status_reply", {"req_id": msg.body["req_id"], **_status_body(state)}, [])

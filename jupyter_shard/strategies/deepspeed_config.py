@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jupyter_shard.errors import SpecError
+
 if TYPE_CHECKING:
     from jupyter_shard.strategies.base import StrategyContext
 
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
 DEFAULT_STAGE = 0
 
 
-class ConfigConflict(ValueError):
+class ConfigConflict(SpecError):
     """A pool option and the DeepSpeed JSON set the same thing to different values."""
 
 

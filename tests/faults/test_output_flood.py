@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from jupyter_client.session import Session
 
-from jupyter_shard.widgets.rank_output import MAX_BYTES_SHOWN
+from jupyter_shard.kernel.output import MAX_BYTES_SHOWN
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -21,7 +21,7 @@ pytestmark = [
 
 def test_nccl_pool_pins_one_device_per_rank(tmp_path: Path) -> None:
     from jupyter_shard import Pool
-    from jupyter_shard.widgets.rank_output import ConsoleSink
+    from jupyter_shard.kernel.output import ConsoleSink
 
     n = visible_gpus()
     with Pool(
@@ -48,7 +48,7 @@ def test_nccl_pool_pins_one_device_per_rank(tmp_path: Path) -> None:
 
 def test_ddp_training_step_on_gpu(tmp_path: Path) -> None:
     from jupyter_shard import Pool
-    from jupyter_shard.widgets.rank_output import ConsoleSink
+    from jupyter_shard.kernel.output import ConsoleSink
 
     n = visible_gpus()
     with Pool(
@@ -75,8 +75,8 @@ def test_dashboard_shows_cuda_memory_from_heartbeats(tmp_path: Path) -> None:
     import time
 
     from jupyter_shard import Pool
-    from jupyter_shard.widgets.dashboard import render
-    from jupyter_shard.widgets.rank_output import ConsoleSink
+    from jupyter_shard.notebook.dashboard import render
+    from jupyter_shard.kernel.output import ConsoleSink
 
     sink = ConsoleSink(io.StringIO(), io.StringIO())
     with Pool(nproc=1, device="cuda", log_dir=tmp_path, sink=sink) as pool:

@@ -42,7 +42,7 @@ def test_bf16_training_on_gpu_reports_cuda_memory(
     if strategy == "deepspeed":
         pytest.importorskip("deepspeed")
     from jupyter_shard import LaunchSpec, Pool
-    from jupyter_shard.widgets.rank_output import ConsoleSink
+    from jupyter_shard.kernel.output import ConsoleSink
 
     spec = LaunchSpec.create(
         nproc=visible_gpus(), device="cuda", strategy=strategy, precision="bf16-mixed", **extra

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import pytest
 
 from jupyter_shard import DistributedError, Pool, PoolError
-from jupyter_shard.background import BackgroundRun
-from jupyter_shard.results import RankActivity
-from jupyter_shard.widgets.rank_output import ConsoleSink
+from jupyter_shard.kernel.background import BackgroundRun
+from jupyter_shard.kernel.results import RankActivity
+from jupyter_shard.kernel.output import ConsoleSink
 
 pytestmark = pytest.mark.timeout(180)
 

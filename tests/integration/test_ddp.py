@@ -14,7 +14,7 @@ import pytest
 from training_cells import LOSS_PARITY, SETUP
 
 from jupyter_shard import LaunchSpec, Pool
-from jupyter_shard.widgets.rank_output import ConsoleSink
+from jupyter_shard.kernel.output import ConsoleSink
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from jupyter_shard import DistributedError, Pool
-from jupyter_shard.checkpoint import load_full_state_dict
+from jupyter_shard.kernel.checkpoint import load_full_state_dict
 from jupyter_shard.spec import LaunchSpec
-from jupyter_shard.widgets.rank_output import ConsoleSink
+from jupyter_shard.kernel.output import ConsoleSink
 
 pytestmark = pytest.mark.timeout(240)
 

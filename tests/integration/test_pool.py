@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from jupyter_shard import DistributedError, Pool, PoolError
-from jupyter_shard.widgets.rank_output import ConsoleSink
+from jupyter_shard.kernel.output import ConsoleSink
 
 pytestmark = pytest.mark.timeout(180)
 

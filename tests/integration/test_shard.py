@@ -13,7 +13,7 @@ import torch
 
 from jupyter_shard import Pool, PoolError
 from jupyter_shard.strategies.base import StrategyBase
-from jupyter_shard.widgets.rank_output import ConsoleSink
+from jupyter_shard.kernel.output import ConsoleSink
 
 pytestmark = pytest.mark.timeout(180)
 

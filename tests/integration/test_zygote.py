@@ -18,7 +18,7 @@ import pytest
 
 from jupyter_shard import Pool, PoolError
 from jupyter_shard.launchers import zygote
-from jupyter_shard.widgets.rank_output import ConsoleSink
+from jupyter_shard.kernel.output import ConsoleSink
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from jupyter_shard import Pool
-from jupyter_shard.export import export
-from jupyter_shard.widgets.rank_output import ConsoleSink
+from jupyter_shard.export.render import export
+from jupyter_shard.kernel.output import ConsoleSink
 from tests.launchers.conftest import SlurmCluster
 
 pytestmark = pytest.mark.timeout(240)

@@ -22,7 +22,7 @@ import pytest
 from jupyter_shard import DistributedError, Pool
 from jupyter_shard.launchers.slurm import SlurmLauncher
 from jupyter_shard.spec import LaunchSpec
-from jupyter_shard.widgets.rank_output import ConsoleSink
+from jupyter_shard.kernel.output import ConsoleSink
 
 from .conftest import SlurmCluster
 

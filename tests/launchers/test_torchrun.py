@@ -27,7 +27,7 @@ from jupyter_shard import DistributedError, Pool
 from jupyter_shard._curve import CurveKeys, secure_client
 from jupyter_shard.protocol import Wire, rank_identity
 from jupyter_shard.spec import LaunchSpec
-from jupyter_shard.widgets.rank_output import ConsoleSink
+from jupyter_shard.kernel.output import ConsoleSink
 
 pytestmark = pytest.mark.timeout(180)
 

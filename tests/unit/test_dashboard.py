@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from jupyter_shard.metrics import History
-from jupyter_shard.results import RankActivity, RankState
-from jupyter_shard.widgets import dashboard as dash
-from jupyter_shard.widgets.charts import line_chart, nice_ticks
+from jupyter_shard.kernel.history import History
+from jupyter_shard.kernel.results import RankActivity, RankState
+from jupyter_shard.notebook import dashboard as dash
+from jupyter_shard.notebook.charts import line_chart, nice_ticks
 
 
 @dataclass

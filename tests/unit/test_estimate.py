@@ -1,4 +1,4 @@
-"""jupyter_shard.estimate: per-rank bytes against the ZeRO formulas, plan rules, counts, recommendations."""
+"""jupyter_shard.planner.estimate: per-rank bytes against the ZeRO formulas, plan rules, counts, recommendations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jupyter_shard.estimate import (
+from jupyter_shard.planner.estimate import (
     CAVEAT,
     Bytes,
     Plan,
@@ -22,7 +22,7 @@ from jupyter_shard.estimate import (
     ranks_needed,
     recommend,
 )
-from jupyter_shard.free_memory import FreeMemory
+from jupyter_shard.planner.free_memory import FreeMemory
 from jupyter_shard.spec import Device, Offload, Precision, SpecError
 
 MIXED = (Precision.BF16_MIXED, Precision.FP16_MIXED)

@@ -16,11 +16,11 @@ import cloudpickle
 import pytest
 import torch
 
-from jupyter_shard import export as export_module
-from jupyter_shard import script as script_module
-from jupyter_shard.export import export, export_magic, render_sbatch, render_script
+from jupyter_shard.export import render as export_module
+from jupyter_shard.rank import script as script_module
+from jupyter_shard.export.render import export, export_magic, render_sbatch, render_script
 from jupyter_shard.spec import Device, LaunchSpec, SpecError
-from jupyter_shard.transcript import CellEntry, PushEntry, Transcript
+from jupyter_shard.kernel.transcript import CellEntry, PushEntry, Transcript
 
 WHEN = datetime(2025, 1, 2, 3, 4)
 
@@ -200,7 +200,7 @@ def test_ipython_syntax_is_transformed_and_the_script_gets_a_shell() -> None:
     assert "get_ipython().run_line_magic('time', 'y = 2')" in text
     assert "get_ipython().system('echo hi')" in text
     assert "get_ipython().run_cell_magic('time', '', 'z = 3\\n')" in text
-    assert "from jupyter_shard.script import finish, ipython, start" in text
+    assert "from jupyter_shard.rank.script import finish, ipython, start" in text
     assert (
         text.index("shard = start(")
         < text.index("get_ipython = ipython(globals())")

@@ -1,4 +1,4 @@
-"""jupyter_shard.free_memory: the pool's report first, then nvidia-smi, psutil for host RAM; no CUDA here."""
+"""jupyter_shard.planner.free_memory: the pool's report first, then nvidia-smi, psutil for host RAM; no CUDA here."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_shard import free_memory
-from jupyter_shard.free_memory import (
+from jupyter_shard.planner import free_memory
+from jupyter_shard.planner.free_memory import (
     FreeMemory,
     MemorySnapshot,
     parse_nvidia_smi,
     probe_memory,
     run_nvidia_smi,
 )
-from jupyter_shard.results import PoolError, RankState, RankStatus
+from jupyter_shard.kernel.results import PoolError, RankState, RankStatus
 from jupyter_shard.spec import Device
 
 MIB = 2**20
@@ -132,7 +132,7 @@ def test_host_available_is_psutil() -> None:
 
 def test_the_kernel_side_imports_no_torch() -> None:
     code = (
-        "import sys, jupyter_shard.free_memory, jupyter_shard.estimate, jupyter_shard.widgets.picker;"
+        "import sys, jupyter_shard.planner.free_memory, jupyter_shard.planner.estimate, jupyter_shard.notebook.picker;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-"""jupyter_shard.magics without rank processes: option errors are one UsageError line, no pool is made.
+"""jupyter_shard.notebook.magics without rank processes: option errors are one UsageError line, no pool is made.
 
 ``Pool`` is replaced by a tripwire for every test here, so a bug that reached pool creation fails the
 test instead of starting ranks.
@@ -14,10 +14,10 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
-from jupyter_shard import magics as magics_mod
+from jupyter_shard.notebook import magics as magics_mod
 from jupyter_shard import spec as spec_mod
-from jupyter_shard.magics import DistributedMagics, StatusTable, _parse
-from jupyter_shard.results import RankState, RankStatus
+from jupyter_shard.notebook.magics import DistributedMagics, StatusTable, _parse
+from jupyter_shard.kernel.results import RankState, RankStatus
 from jupyter_shard.spec import LaunchSpec
 
 
@@ -275,7 +275,7 @@ def test_status_table_text_and_html() -> None:
 
 
 def test_a_restart_names_every_option_that_changed() -> None:
-    from jupyter_shard.magics import _change
+    from jupyter_shard.notebook.magics import _change
 
     old = LaunchSpec.create(nproc=2, device="cpu", strategy="deepspeed", zero_stage=2, gpu_count=0)
     new = old.with_changes(nproc=4, zero_stage=3)
@@ -286,7 +286,7 @@ def test_a_restart_names_every_option_that_changed() -> None:
 def test_collective_timeout_is_a_pool_setting_kept_across_cells(
     shell: InteractiveShell, magics: DistributedMagics
 ) -> None:
-    from jupyter_shard.magics import _change
+    from jupyter_shard.notebook.magics import _change
 
     spec = magics._resolve(_parse(magics._parser, "--nproc 2 --device cpu --collective-timeout 20"))
     assert spec.timeout == 20.0

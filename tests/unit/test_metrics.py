@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jupyter_shard.metrics import History, binned, mean_across
+from jupyter_shard.kernel.history import History, binned, mean_across
 
 
 def _log(h: History, rank: int, n: int, start: int = 1, **extra: float) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jupyter_shard import oom
+from jupyter_shard.kernel import oom
 
 V2_MOUNTINFO = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
 V1_MOUNTINFO = (

@@ -14,9 +14,9 @@ from typing import Any, ClassVar
 import pytest
 
 import jupyter_shard
-from jupyter_shard.results import RankActivity, RankState
-from jupyter_shard.widgets import panel
-from jupyter_shard.widgets.rank_output import RANK_OUTPUT_MIME, NotebookSink, RankOutputDisplay
+from jupyter_shard.kernel.results import RankActivity, RankState
+from jupyter_shard.notebook import panel
+from jupyter_shard.notebook.display import RANK_OUTPUT_MIME, NotebookSink, RankOutputDisplay
 
 ROOT = Path(__file__).resolve().parents[2]
 

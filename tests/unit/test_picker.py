@@ -1,4 +1,4 @@
-"""jupyter_shard.widgets.picker: the %dist_picker form follows its fields and its buttons do what they say."""
+"""jupyter_shard.notebook.picker: the %dist_picker form follows its fields and its buttons do what they say."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from torch import nn
 
-from jupyter_shard.estimate import CAVEAT, plans
-from jupyter_shard.free_memory import MemorySnapshot
-from jupyter_shard.results import RankState, RankStatus
+from jupyter_shard.planner.estimate import CAVEAT, plans
+from jupyter_shard.planner.free_memory import MemorySnapshot
+from jupyter_shard.kernel.results import RankState, RankStatus
 from jupyter_shard.spec import LaunchSpec, SpecError
-from jupyter_shard.widgets.picker import Picker, picker
-from jupyter_shard.widgets.picker_choice import ModelInfo
+from jupyter_shard.notebook.picker import Picker, picker
+from jupyter_shard.planner.choice import ModelInfo
 
 GIB = 2**30
 FOUR_GPUS = MemorySnapshot(((70 * GIB, 80 * GIB),) * 4, 200 * GIB, "nvidia-smi")

@@ -1,4 +1,4 @@
-"""jupyter_shard.widgets.picker_choice: %dist_picker's argument, checked choices, the line and the config."""
+"""jupyter_shard.planner.choice: %dist_picker's argument, checked choices, the line and the config."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from jupyter_shard._atomic import write_atomic
-from jupyter_shard.estimate import Plan
-from jupyter_shard.magics import _distributed_parser
+from jupyter_shard.planner.estimate import Plan
+from jupyter_shard.notebook.magics import _distributed_parser
 from jupyter_shard.spec import Device, LaunchSpec, Offload, Precision, SpecError
-from jupyter_shard.widgets.picker_choice import (
+from jupyter_shard.planner.choice import (
     ModelInfo,
     check_fields,
     copy_button,

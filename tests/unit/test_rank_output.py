@@ -1,4 +1,4 @@
-"""jupyter_shard.widgets.rank_output: line assembly, progress lines, labelling, the per-cell cap."""
+"""jupyter_shard.notebook.display: line assembly, progress lines, labelling, the per-cell cap."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jupyter_shard.widgets import rank_output
-from jupyter_shard.widgets.rank_output import ConsoleSink, LineAssembler, RankSink, label_bundle, visible_text
+from jupyter_shard.kernel import output as rank_output
+from jupyter_shard.kernel.output import ConsoleSink, LineAssembler, RankSink, visible_text
+from jupyter_shard.notebook.display import label_bundle
 
 # -- visible_text / LineAssembler --------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
-"""jupyter_shard.results: RunResult, failure ordering and the DistributedError message."""
+"""jupyter_shard.kernel.results: RunResult, failure ordering and the DistributedError message."""
 
 from __future__ import annotations
 
-from jupyter_shard.results import DistributedError, RankResult, RunResult
+from jupyter_shard.kernel.results import DistributedError, RankResult, RunResult
 
 
 def _tb(rank: int) -> list[str]:

@@ -12,9 +12,9 @@ import pytest
 from jupyter_shard.launchers.base import RankHandle
 from jupyter_shard.protocol import Wire, io_identity, new_key
 from jupyter_shard.rank.output import RankStream
-from jupyter_shard.receiver import RankRecord, Receiver
-from jupyter_shard.results import RankResult, RunResult
-from jupyter_shard.widgets.rank_output import ConsoleSink
+from jupyter_shard.kernel.connection import RankRecord, Receiver
+from jupyter_shard.kernel.results import RankResult, RunResult
+from jupyter_shard.kernel.output import ConsoleSink
 
 
 class _Handle(RankHandle):

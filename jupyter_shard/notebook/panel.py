@@ -16,8 +16,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from jupyter_shard.pool import Pool
-from jupyter_shard.results import RankState
+from jupyter_shard.kernel.pool import Pool
+from jupyter_shard.kernel.results import RankState
 
 COMM_TARGET = "jupyter_shard"
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class Comm(Protocol):
 
 
 class PoolHolder(Protocol):
-    """What the panel needs from :class:`~jupyter_shard.magics.DistributedMagics`: its pool."""
+    """What the panel needs from :class:`~jupyter_shard.notebook.magics.DistributedMagics`: its pool."""
 
     pool: Pool | None
 

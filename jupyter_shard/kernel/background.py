@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from jupyter_shard.results import DistributedError, PoolError, RankResult, RunResult
+from jupyter_shard.kernel.results import DistributedError, PoolError, RankResult, RunResult
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Why it exists: choosing between DDP, the ZeRO stages, FSDP's sharding modes and offload is mostly a
 question of whether the training state fits. This module counts that state per rank (parameters,
 gradients and optimizer state of Adam) for every strategy and recommends the fastest strategy that
-fits in the free memory (found by :mod:`jupyter_shard.free_memory`). Activations are not counted:
+fits in the free memory (found by :mod:`jupyter_shard.planner.free_memory`). Activations are not counted:
 they depend on batch size and sequence length. Pure functions: no torch, no widgets, no I/O.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 
-from jupyter_shard.free_memory import FreeMemory
+from jupyter_shard.planner.free_memory import FreeMemory
 from jupyter_shard.spec import Device, Offload, Precision, SpecError
 
 #: the fraction of free memory a plan may take (exact, so boundaries are exact); the rest is for activations

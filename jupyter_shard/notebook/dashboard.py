@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets
 from IPython.display import DisplayHandle, display
 
-from jupyter_shard.metrics import History, binned, mean_across
-from jupyter_shard.results import RankActivity, RankState
-from jupyter_shard.widgets.charts import Trace, fmt, line_chart
+from jupyter_shard.kernel.history import History, binned, mean_across
+from jupyter_shard.kernel.results import RankActivity, RankState
+from jupyter_shard.notebook.charts import Trace, fmt, line_chart
 
 if TYPE_CHECKING:
-    from jupyter_shard.pool import Pool
+    from jupyter_shard.kernel.pool import Pool
 
 MIN_INTERVAL = 0.2  # seconds between redraws of one dashboard: at most 5 a second
 RENDER_SHARE = 0.02  # and longer apart when drawing is slow: drawing and sending take at most 2% of a core

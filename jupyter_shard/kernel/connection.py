@@ -4,7 +4,7 @@
 incoming messages into updates of that record, of the running cell's :class:`RunResult`, of the
 output sink and of the metrics history, through one table of handlers by message type. A message
 from an unknown peer, with a bad signature or replayed is dropped and counted, never fatal.
-:class:`~jupyter_shard.pool.Pool` builds the lifecycle and the cell loop on top of it.
+:class:`~jupyter_shard.kernel.pool.Pool` builds the lifecycle and the cell loop on top of it.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ from typing import Any
 
 import zmq
 
-from jupyter_shard import oom
+from jupyter_shard.kernel import oom
+from jupyter_shard.kernel.history import History
+from jupyter_shard.kernel.output import RankSink, visible_text
+from jupyter_shard.kernel.results import PoolError, RankState, RunResult
 from jupyter_shard.launchers import RankHandle
-from jupyter_shard.metrics import History
 from jupyter_shard.protocol import (
     TEXT_ERRORS,
     Message,
@@ -34,8 +36,6 @@ from jupyter_shard.protocol import (
     parse_identity,
     rank_identity,
 )
-from jupyter_shard.results import PoolError, RankState, RunResult
-from jupyter_shard.widgets.rank_output import RankSink, visible_text
 
 CAPTURE_LIMIT = 4 * 1024 * 1024
 

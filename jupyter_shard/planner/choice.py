@@ -3,7 +3,7 @@ the ``%%distributed`` line and ``--config`` JSON that choice needs.
 
 Why it exists: the rules that make a choice runnable (ZeRO stages only with deepspeed, which offload
 each strategy supports, which options live in the line and which in a config file) are plain
-functions, testable without a widget; :mod:`jupyter_shard.widgets.picker` is the form around them.
+functions, testable without a widget; :mod:`jupyter_shard.notebook.picker` is the form around them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jupyter_shard import estimate as est
+from jupyter_shard.planner import estimate as est
 from jupyter_shard.spec import Device, Offload, Precision, SpecError
 
 USAGE = "pass a model (`%dist_picker model`) or a parameter count (`%dist_picker 1.3B`)"

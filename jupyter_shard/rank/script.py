@@ -61,7 +61,7 @@ def start(
     """Join the process group torchrun describes and return this rank's ``shard`` (call once)."""
     global _current
     if _current is not None:
-        raise RuntimeError("jupyter_shard.script.start() was called twice; call it once per process")
+        raise RuntimeError("jupyter_shard.rank.script.start() was called twice; call it once per process")
     _default_to_one_rank()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
@@ -131,7 +131,7 @@ def _default_to_one_rank() -> None:
     """Run as ``python train.py`` (no torchrun): a world of one rank on this machine."""
     if "RANK" in os.environ:
         return
-    from jupyter_shard._lifecycle import free_port
+    from jupyter_shard._net import free_port
 
     defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
     defaults |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}

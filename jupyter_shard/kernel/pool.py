@@ -3,7 +3,7 @@
 A :class:`Pool` owns one ROUTER socket on ``ipc://`` inside a private 0700 directory, the pool key,
 and a lifeline pipe whose write end only this process holds: when the kernel dies, every rank sees
 the pipe close and kills its own process group. The thread that calls :meth:`Pool.run` pumps
-messages (through :class:`~jupyter_shard.receiver.Receiver`) until every target rank reports
+messages (through :class:`~jupyter_shard.kernel.connection.Receiver`) until every target rank reports
 ``done``, a rank dies, or the user interrupts; ranks that do not stop are escalated here.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -26,21 +25,14 @@ from typing import Any, Protocol
 
 import zmq
 
-from jupyter_shard import _lifecycle
-from jupyter_shard._curve import CURVE_ENV, CurveKeys, CurveServer
-from jupyter_shard.background import BackgroundRun, Gathering
-from jupyter_shard.launchers import RankLaunch, get_launcher
-from jupyter_shard.launchers.base import Launcher
-from jupyter_shard.protocol import (
-    KERNEL,
-    KEY_ENV,
-    MAX_FRAME,
-    Wire,
-    cell_head,
-    new_key,
-)
-from jupyter_shard.receiver import RankRecord, Receiver
-from jupyter_shard.results import (
+from jupyter_shard._curve import CurveKeys, CurveServer
+from jupyter_shard._net import free_port
+from jupyter_shard.kernel import lifecycle as _lifecycle
+from jupyter_shard.kernel.background import BackgroundRun, Gathering
+from jupyter_shard.kernel.connection import RankRecord, Receiver
+from jupyter_shard.kernel.launches import rank_launch
+from jupyter_shard.kernel.output import RankSink, default_sink
+from jupyter_shard.kernel.results import (
     DistributedError,
     PoolError,
     RankActivity,
@@ -49,9 +41,17 @@ from jupyter_shard.results import (
     RankStatus,
     RunResult,
 )
+from jupyter_shard.kernel.transcript import CellEntry, PushEntry, Transcript
+from jupyter_shard.launchers import get_launcher
+from jupyter_shard.launchers.base import Launcher
+from jupyter_shard.protocol import (
+    KERNEL,
+    MAX_FRAME,
+    Wire,
+    cell_head,
+    new_key,
+)
 from jupyter_shard.spec import DEFAULT_TIMEOUT, LaunchSpec, format_ranks
-from jupyter_shard.transcript import CellEntry, PushEntry, Transcript
-from jupyter_shard.widgets.rank_output import ConsoleSink, NotebookSink, RankSink
 
 __all__ = ["Pool"]
 
@@ -97,7 +97,7 @@ class Pool(Receiver):
         self.spec = spec or LaunchSpec.create(
             nproc=nproc, device=device, strategy=strategy, timeout=timeout, launcher=launcher
         )
-        super().__init__(sink or (NotebookSink() if _in_kernel() else ConsoleSink()))
+        super().__init__(sink or default_sink())
         self._log_root = Path(log_dir) if log_dir else None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._dir: Path | None = None
@@ -170,9 +170,20 @@ class Pool(Receiver):
             launcher.deliver = self._deliver_signal
         lifeline_r, self._lifeline_w = os.pipe()
         # One MASTER_PORT for the whole pool, as torchrun gives: code that meets on it finds one place.
-        port = _lifecycle.free_port()
+        port = free_port()
         launches = [
-            self._launch(rank, address, key, lifeline_r, port, curve) for rank in range(self.world_size)
+            rank_launch(
+                self.spec,
+                rank,
+                address=address,
+                key=key,
+                lifeline_fd=lifeline_r,
+                master_port=port,
+                curve=curve,
+                pool_dir=self._dir,
+                log_dir=self.log_dir,
+            )
+            for rank in range(self.world_size)
         ]
         try:
             handles = launcher.start(self.spec, launches, lifeline_r)
@@ -201,46 +212,6 @@ class Pool(Receiver):
         finally:
             self._foreground = foreground
         self._start_watcher()
-
-    def _launch(
-        self, rank: int, address: str, key: bytes, lifeline_r: int, master_port: int, curve: CurveKeys | None
-    ) -> RankLaunch:
-        assert self._dir is not None and self.log_dir is not None
-        env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTER_SHARD_")}
-        nproc = self.world_size
-        package_root = str(Path(__file__).resolve().parent.parent)
-        env.update(
-            {
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(nproc),
-                "LOCAL_WORLD_SIZE": str(nproc),
-                "GROUP_RANK": "0",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(master_port),
-                "GLOO_SOCKET_IFNAME": _lifecycle.loopback_interface(),
-                "NCCL_SOCKET_IFNAME": _lifecycle.loopback_interface(),
-                "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p),
-                KEY_ENV: key.hex(),
-                "JUPYTER_SHARD_ADDRESS": address,
-                "JUPYTER_SHARD_STORE": str(self._dir / "store"),
-                "JUPYTER_SHARD_MAX_FRAME": str(MAX_FRAME),  # one message limit on both ends
-                "JUPYTER_SHARD_LIFELINE_FD": str(lifeline_r),
-                "JUPYTER_SHARD_PARENT_PID": str(os.getpid()),
-                "JUPYTER_SHARD_DEVICE": self.spec.device.value,
-                "JUPYTER_SHARD_STRATEGY": self.spec.strategy,
-                "JUPYTER_SHARD_OPTIONS": json.dumps(self.spec.rank_options()),
-                "JUPYTER_SHARD_TIMEOUT": str(self.spec.timeout),
-                "JUPYTER_SHARD_LOG": str(self.log_dir / f"rank-{rank}.log"),
-            }
-        )
-        if curve is not None:  # started by an agent: no lifeline fd, no FileStore, its own log file
-            env[CURVE_ENV] = curve.client_env()
-            env["JUPYTER_SHARD_RANK_LOGS"] = str(self.log_dir)
-        per_host = self.spec.nproc  # ranks sharing this rank's machine
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_host)))
-        return RankLaunch(rank=rank, env=env, log_path=self.log_dir / f"rank-{rank}.log", cwd=Path.cwd())
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT
@@ -906,15 +877,6 @@ def _tail(path: Path, limit: int = 4000) -> str:
     except OSError:
         return "(no log)"
     return data.decode(errors="replace").strip() or "(the log is empty)"
-
-
-def _in_kernel() -> bool:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and hasattr(shell, "kernel")
 
 
 @atexit.register

@@ -10,7 +10,15 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from jupyter_shard.errors import PoolError, ShardError
 from jupyter_shard.spec import format_ranks
+
+__all__ = [
+    "DistributedError",
+    "PoolError",
+    "RankResult",
+    "RunResult",
+]
 
 
 class RankState(str, Enum):
@@ -93,11 +101,7 @@ class RankActivity:
     problem: str = ""  # "dead: ..." or "stuck: ..." when the rank needs attention
 
 
-class PoolError(RuntimeError):
-    """The pool cannot do what was asked (not started, a rank is dead, start-up failed)."""
-
-
-class DistributedError(Exception):
+class DistributedError(ShardError):
     """A cell failed on one or more ranks; the first failing rank is named first."""
 
     def __init__(self, result: RunResult, headline: str | None = None) -> None:

@@ -1,7 +1,7 @@
 """``%dist_export``: the cells a pool ran, written out as a torchrun script (and an sbatch file).
 
-The script replays the pool's :class:`~jupyter_shard.transcript.Transcript` in order: ``shard =
-start(...)`` with the pool's strategy options (see :mod:`jupyter_shard.script`), then each cell that
+The script replays the pool's :class:`~jupyter_shard.kernel.transcript.Transcript` in order: ``shard =
+start(...)`` with the pool's strategy options (see :mod:`jupyter_shard.rank.script`), then each cell that
 succeeded, verbatim (cells with IPython syntax go through IPython's own transform and a shell), and
 each pushed value where it was pushed: a literal when its ``repr`` reads back equal, otherwise the
 cloudpickle bytes the ranks received, in the script or, over :data:`SIDECAR_OVER`, in a file in
@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from jupyter_shard._atomic import write_atomic
+from jupyter_shard.kernel.transcript import CellEntry, PushEntry, Transcript
 from jupyter_shard.spec import Device, LaunchSpec, SpecError, format_ranks
-from jupyter_shard.transcript import CellEntry, PushEntry, Transcript
 
 if TYPE_CHECKING:
-    from jupyter_shard.pool import Pool
+    from jupyter_shard.kernel.pool import Pool
 
 __all__ = ["Rendered", "export", "export_magic", "render_sbatch", "render_script"]
 
@@ -84,7 +84,7 @@ class Rendered:
     cells: int = 0
     failed: int = 0
     values: int = 0
-    helpers: set[str] = field(default_factory=set)  # names the script imports from jupyter_shard.script
+    helpers: set[str] = field(default_factory=set)  # names the script imports from jupyter_shard.rank.script
 
 
 def export(
@@ -165,7 +165,7 @@ def render_script(
     out.helpers.update(["finish", "start"] + (["ipython"] if shell else []))
     registration = _registered_strategy(spec, out)
     header = _header(spec, script_name, source, when, out, sbatch)
-    head = [header, "", f"from jupyter_shard.script import {', '.join(sorted(out.helpers))}", ""]
+    head = [header, "", f"from jupyter_shard.rank.script import {', '.join(sorted(out.helpers))}", ""]
     head += [*registration, _start_call(spec)]
     if shell:
         head.append("get_ipython = ipython(globals())  # cells below use IPython syntax (magics, !cmd)")
@@ -200,7 +200,7 @@ def _header(
         "Cells run in the order they ran in the notebook; cells that failed there are left out.",
         "Values pushed with %dist_push are assigned where they were pushed. A cell's last expression",
         "(its Out[n] in the notebook) is evaluated but not shown: print it to see it. shard.log",
-        "scalars go to JSON Lines files per rank (see jupyter_shard.script).",
+        "scalars go to JSON Lines files per rank (see jupyter_shard.rank.script).",
         '"""',
     ]
     return "\n".join(lines)

@@ -20,7 +20,7 @@ import psutil
 from jupyter_shard.spec import Device
 
 if TYPE_CHECKING:
-    from jupyter_shard.results import RankStatus
+    from jupyter_shard.kernel.results import RankStatus
 
 
 class StatusSource(Protocol):

@@ -3,7 +3,7 @@
 Why it exists: whether DDP, a ZeRO stage, an FSDP sharding mode or offload is right depends on how
 the model's training state compares with free memory, and the options that select each one are spread
 over the line and a ``--config`` JSON. The form shows every strategy's per-rank memory
-(:mod:`jupyter_shard.estimate`), recommends the fastest that fits, explains combinations that do
+(:mod:`jupyter_shard.planner.estimate`), recommends the fastest that fits, explains combinations that do
 not work, and produces the line (copy, insert as a cell, use as default) and the config file.
 """
 
@@ -18,11 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
-from jupyter_shard import estimate as est
 from jupyter_shard._atomic import write_atomic
-from jupyter_shard.free_memory import FreeMemory, MemorySnapshot, probe_memory
-from jupyter_shard.spec import Device, Offload, Precision, SpecError, visible_gpus
-from jupyter_shard.widgets.picker_choice import (
+from jupyter_shard.planner import estimate as est
+from jupyter_shard.planner.choice import (
     DEFAULT_CONFIG,
     FILE_NAME,
     Choice,
@@ -33,9 +31,11 @@ from jupyter_shard.widgets.picker_choice import (
     model_info,
     strategy_config,
 )
+from jupyter_shard.planner.free_memory import FreeMemory, MemorySnapshot, probe_memory
+from jupyter_shard.spec import Device, Offload, Precision, SpecError, visible_gpus
 
 if TYPE_CHECKING:
-    from jupyter_shard.pool import Pool
+    from jupyter_shard.kernel.pool import Pool
 
 __all__ = ["Picker", "picker"]
 

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import tempfile
 import time
 import uuid
@@ -107,18 +106,3 @@ def new_log_dir(root: Path | None) -> Path:
     path = base / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
-
-
-def free_port() -> int:
-    """A currently free loopback port (for MASTER_PORT; the pool itself listens on no TCP port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def loopback_interface() -> str:
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addrs):
-            return name
-    return "lo"

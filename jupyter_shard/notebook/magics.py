@@ -19,12 +19,12 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.display import DisplayHandle, display
 
-from jupyter_shard.background import BackgroundRun
-from jupyter_shard.pool import Pool
-from jupyter_shard.results import DistributedError, PoolError, RankStatus, RunResult
+from jupyter_shard.kernel.background import BackgroundRun
+from jupyter_shard.kernel.pool import Pool
+from jupyter_shard.kernel.results import DistributedError, PoolError, RankStatus, RunResult
+from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard
+from jupyter_shard.notebook.panel import register_comm
 from jupyter_shard.spec import LaunchSpec, SpecError, parse_ranks
-from jupyter_shard.widgets.dashboard import CellDashboard, Dashboard
-from jupyter_shard.widgets.panel import register_comm
 
 INTERRUPT_WAIT = 10.0  # seconds %dist_interrupt and an interrupted %dist_wait wait for a background run
 
@@ -255,7 +255,7 @@ class DistributedMagics(Magics):
     @line_magic
     def dist_picker(self, line: str) -> Any:
         """Strategy picker: %dist_picker [MODEL_VARIABLE | PARAMETER_COUNT like 1.3B]"""
-        from jupyter_shard.widgets.picker import picker
+        from jupyter_shard.notebook.picker import picker
 
         def set_default(options: str) -> None:
             self.default_line = options.removeprefix("%%distributed").strip()
@@ -355,7 +355,7 @@ class DistributedMagics(Magics):
     def dist_export(self, line: str) -> None:
         """Write the cells run since the pool started as a torchrun script:
         %dist_export train.py [--sbatch job.sbatch] [--force]"""
-        from jupyter_shard.export import export_magic
+        from jupyter_shard.export.render import export_magic
 
         if self.pool is None:
             raise UsageError("nothing to export: no %%distributed cell has run in this kernel")
