@@ -100,6 +100,8 @@ ROUND_TRIP = {
     "ipp-nb": "ipyparallel `%%px` (kernel)",
     "jd": "jupyter-distributed `group.execute`",
     "jd-nb": "jupyter-distributed kernel",
+    "shard-tree": "jupyter_shard `Pool.run`, this tree (A/B driver)",
+    "shard-base": "jupyter_shard `Pool.run`, `--baseline` tree (A/B driver)",
 }
 COLD = {
     "shard": "jupyter_shard, zygote",
@@ -527,6 +529,97 @@ class ShardSession:
             zygote.close_all()
 
 
+_AB_DRIVER = """
+import sys, time
+from jupyter_shard import Pool
+pool = Pool(nproc=int(sys.argv[1]), device="cpu", log_dir=sys.argv[2])
+pool.start()
+print("ready", flush=True)
+for line in sys.stdin:
+    if line.strip() != "go":
+        break
+    t0 = time.perf_counter()
+    pool.run("pass")
+    print(f"took {time.perf_counter() - t0!r}", flush=True)
+pool.shutdown()
+"""
+
+
+class _AbSide:
+    """One tree's pool in its own process: each ``go`` line is one timed ``Pool.run("pass")`` there."""
+
+    def __init__(self, tree: Path, nproc: int, logs: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _AB_DRIVER, str(nproc), str(logs)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=tree,
+        )
+        self._expect("ready")
+
+    def _expect(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+        raise RuntimeError(f"the A/B driver ended before {prefix!r} (exit {self.proc.wait()})")
+
+    def run(self) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return float(self._expect("took"))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class AbSession:
+    """This tree against ``--baseline DIR`` (another checkout), alive together and interleaved sample by
+    sample, each timed inside its own process by the same driver: drift on the machine hits both."""
+
+    baseline: Path | None = None  # set from --baseline
+
+    def __init__(self, nproc: int, scratch: Path) -> None:
+        assert self.baseline is not None
+        here = Path(__file__).resolve().parents[1]
+        self.sides: dict[str, _AbSide] = {}
+        try:
+            self.sides["shard-tree"] = _AbSide(here, nproc, scratch / "logs-tree")
+            self.sides["shard-base"] = _AbSide(self.baseline, nproc, scratch / "logs-base")
+        except BaseException:
+            self.close()
+            raise
+
+    def round_trips(self, warmup: int, repeats: int) -> dict[str, list[float]]:
+        for _ in range(warmup):
+            for side in self.sides.values():
+                side.run()
+        samples: dict[str, list[float]] = {name: [] for name in self.sides}
+        for i in range(repeats):  # which side goes first alternates
+            order = list(self.sides.items())
+            for name, side in order if i % 2 == 0 else reversed(order):
+                samples[name].append(side.run())
+            INTERRUPTS.check()
+        return samples
+
+    def warm_restarts(self) -> dict[str, Callable[[], tuple[float, float]]]:
+        return {}
+
+    def close(self) -> None:
+        for side in self.sides.values():
+            side.close()
+
+
 class ShardKernelSession:
     def __init__(self, nproc: int, scratch: Path) -> None:
         self.kernel = KernelProbe({"JUPYTER_SHARD_LOG_DIR": str(scratch / "logs")})
@@ -738,6 +831,7 @@ SESSIONS: dict[str, Callable[[int, Path], Any]] = {
     "ipp-nb": IppKernelSession,
     "jd": JdSession,
     "jd-nb": JdKernelSession,
+    "shard-ab": AbSession,
 }
 
 
@@ -947,6 +1041,19 @@ def targets(res: Results) -> list[Target]:
     return out
 
 
+def ab_lines(res: Results) -> list[str]:
+    """This tree against ``--baseline``: the ratio of their p50s, per rank count."""
+    out = []
+    for n, trips in sorted(res.trips.items()):
+        if "shard-tree" in trips and "shard-base" in trips:
+            tree, base = percentile(trips["shard-tree"], 50), percentile(trips["shard-base"], 50)
+            out.append(
+                f"- {n} ranks: this tree p50 {ms(tree)} ms, baseline p50 {ms(base)} ms; "
+                f"baseline / this tree = {base / tree:.3f}"
+            )
+    return [*out, ""] if out else []
+
+
 def trip_table(res: Results) -> list[str]:
     out = [
         "| ranks | system | p50 | p90 | p50 / pyzmq floor | p50 / ipykernel `pass` "
@@ -1016,6 +1123,7 @@ def report(res: Results, plots: list[str]) -> str:
             "",
             *trip_table(res),
             "",
+            *ab_lines(res),
         ]
         if "dispatch-roundtrip.png" in plots:
             out += ["![Round trip p50 and p90 by rank count](dispatch-roundtrip.png)", ""]
@@ -1155,7 +1263,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8], help="rank/engine counts")
     parser.add_argument("--cold-repeats", type=int, default=3, help="cold starts per system (0 skips)")
     parser.add_argument("--warm-repeats", type=int, default=5, help="warm restarts per system (0 skips)")
-    parser.add_argument("--systems", nargs="+", default=list(SESSIONS), choices=list(SESSIONS))
+    parser.add_argument(
+        "--systems", nargs="+", default=[s for s in SESSIONS if s != "shard-ab"], choices=list(SESSIONS)
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="DIR",
+        help="another checkout (e.g. `git worktree add /tmp/base <commit>`): system shard-ab times "
+        "Pool.run there and in this tree, interleaved",
+    )
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: 20 round trips, 2 ranks, 1 start each"
     )
@@ -1167,6 +1284,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         write(Results.from_json(args.replot.read_text()), args.results)
         return 0
+    if "shard-ab" in args.systems and args.baseline is None:
+        parser.error("--systems shard-ab needs --baseline DIR")
+    AbSession.baseline = args.baseline.resolve() if args.baseline else None
     if args.quick:
         args.repeats, args.warmup, args.ranks, args.cold_repeats, args.warm_repeats = 20, 3, [2], 1, 1
     if min(args.repeats, *args.ranks) < 1 or min(args.warmup, args.cold_repeats, args.warm_repeats) < 0:

@@ -16,12 +16,13 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
 
+    from jupyter_shard.errors import PoolError, ShardError, SpecError
     from jupyter_shard.kernel.checkpoint import consolidate
     from jupyter_shard.kernel.history import History
     from jupyter_shard.kernel.pool import Pool
-    from jupyter_shard.kernel.results import DistributedError, PoolError, RunResult
+    from jupyter_shard.kernel.results import DistributedError, RunResult
     from jupyter_shard.rank.shard import Shard
-    from jupyter_shard.spec import LaunchSpec, SpecError
+    from jupyter_shard.spec import LaunchSpec
     from jupyter_shard.strategies import register_strategy
 
     shard: Shard
@@ -32,6 +33,7 @@ __all__ = [
     "Pool",
     "PoolError",
     "RunResult",
+    "ShardError",
     "SpecError",
     "__version__",
     "consolidate",
@@ -45,10 +47,11 @@ __all__ = [
 _LAZY = {
     "Pool": "jupyter_shard.kernel.pool",
     "DistributedError": "jupyter_shard.kernel.results",
-    "PoolError": "jupyter_shard.kernel.results",
+    "PoolError": "jupyter_shard.errors",
+    "ShardError": "jupyter_shard.errors",
     "RunResult": "jupyter_shard.kernel.results",
     "LaunchSpec": "jupyter_shard.spec",
-    "SpecError": "jupyter_shard.spec",
+    "SpecError": "jupyter_shard.errors",
     "register_strategy": "jupyter_shard.strategies",
     "consolidate": "jupyter_shard.kernel.checkpoint",
 }
@@ -66,7 +69,7 @@ def __getattr__(name: str) -> Any:
             )
         return helper
     if name == "Pool" and "ipykernel" in sys.modules:
-        import_module("jupyter_shard.notebook.display")  # in a Jupyter kernel: the notebook's sink
+        from jupyter_shard.notebook import display  # noqa: F401 (in a Jupyter kernel: the notebook's sink)
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'jupyter_shard' has no attribute {name!r}")
@@ -77,8 +80,8 @@ def history() -> History:
 
     Iterate for records ``{"rank", "step", "time", <metric>: value}``, or ``.to_csv(path)``.
     """
+    from jupyter_shard.errors import PoolError
     from jupyter_shard.kernel.pool import latest_pool
-    from jupyter_shard.kernel.results import PoolError
 
     pool = latest_pool()
     if pool is None:

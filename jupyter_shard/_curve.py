@@ -15,8 +15,6 @@ from dataclasses import dataclass
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-CURVE_ENV = "JUPYTER_SHARD_CURVE"
-
 
 @dataclass(frozen=True)
 class CurveKeys:

@@ -1,4 +1,7 @@
-"""Every message that crosses the kernel/rank boundary, and the one way to sign and check them.
+"""The one way messages cross the kernel/rank boundary: signed, checked, framed for ZeroMQ.
+
+Which messages exist, their directions and bodies are declared in :mod:`jupyter_shard.messages`;
+this module carries them.
 
 A message is signed as a list of parts::
 
@@ -13,6 +16,10 @@ signature with a constant-time compare *before* parsing anything, then rejects r
 sender's ``seq`` must grow). Bodies are JSON. Buffers carry bulk data as it is: a rank's output
 text (UTF-8), metric columns (float64), and the values the user explicitly pushes or pulls
 (pickled, and unpickled by the caller only after :meth:`Wire.decode` has authenticated them).
+
+With ``JUPYTER_SHARD_CHECK_PROTOCOL`` naming a file (tests set it; ranks inherit it), every
+:class:`Wire` checks each body it signs against the registry, appends it to that file and raises
+:class:`ProtocolError` on a body the registry does not declare.
 """
 
 from __future__ import annotations
@@ -24,16 +31,19 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypedDict
+from typing import Any
 
+from jupyter_shard.env import CHECK_PROTOCOL_VAR, MAX_FRAME_VAR
 from jupyter_shard.errors import ProtocolError
+from jupyter_shard.messages import MSG_TYPES, MsgType, check_body
 
 __all__ = [
-    "KEY_ENV",
+    "MSG_TYPES",
     "TEXT_ERRORS",
     "Message",
+    "MsgType",
     "ProtocolError",
     "Wire",
     "new_key",
@@ -42,95 +52,11 @@ __all__ = [
 ]
 
 TAG = b"jsh1"
-KEY_ENV = "JUPYTER_SHARD_KEY"
 MAX_HEADER = 4 * 1024
 MAX_BODY = 64 * 1024 * 1024
-MAX_FRAME = int(os.environ.get("JUPYTER_SHARD_MAX_FRAME", str(1 << 30)))
+MAX_FRAME = int(os.environ.get(MAX_FRAME_VAR, str(1 << 30)))
 KERNEL = "kernel"
-TEXT_ERRORS = "surrogatepass"  # how stream text is encoded and decoded (:class:`StreamBody`)
-
-MsgType = Literal[
-    # kernel -> rank
-    "execute",
-    "push",
-    "pull",
-    "stacks",
-    "status",
-    "shutdown",
-    "release",
-    "regroup",
-    "signal",
-    # rank -> kernel
-    "ready",
-    "startup_failed",
-    "stream",
-    "display",
-    "result",
-    "done",
-    "metrics",
-    "heartbeat",
-    "push_reply",
-    "pull_reply",
-    "stacks_reply",
-    "status_reply",
-    "release_reply",
-    "regroup_reply",
-]
-MSG_TYPES: frozenset[str] = frozenset(MsgType.__args__)  # type: ignore[attr-defined]
-
-
-class ExecuteBody(TypedDict):
-    cell_id: str
-    code: str
-    exec_count: int
-
-
-class HeartbeatBody(TypedDict):
-    executing: bool
-    cell: str
-    running_for: float
-    memory: dict[str, int]
-    step: int
-
-
-class StreamBody(TypedDict):
-    """The text travels as one buffer, UTF-8 (``surrogatepass``, so any ``str`` survives): a flood is
-    megabytes a second, and a JSON string costs both ends an escape pass over every character."""
-
-    cell_id: str
-    name: Literal["stdout", "stderr"]
-
-
-class DisplayBody(TypedDict):
-    cell_id: str
-    data: dict[str, Any]
-    metadata: dict[str, Any]
-
-
-class DoneBody(TypedDict):
-    cell_id: str
-    status: Literal["ok", "error"]
-    ename: str
-    evalue: str
-    traceback: list[str]
-    duration: float
-
-
-class ReadyBody(TypedDict):
-    rank: int
-    pid: int
-    host: str
-    device: str
-    log_path: str
-
-
-class MetricsBody(TypedDict):
-    """``count`` records logged with the same ``names``; the buffers are float64 columns (native byte
-    order, both ends are on one machine or the same platform): steps, wall times, then one per name."""
-
-    rank: int
-    names: list[str]
-    count: int
+TEXT_ERRORS = "surrogatepass"  # how stream text is encoded and decoded (``messages.StreamBody``)
 
 
 def new_key() -> bytes:
@@ -196,8 +122,11 @@ class Wire:
         self._seq = itertools.count(time.time_ns())
         self._last_seen: dict[str, int] = {}
         self.rejected = 0
+        self._record = os.environ.get(CHECK_PROTOCOL_VAR) or None
 
-    def encode(self, msg_type: str, body: dict[str, Any], buffers: Sequence[bytes] = ()) -> list[bytes]:
+    def encode(self, msg_type: str, body: Mapping[str, Any], buffers: Sequence[bytes] = ()) -> list[bytes]:
+        if self._record is not None:
+            _check_and_record(self._record, self.sender, msg_type, body)
         header = {
             "v": 1,
             "type": msg_type,
@@ -220,7 +149,7 @@ class Wire:
             self.rejected += 1
             raise
 
-    def to_socket(self, msg_type: str, body: dict[str, Any], buffers: Sequence[bytes] = ()) -> list[bytes]:
+    def to_socket(self, msg_type: str, body: Mapping[str, Any], buffers: Sequence[bytes] = ()) -> list[bytes]:
         """:meth:`encode`, as the frames a socket sends (:func:`pack`)."""
         return pack(self.encode(msg_type, body, buffers))
 
@@ -271,6 +200,20 @@ class Wire:
     def forget(self, sender: str) -> None:
         """Drop replay state for a sender that is being replaced by a fresh process."""
         self._last_seen.pop(sender, None)
+
+
+def _check_and_record(path: str, sender: str, msg_type: str, body: Mapping[str, Any]) -> None:
+    """Append what is signed to ``path`` (one JSON line, so processes can share the file); raise
+    :class:`ProtocolError` if ``body`` is not what the registry declares for ``msg_type``."""
+    problems = check_body(msg_type, body)
+    line = json.dumps({"sender": sender, "type": msg_type, "body": body, "problems": problems}, default=repr)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+    if problems:
+        raise ProtocolError(f"{sender} sent a {msg_type!r} body the registry does not declare: {problems}")
 
 
 def rank_identity(rank: int) -> str:

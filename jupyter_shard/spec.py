@@ -10,17 +10,20 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from jupyter_shard._plugins import entry_point_map
 from jupyter_shard.errors import SpecError
+from jupyter_shard.strategies import available_strategies
 
 __all__ = [
     "Device",
     "LaunchSpec",
+    "LauncherOptions",
     "Offload",
     "Precision",
     "SpecError",
@@ -30,6 +33,8 @@ __all__ = [
     "visible_gpus",
 ]
 
+LAUNCHER_GROUP = "jupyter_shard.launchers"  # the entry-point group of launchers a site installs
+BUILTIN_LAUNCHERS = ("local", "torchrun", "slurm")
 DEFAULT_TIMEOUT = 60.0
 MAX_RANKS = 1 << 16
 
@@ -69,12 +74,22 @@ def _choice(enum: type[Enum], value: str, option: str) -> Enum:
 
 def _strategy_name(name: str) -> str:
     """A built-in strategy, one installed through an entry point, or one registered in this process."""
-    from jupyter_shard.strategies import available_strategies
-
     builtin = [s.value for s in Strategy]
     names = builtin + [n for n in available_strategies() if n not in builtin]
     if name not in names:
         raise SpecError(f"--strategy {name!r} is not valid; choose one of: {', '.join(names)}")
+    return name
+
+
+def launcher_names() -> list[str]:
+    """The built-in launchers and those installed through entry points (read, not imported)."""
+    return sorted({*BUILTIN_LAUNCHERS, *entry_point_map(LAUNCHER_GROUP)})
+
+
+def _launcher_name(name: str) -> str:
+    names = launcher_names()
+    if name not in names:
+        raise SpecError(f"--launcher {name!r} is not installed; available: {', '.join(names)}")
     return name
 
 
@@ -136,8 +151,26 @@ def format_ranks(ranks: Sequence[int]) -> str:
 
 
 @dataclass(frozen=True)
+class LauncherOptions:
+    """The options one launcher owns; this base is the local launcher's (it has none).
+
+    A launcher declares a frozen subclass (``--hosts``, ``--partition``...) and builds it from what
+    the user gave (:meth:`~jupyter_shard.launchers.base.Launcher.parse_options`); a spec carries it
+    as one value. A field's metadata may name the option as typed (``option``) and a hint shown
+    when the option is given to another launcher (``hint``).
+    """
+
+    def check(self, nodes: int) -> None:
+        """Refuse options that disagree with the node count (run as every spec is built)."""
+
+    def items(self) -> list[tuple[str, object]]:
+        """``(field name, value)`` of every option, for messages."""
+        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
-    """The shape of a pool. Two specs with the same :meth:`pool_key` can share a pool."""
+    """The shape of a pool: the ranks, their device, the strategy and how they are launched."""
 
     nproc: int = 2
     device: Device = Device.CPU
@@ -152,11 +185,7 @@ class LaunchSpec:
     accumulate: int = 1
     clip_grad_norm: float | None = None
     env: tuple[tuple[str, str], ...] = field(default=())
-    hosts: tuple[str, ...] = ()  # torchrun: one host per node (ssh, or here for this machine)
-    interface: str | None = None  # where remote ranks dial back: an interface name or an address
-    partition: str | None = None  # slurm only, as are time_limit and account
-    time_limit: str | None = None
-    account: str | None = None
+    launcher_options: LauncherOptions = field(default_factory=LauncherOptions)
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -177,10 +206,7 @@ class LaunchSpec:
             raise SpecError(f"--clip-grad-norm {self.clip_grad_norm:g} is not valid; give a norm above 0")
         if self.device is Device.AUTO:
             raise SpecError("resolve device 'auto' with LaunchSpec.create before building a spec")
-        if self.hosts and len(self.hosts) != self.nodes:
-            raise SpecError(
-                f"--hosts names {len(self.hosts)} host(s) but --nodes is {self.nodes}; give one host per node"
-            )
+        self.launcher_options.check(self.nodes)
 
     @property
     def world_size(self) -> int:
@@ -209,39 +235,21 @@ class LaunchSpec:
         accumulate: int = 1,
         clip_grad_norm: float | None = None,
         gpu_count: int | None = None,
-        hosts: str | Sequence[str] | None = None,
-        interface: str | None = None,
-        partition: str | None = None,
-        time_limit: str | None = None,
-        account: str | None = None,
+        launcher_options: LauncherOptions | None = None,
     ) -> LaunchSpec:
         """Resolve user options (``auto`` device, default rank count) into a checked spec.
 
         ``nproc`` and ``gpus`` count ranks per node; ``nodes`` > 1 needs the torchrun or slurm
         launcher. On those, ranks may run elsewhere, so a GPU count is not checked against this
-        machine's devices.
+        machine's devices. A launcher's own options (``--hosts``, ``--partition``...) come parsed,
+        as ``launcher_options``: :func:`jupyter_shard.launchers.resolve_spec` takes them as typed.
         """
         if nodes < 1:
             raise SpecError(f"--nodes {nodes} is not valid; use 1 or more")
-        host_list = _hosts(hosts)
-        if host_list and launcher != "torchrun":
-            raise SpecError("--hosts applies only to --launcher torchrun (one host per node)")
-        if host_list:
-            if nodes not in (1, len(host_list)):
-                raise SpecError(
-                    f"--hosts names {len(host_list)} host(s) but --nodes is {nodes}; give one host per node"
-                )
-            nodes = len(host_list)
         if nodes > 1 and launcher == "local":
             raise SpecError(
                 f"--nodes {nodes} needs --launcher torchrun or slurm; the local launcher runs on this machine"
             )
-        slurm_only = {"--partition": partition, "--time": time_limit, "--account": account}
-        given_slurm = [name for name, value in slurm_only.items() if value is not None]
-        if given_slurm and launcher != "slurm":
-            raise SpecError(f"{given_slurm[0]} applies only to --launcher slurm")
-        if interface is not None and launcher == "local":
-            raise SpecError("--interface applies only to --launcher torchrun or slurm (remote ranks)")
         remote = launcher != "local"
         available = visible_gpus() if gpu_count is None else gpu_count
         if remote and gpus is not None:
@@ -279,9 +287,7 @@ class LaunchSpec:
                 f"--nproc {nproc} CUDA ranks need {nproc} GPUs but {available} are visible; "
                 f"use --nproc {available} or --device cpu"
             )
-        from jupyter_shard.launchers import get_launcher
-
-        get_launcher(launcher)  # an unknown launcher is a SpecError naming the installed ones
+        _launcher_name(launcher)
         if zero_stage is not None and strat != Strategy.DEEPSPEED.value:
             raise SpecError("--zero-stage applies only to --strategy deepspeed")
         path = Path(config).expanduser() if config is not None else None
@@ -300,28 +306,40 @@ class LaunchSpec:
             config=path,
             accumulate=accumulate,
             clip_grad_norm=clip_grad_norm,
-            hosts=host_list,
-            interface=interface,
-            partition=partition,
-            time_limit=time_limit,
-            account=account,
+            launcher_options=launcher_options or LauncherOptions(),
         )
 
-    def pool_key(self) -> tuple[object, ...]:
-        """The fields whose change needs new rank processes."""
-        return (
-            self.nproc,
-            self.device,
-            self.launcher,
-            self.nodes,
-            self.hosts,
-            self.interface,
-            self.partition,
-            self.time_limit,
-            self.account,
-        )
+    def merged(self, changes: Mapping[str, object]) -> LaunchSpec:
+        """The one rule for options across cells: what ``changes`` names changes, every field keeps
+        its value otherwise.
+
+        ``changes`` uses the keyword names of :meth:`create`. Three options decide others with
+        them, as they would in a first cell: ``gpus`` or ``device`` picks the rank count anew
+        (unless ``nproc`` is named too) and ``gpus`` the device; another launcher starts from its
+        own defaults for ``nodes`` and its options; another strategy drops a ``zero_stage`` that
+        the cell does not name. A launcher's options change as one value (``launcher_options``):
+        :func:`jupyter_shard.launchers.merge_spec` merges them option by option.
+        """
+        unknown = sorted(set(changes) - set(_CREATE_OPTIONS))
+        if unknown:
+            raise SpecError(f"{unknown[0]!r} is not a pool option; give one of: {', '.join(_CREATE_OPTIONS)}")
+        if not changes:
+            return self
+        kept: dict[str, Any] = {name: getattr(self, name) for name in _KEPT_FIELDS}
+        if "gpus" in changes or "device" in changes:
+            kept.pop("nproc")
+        if "gpus" in changes:
+            kept.pop("device")
+        if changes.get("launcher", self.launcher) != self.launcher:
+            for name in ("nodes", "launcher_options"):
+                kept.pop(name)
+        if changes.get("strategy", self.strategy) != self.strategy and "zero_stage" not in changes:
+            kept.pop("zero_stage")
+        fresh = LaunchSpec.create(**{**kept, **changes})
+        return replace(fresh, env=self.env)
 
     def with_changes(self, **changes: object) -> LaunchSpec:
+        """These fields replaced as they are, without :meth:`create`'s resolving (tests, internal use)."""
         return replace(self, **changes)  # type: ignore[arg-type]
 
     def rank_options(self) -> dict[str, Any]:
@@ -344,11 +362,20 @@ class LaunchSpec:
         return f"{nodes} × {ranks} ({self.launcher}) · {self.strategy}"
 
 
-def _hosts(hosts: str | Sequence[str] | None) -> tuple[str, ...]:
-    if hosts is None:
-        return ()
-    items = hosts.split(",") if isinstance(hosts, str) else list(hosts)
-    names = tuple(h.strip() for h in items)
-    if not names or any(not h or h.startswith("-") or any(c.isspace() for c in h) for h in names):
-        raise SpecError(f"--hosts {hosts!r} is not valid; give host names like node1,node2")
-    return names
+# Fields that :meth:`LaunchSpec.create` takes under the same name; ``env`` is carried over as it is.
+_KEPT_FIELDS = (
+    "nproc",
+    "device",
+    "strategy",
+    "zero_stage",
+    "offload",
+    "precision",
+    "launcher",
+    "nodes",
+    "timeout",
+    "config",
+    "accumulate",
+    "clip_grad_norm",
+    "launcher_options",
+)
+_CREATE_OPTIONS = (*_KEPT_FIELDS, "gpus", "gpu_count")

@@ -1,7 +1,8 @@
-"""A cell that runs on the ranks while the notebook stays usable (``%%distributed --bg``).
+"""A cell that runs on the ranks while the notebook stays usable (``%%distributed --bg``), and the
+thread that watches the ranks between cells.
 
-:class:`BackgroundRun` is the handle :meth:`Pool.run_background` returns. The pool's watcher thread
-drives it (receiving output, noticing deaths, escalating an interrupt) inside a copy of the
+:class:`BackgroundRun` is the handle :meth:`Pool.run_background` returns. The pool's :class:`Watcher`
+thread drives it (receiving output, noticing deaths, escalating an interrupt) inside a copy of the
 starting cell's context, so under ipykernel its output and its end report land in that cell.
 """
 
@@ -11,28 +12,12 @@ import contextvars
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from jupyter_shard.kernel.results import DistributedError, PoolError, RankResult, RunResult
+from jupyter_shard.errors import PoolError
+from jupyter_shard.kernel.cell import Gathering
+from jupyter_shard.kernel.results import DistributedError, RankResult, RunResult
 
-
-@dataclass
-class Gathering:
-    """One cell in flight: its result so far, the ranks it waits on and its limits."""
-
-    result: RunResult
-    targets: list[int]
-    started: float
-    timeout: float | None
-    pending: set[int] = field(default_factory=set)
-    first_done: float = 0.0  # when the first rank finished the cell (monotonic), 0 before
-    code: str = ""
-    ranks: tuple[int, ...] | None = None  # as asked for (None: all ranks)
-    exec_count: int = 0
-    record: bool = True  # kept in the pool's transcript (what %dist_export writes out)
-
-    def __post_init__(self) -> None:
-        self.pending = set(self.targets)
+WATCH_INTERVAL = 0.05
 
 
 class BackgroundRun:
@@ -103,3 +88,54 @@ class BackgroundRun:
                 res.status, res.evalue, res.failed_at = "dead", f"rank {rank}: {why}", time.monotonic()
                 res.traceback = [f"rank {rank}: {why} while the background cell ran"]
         self.context.run(self.finish)
+
+
+class Watcher:
+    """A daemon thread: drives a background run, else notices heartbeats and deaths between cells.
+
+    It stands aside while a foreground cell runs (that thread receives); every step holds the
+    connection's lock, so the two never receive at once.
+    """
+
+    def __init__(
+        self,
+        lock: threading.RLock,
+        alive: Callable[[], bool],
+        idle_step: Callable[[], None],
+        background_step: Callable[[BackgroundRun], None],
+        background: Callable[[], BackgroundRun | None],
+    ) -> None:
+        self._lock = lock
+        self._alive = alive  # False once the pool's socket is gone: the thread ends
+        self._idle_step = idle_step
+        self._background_step = background_step
+        self._background = background
+        self.foreground = False  # a foreground cell is receiving: stand aside
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._watch, name="jupyter_shard-watcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCH_INTERVAL):
+            with self._lock:
+                if not self._alive() or self._stop.is_set():
+                    return
+                if self.foreground:
+                    continue
+                run = self._background()
+                if run is None or not run.running:
+                    self._idle_step()
+                    continue
+            run.context.run(self._background_step, run)

@@ -7,7 +7,6 @@ rank; a failure is summarised root cause first (the first rank that failed, then
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from jupyter_shard.errors import PoolError, ShardError
@@ -19,14 +18,6 @@ __all__ = [
     "RankResult",
     "RunResult",
 ]
-
-
-class RankState(str, Enum):
-    STARTING = "starting"
-    IDLE = "idle"
-    RUNNING = "running"
-    FAILED = "failed"
-    DEAD = "dead"
 
 
 @dataclass
@@ -58,12 +49,16 @@ class RunResult:
         return all(r.ok for r in self.ranks.values())
 
     @property
+    def value_rank(self) -> int | None:
+        """The rank whose last-expression value is the cell's value: the lowest rank that produced one
+        (None when every rank's cell ended in a statement)."""
+        return next((k for k in sorted(self.ranks) if self.ranks[k].result is not None), None)
+
+    @property
     def value(self) -> dict[str, Any] | None:
-        """The last expression's display bundle from the lowest rank that produced one."""
-        for rank in sorted(self.ranks):
-            if self.ranks[rank].result is not None:
-                return self.ranks[rank].result
-        return None
+        """The cell's value (its ``Out[n]``): the display bundle of :attr:`value_rank`'s last expression."""
+        rank = self.value_rank
+        return None if rank is None else self.ranks[rank].result
 
     def failures(self) -> list[RankResult]:
         """Failed ranks, the first to fail first; when a rank died, after it its peers' collectives
@@ -71,34 +66,6 @@ class RunResult:
         failed = [r for r in self.ranks.values() if not r.ok]
         died = any(r.status == "dead" for r in failed)
         return sorted(failed, key=lambda r: (died and _peer_gone(r), r.failed_at or float("inf"), r.rank))
-
-
-@dataclass
-class RankStatus:
-    rank: int
-    pid: int
-    host: str
-    device: str
-    state: RankState
-    memory: dict[str, int]
-    cell: str
-    log_path: str
-    exit: str = ""
-
-
-@dataclass
-class RankActivity:
-    """What the dashboard shows for one rank, from its heartbeats and logs (no request needed)."""
-
-    rank: int
-    state: RankState
-    step: float | None
-    steps_per_s: float | None
-    memory: dict[str, int]
-    heartbeat_age: float | None
-    cell: str
-    last_line: str
-    problem: str = ""  # "dead: ..." or "stuck: ..." when the rank needs attention
 
 
 class DistributedError(ShardError):

@@ -3,24 +3,32 @@
 A launcher is a plugin: the built-in ``local`` one spawns ranks on this host, and a site can add its
 own (Kubernetes, MPI, ...) through the ``jupyter_shard.launchers`` entry-point group. Each gives back
 one :class:`RankHandle` per rank, a Popen-shaped object the pool polls and signals.
+
+Each launcher owns its options (``--hosts``, ``--partition``...): :func:`resolve_spec` builds a
+spec from everything the user typed, handing each launcher what is its own, and
+:func:`merge_spec` is :meth:`LaunchSpec.merged <jupyter_shard.spec.LaunchSpec.merged>` for a
+later cell's options, launcher options included. The magics and scripts build specs through them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
 from jupyter_shard._plugins import entry_point_map
 from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
-from jupyter_shard.spec import SpecError
+from jupyter_shard.launchers.local import LocalLauncher
+from jupyter_shard.launchers.slurm import SlurmLauncher
+from jupyter_shard.launchers.torchrun import TorchrunLauncher
+from jupyter_shard.spec import LAUNCHER_GROUP, LauncherOptions, LaunchSpec, SpecError
 
-__all__ = ["Launcher", "RankHandle", "RankLaunch", "available_launchers", "get_launcher"]
+__all__ = ["Launcher", "RankHandle", "RankLaunch", "get_launcher", "merge_spec", "resolve_spec"]
 
-ENTRY_POINT_GROUP = "jupyter_shard.launchers"
+ENTRY_POINT_GROUP = LAUNCHER_GROUP
 
 
 def _registry() -> dict[str, type[Launcher]]:
-    from jupyter_shard.launchers.local import LocalLauncher
-    from jupyter_shard.launchers.slurm import SlurmLauncher
-    from jupyter_shard.launchers.torchrun import TorchrunLauncher
-
     found: dict[str, type[Launcher]] = {
         "local": LocalLauncher,
         "torchrun": TorchrunLauncher,
@@ -32,12 +40,71 @@ def _registry() -> dict[str, type[Launcher]]:
     return found
 
 
-def available_launchers() -> list[str]:
-    return sorted(_registry())
-
-
 def get_launcher(name: str) -> Launcher:
     registry = _registry()
     if name not in registry:
         raise SpecError(f"--launcher {name!r} is not installed; available: {', '.join(sorted(registry))}")
     return registry[name]()
+
+
+def resolve_spec(launcher: str = "local", nodes: int = 1, **options: Any) -> LaunchSpec:
+    """:meth:`LaunchSpec.create` that also takes the launchers' own options by name (``hosts=``,
+    ``interface=``, ``partition=``, ``time_limit=``, ``account=``) and has the launcher check them."""
+    registry = _registry()
+    owned = _owners(registry)
+    given = {k: options.pop(k) for k in list(options) if k in owned and options[k] is not None}
+    if nodes < 1:
+        raise SpecError(f"--nodes {nodes} is not valid; use 1 or more")
+    parsed, nodes = _parse(registry.get(launcher), given, nodes, owned)
+    return LaunchSpec.create(launcher=launcher, nodes=nodes, launcher_options=parsed, **options)
+
+
+def merge_spec(spec: LaunchSpec, changes: Mapping[str, object]) -> LaunchSpec:
+    """A later cell's spec: what ``changes`` names changes (launcher options one by one), the rest
+    keeps its value; another launcher starts from its own defaults (see :meth:`LaunchSpec.merged`)."""
+    registry = _registry()
+    owned = _owners(registry)
+    given = {k: v for k, v in changes.items() if k in owned and v is not None}
+    rest = {k: v for k, v in changes.items() if k not in owned}
+    launcher = str(rest.get("launcher", spec.launcher))
+    same = launcher == spec.launcher
+    if not given and same:
+        return spec.merged(rest)
+    current = {k: v for k, v in spec.launcher_options.items() if v not in (None, ())} if same else {}
+    nodes = int(rest.get("nodes", spec.nodes if same else 1))  # type: ignore[call-overload]
+    parsed, nodes = _parse(registry.get(launcher), {**current, **given}, nodes, owned)
+    return spec.merged({**rest, "launcher_options": parsed, "nodes": nodes})
+
+
+def _owners(registry: Mapping[str, type[Launcher]]) -> dict[str, list[str]]:
+    """Each launcher option's name -> the launchers that take it."""
+    owners: dict[str, list[str]] = {}
+    for name, cls in registry.items():
+        for f in fields(cls.options_type):
+            owners.setdefault(f.name, []).append(name)
+    return owners
+
+
+def _parse(
+    cls: type[Launcher] | None, given: dict[str, object], nodes: int, owners: Mapping[str, list[str]]
+) -> tuple[LauncherOptions, int]:
+    """``cls.parse_options`` for the options it owns; the first option it does not is refused (an
+    unknown launcher owns none: :meth:`LaunchSpec.create` names the installed ones)."""
+    own = {f.name for f in fields(cls.options_type)} if cls is not None else set()
+    foreign = sorted(
+        (k for k in given if k not in own), key=lambda k: (len(owners[k]), list(owners).index(k))
+    )
+    if foreign:
+        raise SpecError(_not_here(foreign[0], owners[foreign[0]]))
+    return cls.parse_options(given, nodes) if cls is not None else (LauncherOptions(), nodes)
+
+
+def _not_here(name: str, launchers: list[str]) -> str:
+    """``--hosts applies only to --launcher torchrun (one host per node)``."""
+    for cls in _registry().values():
+        for f in fields(cls.options_type):
+            if f.name == name:
+                option = f.metadata.get("option", "--" + name.replace("_", "-"))
+                hint = f" ({f.metadata['hint']})" if "hint" in f.metadata else ""
+                return f"{option} applies only to --launcher {' or '.join(launchers)}{hint}"
+    return f"--{name} is not an option of this launcher"

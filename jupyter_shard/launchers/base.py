@@ -1,14 +1,31 @@
-"""The small interface every launcher implements, and the exit-status vocabulary of a rank."""
+"""The small interface every launcher implements, and the exit-status vocabulary of a rank.
+
+What the kernel calls, and nothing else (no launcher names, no ``hasattr``):
+
+- to build a spec (through :func:`jupyter_shard.launchers.resolve_spec`): ``options_type`` (the
+  launcher's own :class:`~jupyter_shard.spec.LauncherOptions`) and ``parse_options(given, nodes)``;
+- on a :class:`Launcher`: ``remote`` and ``bind_address(spec)`` (where remote ranks dial back),
+  ``set_signal_sender(send)`` before ``start(spec, ranks, lifeline_fd)``, then ``waiting()`` while
+  the ranks start, ``started_note()``, ``local_pids()``, ``stop()``; and the class attributes
+  ``restart_hint`` (how ``%dist_restart`` brings a lost node back) and ``meets_on_agent_store``
+  (whether a rebuilt process group meets on the node agents' store rather than a FileStore in the
+  pool directory);
+- on a :class:`RankHandle`: ``rank``, ``pid``, ``host``, ``poll()``, ``wait(timeout)``,
+  ``send_signal(sig)``, ``kill_tree()``, ``exit_reason(code)``, ``bind(pid, host, node)`` and
+  ``heard()`` (from the rank's messages), ``node_down`` (it ended with its node) and
+  ``startup_tail()`` (why a rank that never wrote its own log failed to start).
+"""
 
 from __future__ import annotations
 
 import signal
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from jupyter_shard.spec import LaunchSpec
+from jupyter_shard.spec import LauncherOptions, LaunchSpec
 
 
 @dataclass(frozen=True)
@@ -55,6 +72,19 @@ class RankHandle(ABC):
     def heard(self) -> None:  # noqa: B027 (optional hook)
         """The kernel received a message from the rank (its liveness, where it cannot be polled)."""
 
+    @property
+    def node_down(self) -> bool:
+        """Whether the rank ended because its node (its agent, or the whole job step) did."""
+        return False
+
+    def startup_tail(self) -> str | None:
+        """For a rank that never got as far as its own log: the end of what explains it, or None."""
+        return None
+
+
+SignalSender = Callable[[int, int], None]
+"""``send(rank, signal)``: the kernel asks a rank's I/O thread to signal the rank itself."""
+
 
 class Launcher(ABC):
     """Starts the ranks of one pool. Lifetime of the ranks is tied to ``lifeline_fd``.
@@ -65,6 +95,23 @@ class Launcher(ABC):
 
     name: ClassVar[str]
     remote: ClassVar[bool] = False
+    restart_hint: ClassVar[str] = "on the same hosts"
+    """How ``%dist_restart`` starts the pool again after a node failed: ends "starts the pool again …"."""
+    meets_on_agent_store: ClassVar[bool] = False
+    """Whether ranks meet on their node agents' store (torchrun's) instead of a FileStore in the pool
+    directory, for the first process group and for one rebuilt after a release."""
+
+    options_type: ClassVar[type[LauncherOptions]] = LauncherOptions
+    """The options this launcher owns (``--hosts``, ``--partition``...); the base has none."""
+
+    @classmethod
+    def parse_options(cls, given: Mapping[str, object], nodes: int) -> tuple[LauncherOptions, int]:
+        """Check the user's values of this launcher's own options; them, and the node count they
+        imply (``--hosts a,b`` means two nodes). ``given`` holds only names of ``options_type``."""
+        return cls.options_type(**given), nodes
+
+    def set_signal_sender(self, send: SignalSender) -> None:  # noqa: B027 (optional hook)
+        """How to signal a rank this launcher cannot signal itself (called before :meth:`start`)."""
 
     @abstractmethod
     def start(self, spec: LaunchSpec, ranks: list[RankLaunch], lifeline_fd: int) -> list[RankHandle]:

@@ -24,7 +24,21 @@ from jupyter_shard.launchers.zygote import ZygoteClient
 from jupyter_shard.spec import LaunchSpec
 
 
-class LocalRank(RankHandle):
+class _SessionLeader(RankHandle):
+    """A rank that leads its own session, so that its pid is its process group's id."""
+
+    def kill_tree(self) -> None:
+        # Also after the rank itself exited: its children (DataLoader workers, subprocesses) may
+        # still be in its group, and Linux does not reuse a group id while the group has members.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.send_signal(signal.SIGKILL)
+        self.wait(5.0)
+
+
+class LocalRank(_SessionLeader):
+    """A rank spawned as ``python -m jupyter_shard.rank``: this process's child."""
+
     def __init__(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         self.rank = rank
         self.pid = proc.pid
@@ -38,14 +52,6 @@ class LocalRank(RankHandle):
         if self._proc.poll() is None:
             self._proc.send_signal(sig)
 
-    def kill_tree(self) -> None:
-        # The rank leads its own process group (start_new_session), so its pid is the group id.
-        # Linux does not reuse a pid while a group with that id still has members.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-        self.send_signal(signal.SIGKILL)
-        self.wait(5.0)
-
     def wait(self, timeout: float) -> int | None:
         try:
             return self._proc.wait(timeout)
@@ -53,7 +59,7 @@ class LocalRank(RankHandle):
             return None
 
 
-class ForkedRank(RankHandle):
+class ForkedRank(_SessionLeader):
     """A rank forked by the zygote: not this process's child, so its exit comes from the zygote."""
 
     def __init__(self, rank: int, pid: int, zygote: ZygoteClient) -> None:
@@ -77,14 +83,6 @@ class ForkedRank(RankHandle):
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(self.pid, sig)
-
-    def kill_tree(self) -> None:
-        # Also after the rank itself exited: its children (DataLoader workers, subprocesses) may
-        # still be in its group, and a group id is not reused while the group has members.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-        self.send_signal(signal.SIGKILL)
-        self.wait(5.0)
 
     def wait(self, timeout: float) -> int | None:
         code = self.poll()

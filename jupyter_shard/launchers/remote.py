@@ -25,28 +25,14 @@ from pathlib import Path
 
 import psutil
 
-from jupyter_shard.launchers.base import RankHandle, describe_exit
+from jupyter_shard.env import without_per_rank
+from jupyter_shard.launchers.base import RankHandle, SignalSender, describe_exit
 from jupyter_shard.spec import SpecError
 
 SILENT_AFTER = 20.0  # a rank that sent nothing (not even a heartbeat) for this long is lost
 KILL_WAIT = 3.0
 
-# Per-rank variables the pool sets for a local rank; under torchrun its agent sets its own.
-PER_RANK_ENV = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "JUPYTER_SHARD_LIFELINE_FD",
-    "JUPYTER_SHARD_PARENT_PID",
-    "JUPYTER_SHARD_STORE",
-    "JUPYTER_SHARD_LOG",
-)
-
-Deliver = Callable[[int, int], None]  # (rank, signal): ask the rank's I/O thread to signal itself
+Deliver = SignalSender  # (rank, signal): ask the rank's I/O thread to signal itself
 
 
 class AgentProcess:
@@ -114,7 +100,7 @@ class RemoteRank(RankHandle):
         self._code: int | None = None
         self._reason = ""
         self._seen = 0.0
-        self.node_down = False  # it ended because its node's agent (or the whole job step) did
+        self._node_down = False  # it ended because its node's agent (or the whole job step) did
         self._killing = False  # the pool is stopping its agent to kill it: not a node failure
 
     def bind(self, pid: int, host: str, node: int) -> None:
@@ -123,6 +109,15 @@ class RemoteRank(RankHandle):
 
     def heard(self) -> None:
         self._seen = time.monotonic()
+
+    @property
+    def node_down(self) -> bool:
+        return self._node_down
+
+    def startup_tail(self) -> str | None:
+        """The end of its agent's log: torchrun or srun says why the rank never started."""
+        agent = self.agent()
+        return agent.tail() if agent is not None else None
 
     def agent(self) -> AgentProcess | None:
         """The agent this rank's life depends on (its node's, or the one for all nodes)."""
@@ -145,7 +140,7 @@ class RemoteRank(RankHandle):
                     self._reason = f"was killed (its node agent was stopped; agent log: {agent.log_path})"
                 else:
                     self._reason = self._agent_ended(agent, code)
-                    self.node_down = True
+                    self._node_down = True
                 return self._code
         if self.pid and time.monotonic() - self._seen > SILENT_AFTER:
             self._code = -signal.SIGKILL
@@ -245,7 +240,7 @@ def spawn_agent(
 
 def job_env(env: dict[str, str]) -> dict[str, str]:
     """A rank's environment with the per-rank variables removed (the agent sets its own)."""
-    return {k: v for k, v in env.items() if k not in PER_RANK_ENV}
+    return without_per_rank(env)
 
 
 def is_this_machine(host: str) -> bool:
@@ -293,23 +288,3 @@ def need_interface(why: str) -> SpecError:
         f"{why}, so they dial back to this kernel over TCP: give --interface with the interface they "
         f"can reach it on (this machine has: {shown}); nothing listens beyond loopback until you do"
     )
-
-
-def torchrun_args(nodes: str, nproc: int, endpoint: str, rdzv_id: str) -> list[str]:
-    """torch.distributed.run options for one agent, before ``-m jupyter_shard.rank``."""
-    return [
-        "--nnodes",
-        nodes,
-        "--nproc-per-node",
-        str(nproc),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        rdzv_id,
-        "--max-restarts",
-        "0",
-        "--monitor-interval",
-        "0.1",
-    ]

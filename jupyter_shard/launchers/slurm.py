@@ -13,12 +13,15 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 import time
 import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
+from jupyter_shard.env import NODE
+from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch, SignalSender
+from jupyter_shard.launchers.commands import agent_args, agent_command
 from jupyter_shard.launchers.remote import (
     AgentProcess,
     Deliver,
@@ -27,29 +30,70 @@ from jupyter_shard.launchers.remote import (
     need_interface,
     resolve_interface,
     spawn_agent,
-    torchrun_args,
 )
-from jupyter_shard.spec import LaunchSpec, SpecError
+from jupyter_shard.spec import Device, LauncherOptions, LaunchSpec, SpecError
 
 RDZV_PORT = 29400
 QUEUE_POLL = 2.0
 
 
+@dataclass(frozen=True)
+class SlurmOptions(LauncherOptions):
+    """``--interface`` (where the ranks dial back) and what to ask SLURM for: ``--partition``,
+    ``--time`` and ``--account``, as srun and sbatch take them."""
+
+    interface: str | None = field(default=None, metadata={"hint": "remote ranks"})
+    partition: str | None = None
+    time_limit: str | None = field(default=None, metadata={"option": "--time"})
+    account: str | None = None
+
+
+def options_of(spec: LaunchSpec) -> SlurmOptions:
+    """The spec's SLURM options (their defaults for a spec built without them)."""
+    options = spec.launcher_options
+    return options if isinstance(options, SlurmOptions) else SlurmOptions()
+
+
+def slurm_resources(spec: LaunchSpec) -> list[str]:
+    """What to ask SLURM for, as srun and sbatch both take it: a task per node, a CPU and (on CUDA) a
+    GPU per rank, and the user's partition, time limit and account."""
+    options = [f"--nodes={spec.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={spec.nproc}"]
+    if spec.device is Device.CUDA:
+        options.append(f"--gpus-per-node={spec.nproc}")
+    own = options_of(spec)
+    for flag, value in (("partition", own.partition), ("time", own.time_limit), ("account", own.account)):
+        if value:
+            options.append(f"--{flag}={value}")
+    return options
+
+
 class SlurmLauncher(Launcher):
     name: ClassVar[str] = "slurm"
     remote: ClassVar[bool] = True
+    restart_hint: ClassVar[str] = "in a new SLURM allocation"
+    meets_on_agent_store: ClassVar[bool] = True
+    options_type: ClassVar[type[LauncherOptions]] = SlurmOptions
+
+    @classmethod
+    def parse_options(cls, given: Mapping[str, object], nodes: int) -> tuple[LauncherOptions, int]:
+        values = {name: None if value is None else str(value) for name, value in given.items()}
+        return SlurmOptions(**values), nodes
 
     def __init__(self) -> None:
         self.agents: list[AgentProcess] = []
-        self.deliver: Deliver = lambda rank, sig: None  # set by the pool before start
+        self.deliver: Deliver = lambda rank, sig: None  # set through set_signal_sender before start
         self.job_name = f"jupyter_shard-{uuid.uuid4().hex[:10]}"
         self._queue: tuple[float, str | None] = (0.0, None)
         self.job_id = ""
 
+    def set_signal_sender(self, send: SignalSender) -> None:
+        self.deliver = send
+
     def bind_address(self, spec: LaunchSpec) -> str:
-        if spec.interface is None:
+        interface = options_of(spec).interface
+        if interface is None:
             raise need_interface("SLURM may place the ranks on other machines")
-        return resolve_interface(spec.interface)
+        return resolve_interface(interface)
 
     def start(self, spec: LaunchSpec, ranks: list[RankLaunch], lifeline_fd: int) -> list[RankHandle]:
         if shutil.which("srun") is None:
@@ -57,26 +101,16 @@ class SlurmLauncher(Launcher):
         env = job_env(ranks[0].env)
         env.pop("GLOO_SOCKET_IFNAME", None)
         env.pop("NCCL_SOCKET_IFNAME", None)
-        options = torchrun_args('"$SLURM_JOB_NUM_NODES"', spec.nproc, '"$head":' + str(RDZV_PORT), "")
-        options[options.index("--rdzv-id") + 1] = '"$SLURM_JOB_ID"'
-        torchrun = " ".join(
-            [shlex.quote(sys.executable), "-m", "torch.distributed.run", *options, "-m", "jupyter_shard.rank"]
-        )
+        endpoint = '"$head":' + str(RDZV_PORT)
+        options = agent_args('"$SLURM_JOB_NUM_NODES"', spec.nproc, endpoint, '"$SLURM_JOB_ID"')
+        python, *rest = agent_command(options)
+        torchrun = " ".join([shlex.quote(python), *rest])
         script = (
             'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1) && '
-            'export JUPYTER_SHARD_NODE="$SLURM_NODEID" && exec ' + torchrun
+            f'export {NODE}="$SLURM_NODEID" && exec ' + torchrun
         )
-        srun = ["srun", f"--job-name={self.job_name}", f"--nodes={spec.nodes}", "--ntasks-per-node=1"]
-        srun += [f"--cpus-per-task={spec.nproc}", "--kill-on-bad-exit=1", "--unbuffered"]
-        if spec.device.value == "cuda":
-            srun.append(f"--gpus-per-node={spec.nproc}")
-        for flag, value in (
-            ("partition", spec.partition),
-            ("time", spec.time_limit),
-            ("account", spec.account),
-        ):
-            if value:
-                srun.append(f"--{flag}={value}")
+        srun = ["srun", f"--job-name={self.job_name}", *slurm_resources(spec), "--kill-on-bad-exit=1"]
+        srun.append("--unbuffered")
         log = ranks[0].log_path.parent / "srun.log"
         cancel = ["scancel", f"--name={self.job_name}"]
         agent = spawn_agent(
@@ -148,9 +182,9 @@ class SlurmLauncher(Launcher):
             ).stdout
         except (OSError, subprocess.SubprocessError):
             return ""
-        for field in out.split():
-            if field.startswith("JobState="):
-                return field.split("=", 1)[1]
+        for entry in out.split():
+            if entry.startswith("JobState="):
+                return entry.split("=", 1)[1]
         return ""
 
     def local_pids(self) -> list[int]:

@@ -17,14 +17,16 @@ from __future__ import annotations
 import os
 import shlex
 import socket
-import sys
 import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from jupyter_shard._curve import CURVE_ENV
 from jupyter_shard._net import free_port
-from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
+from jupyter_shard.env import CURVE, KEY, NODE, PREFIX, SECRETS
+from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch, SignalSender
+from jupyter_shard.launchers.commands import agent_args, agent_command
 from jupyter_shard.launchers.remote import (
     AgentProcess,
     Deliver,
@@ -35,37 +37,73 @@ from jupyter_shard.launchers.remote import (
     need_interface,
     resolve_interface,
     spawn_agent,
-    torchrun_args,
 )
-from jupyter_shard.protocol import KEY_ENV
-from jupyter_shard.spec import LaunchSpec, SpecError
+from jupyter_shard.spec import LauncherOptions, LaunchSpec, SpecError
 
 RDZV_PORT = 29400  # torchrun's own default, for a first node that is not this machine
-SECRETS = (KEY_ENV, CURVE_ENV)
+
+
+@dataclass(frozen=True)
+class TorchrunOptions(LauncherOptions):
+    """``--hosts``: one host per node (ssh, or here for this machine); ``--interface``: where the
+    ranks dial back, an interface name or an address of this machine."""
+
+    hosts: tuple[str, ...] = field(default=(), metadata={"hint": "one host per node"})
+    interface: str | None = field(default=None, metadata={"hint": "remote ranks"})
+
+    def check(self, nodes: int) -> None:
+        if self.hosts and len(self.hosts) != nodes:
+            raise SpecError(
+                f"--hosts names {len(self.hosts)} host(s) but --nodes is {nodes}; give one host per node"
+            )
+
+
+def options_of(spec: LaunchSpec) -> TorchrunOptions:
+    """The spec's torchrun options (their defaults for a spec built without them)."""
+    options = spec.launcher_options
+    return options if isinstance(options, TorchrunOptions) else TorchrunOptions()
 
 
 class TorchrunLauncher(Launcher):
     name: ClassVar[str] = "torchrun"
     remote: ClassVar[bool] = True
+    meets_on_agent_store: ClassVar[bool] = True
+    options_type: ClassVar[type[LauncherOptions]] = TorchrunOptions
+
+    @classmethod
+    def parse_options(cls, given: Mapping[str, object], nodes: int) -> tuple[LauncherOptions, int]:
+        hosts = _hosts(given.get("hosts"))  # type: ignore[arg-type]
+        if hosts:
+            if nodes not in (1, len(hosts)):
+                raise SpecError(
+                    f"--hosts names {len(hosts)} host(s) but --nodes is {nodes}; give one host per node"
+                )
+            nodes = len(hosts)
+        interface = given.get("interface")
+        return TorchrunOptions(hosts, None if interface is None else str(interface)), nodes
 
     def __init__(self) -> None:
         self.agents: list[AgentProcess] = []
-        self.deliver: Deliver = lambda rank, sig: None  # set by the pool before start
+        self.deliver: Deliver = lambda rank, sig: None  # set through set_signal_sender before start
         self._manual: str = ""
-        self._joined = False
+
+    def set_signal_sender(self, send: SignalSender) -> None:
+        self.deliver = send
 
     def _hosts(self, spec: LaunchSpec) -> list[str]:
-        return list(spec.hosts) if spec.hosts else ["localhost"] * (1 if spec.nodes == 1 else 0)
+        hosts = options_of(spec).hosts
+        return list(hosts) if hosts else ["localhost"] * (1 if spec.nodes == 1 else 0)
 
     def bind_address(self, spec: LaunchSpec) -> str:
         hosts = self._hosts(spec)
         elsewhere = [h for h in hosts if not is_this_machine(h)]
-        if spec.interface is not None:
-            address = resolve_interface(spec.interface)
+        interface = options_of(spec).interface
+        if interface is not None:
+            address = resolve_interface(interface)
             if address.startswith("127.") and elsewhere:
                 where = ", ".join(elsewhere)
                 raise SpecError(
-                    f"--interface {spec.interface} is loopback, which {where} cannot reach; "
+                    f"--interface {interface} is loopback, which {where} cannot reach; "
                     f"give an interface of this machine they can reach ({interfaces_here()})"
                 )
             return address
@@ -86,7 +124,8 @@ class TorchrunLauncher(Launcher):
             base.pop("NCCL_SOCKET_IFNAME", None)
         # How the other nodes reach each node: as the user named it, and this machine (named
         # "localhost" or by one of its addresses) by the --interface address, else its host name.
-        here = resolve_interface(spec.interface) if spec.interface is not None else socket.gethostname()
+        interface = options_of(spec).interface
+        here = resolve_interface(interface) if interface is not None else socket.gethostname()
         reach = ["127.0.0.1" if local else (here if is_this_machine(h) else h) for h in hosts]
         first = reach[0] if hosts else "NODE0"
         port = free_port() if hosts and is_this_machine(hosts[0]) else RDZV_PORT
@@ -97,15 +136,15 @@ class TorchrunLauncher(Launcher):
         def agent_cmd(node: int) -> list[str]:
             # Node 0 hosts the rendezvous store (which the ranks' process groups use too), so losing
             # another node leaves it standing; losing node 0 ends every node.
-            options = torchrun_args(str(spec.nodes), spec.nproc, endpoint, rdzv_id)
+            options = agent_args(str(spec.nodes), spec.nproc, endpoint, rdzv_id)
             options += ["--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}"]
             # Peers reach this node's store and ranks by the name the user gave it, not its own FQDN.
             options += ["--local-addr", reach[node]]
-            return [sys.executable, "-m", "torch.distributed.run", *options, "-m", "jupyter_shard.rank"]
+            return agent_command(options)
 
         try:
             for node, host in enumerate(hosts):
-                env = {**base, "JUPYTER_SHARD_NODE": str(node)}
+                env = {**base, NODE: str(node)}
                 log = log_dir / f"node-{node}.log"
                 if is_this_machine(host):
                     agent = spawn_agent(node, host, agent_cmd(node), env, log, cwd, lifeline_fd)
@@ -118,7 +157,7 @@ class TorchrunLauncher(Launcher):
             self.stop()
             raise
         if not hosts:
-            options = torchrun_args(str(spec.nodes), spec.nproc, endpoint, rdzv_id)
+            options = agent_args(str(spec.nodes), spec.nproc, endpoint, rdzv_id)
             self._manual = _manual_instructions(spec, base, options, log_dir, cwd)
         return [RemoteRank(launch.rank, self.agents, lambda r, s: self.deliver(r, s)) for launch in ranks]
 
@@ -142,14 +181,14 @@ def _ssh_command(host: str, env: dict[str, str], agent: list[str], cwd: Path) ->
     exported = " ".join(
         f"{k}={shlex.quote(v)}"
         for k, v in sorted(env.items())
-        if k.startswith(("JUPYTER_SHARD_", "OMP_", "PYTHON")) and k not in SECRETS
+        if k.startswith((PREFIX, "OMP_", "PYTHON")) and k not in SECRETS
     )
     run = shlex.join(agent)
     script = (
-        f"read -r {KEY_ENV} && read -r {CURVE_ENV} && export {KEY_ENV} {CURVE_ENV} && "
+        f"read -r {KEY} && read -r {CURVE} && export {KEY} {CURVE} && "
         f"cd {shlex.quote(str(cwd))} && exec env {exported} {run}"
     )
-    secrets = f"{env[KEY_ENV]}\n{env[CURVE_ENV]}\n".encode()
+    secrets = f"{env[KEY]}\n{env[CURVE]}\n".encode()
     return ["ssh", "-o", "BatchMode=yes", host, script], secrets
 
 
@@ -158,14 +197,24 @@ def _manual_instructions(
 ) -> str:
     """Write the job's environment to a 0600 file; the line to run on every node."""
     path = log_dir / "node.env"
-    wanted = {k: v for k, v in env.items() if k.startswith(("JUPYTER_SHARD_", "OMP_"))}
+    wanted = {k: v for k, v in env.items() if k.startswith((PREFIX, "OMP_"))}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write("".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(wanted.items())))
-    run = shlex.join([sys.executable, "-m", "torch.distributed.run", *options, "-m", "jupyter_shard.rank"])
+    run = shlex.join(agent_command(options))
     return (
         f"waiting for {spec.nodes} nodes to join; on each node run (the file holds the pool's keys: copy it "
         f"there if {log_dir} is not shared, and keep it private):\n"
         f"  cd {shlex.quote(str(cwd))} && . {shlex.quote(str(path))} && {run}\n"
         "where NODE0 is the first node's host name; interrupt the cell to give up"
     )
+
+
+def _hosts(hosts: str | Sequence[str] | None) -> tuple[str, ...]:
+    if hosts is None:
+        return ()
+    items = hosts.split(",") if isinstance(hosts, str) else list(hosts)
+    names = tuple(h.strip() for h in items)
+    if not names or any(not h or h.startswith("-") or any(c.isspace() for c in h) for h in names):
+        raise SpecError(f"--hosts {hosts!r} is not valid; give host names like node1,node2")
+    return names

@@ -31,9 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jupyter_shard.env import LIFELINE_FD, PARENT_PID, ZYGOTE_SWITCH, without_pool_variables
 from jupyter_shard.errors import PoolError
 
-ENV_SWITCH = "JUPYTER_SHARD_ZYGOTE"
+ENV_SWITCH = ZYGOTE_SWITCH
 READY_TIMEOUT = 120.0
 _MAX_MSG = 1 << 20
 
@@ -78,7 +79,6 @@ class ZygoteClient:
         self._pids: dict[str, int] = {}
         self._exits: dict[int, int] = {}
         self._changed = threading.Condition(self._lock)
-        self._ready = False
         self._error = ""
         self._reader = threading.Thread(target=self._read, name="jupyter_shard-zygote", daemon=True)
         self._reader.start()
@@ -155,8 +155,6 @@ class ZygoteClient:
                     self._pids[str(msg["token"])] = int(msg["forked"])
                 elif "exit" in msg:
                     self._exits[int(msg["exit"])] = int(msg["code"])
-                elif "ready" in msg:
-                    self._ready = True
                 self._changed.notify_all()
 
     def close(self) -> None:
@@ -195,7 +193,7 @@ def zygote_for(env: dict[str, str]) -> ZygoteClient | None:
 
 def _zygote_env(env: dict[str, str]) -> dict[str, str]:
     """The zygote's own environment: the rank's, minus what belongs to one pool or one rank."""
-    return {k: v for k, v in env.items() if not k.startswith("JUPYTER_SHARD_")}
+    return without_pool_variables(env)
 
 
 def mark_failed(client: ZygoteClient) -> None:
@@ -300,8 +298,8 @@ def _child(
         os.dup2(log, 2)
         os.close(log)
         env = {str(k): str(v) for k, v in request["env"].items()}
-        env["JUPYTER_SHARD_LIFELINE_FD"] = str(lifeline)
-        env["JUPYTER_SHARD_PARENT_PID"] = str(os.getppid())
+        env[LIFELINE_FD] = str(lifeline)
+        env[PARENT_PID] = str(os.getppid())
         os.environ.clear()
         os.environ.update(env)
         os.chdir(request["cwd"])

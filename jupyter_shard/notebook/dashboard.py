@@ -21,7 +21,7 @@ import ipywidgets
 from IPython.display import DisplayHandle, display
 
 from jupyter_shard.kernel.history import History, binned, mean_across
-from jupyter_shard.kernel.results import RankActivity, RankState
+from jupyter_shard.kernel.ranks import RankSnapshot, RankState
 from jupyter_shard.notebook.charts import Trace, fmt, line_chart
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def memory_chart(history: History, width: int, height: int) -> str:
     )
 
 
-def status_table(rows: list[RankActivity]) -> str:
+def status_table(rows: list[RankSnapshot]) -> str:
     head = "".join(
         f"<th>{c}</th>"
         for c in ("rank", "state", "step", "steps/s", "memory", "heartbeat", "cell", "last line")
@@ -135,7 +135,7 @@ def render(pool: Pool, *, compact: bool) -> str:
     )
 
 
-def summary(pool: Pool) -> str:
+def text_summary(pool: Pool) -> str:
     """Plain-text twin of the dashboard (saved notebooks viewed as text, consoles)."""
     lines = [f"jupyter_shard dashboard · {pool.spec.describe()}"]
     for row in pool.activity():
@@ -193,7 +193,7 @@ class Dashboard(ipywidgets.VBox):  # type: ignore[misc]
         super().close()
 
     def static_bundle(self) -> dict[str, Any]:
-        return {"text/html": self.html, "text/plain": summary(self._pool)}
+        return {"text/html": self.html, "text/plain": text_summary(self._pool)}
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         bundle: dict[str, Any] = super()._repr_mimebundle_(**kwargs) or {}

@@ -10,38 +10,31 @@ from __future__ import annotations
 import argparse
 import html
 import math
-import shlex
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.display import DisplayHandle, display
 
+from jupyter_shard.errors import PoolError
 from jupyter_shard.kernel.background import BackgroundRun
 from jupyter_shard.kernel.pool import Pool
-from jupyter_shard.kernel.results import DistributedError, PoolError, RankStatus, RunResult
+from jupyter_shard.kernel.ranks import RankSnapshot
+from jupyter_shard.kernel.results import DistributedError, RunResult
+from jupyter_shard.launchers import merge_spec, resolve_spec
+from jupyter_shard.notebook.args import MagicParser, export_magic
 from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard
+from jupyter_shard.notebook.display import NotebookSink, in_kernel
 from jupyter_shard.notebook.panel import register_comm
 from jupyter_shard.spec import LaunchSpec, SpecError, parse_ranks
 
 INTERRUPT_WAIT = 10.0  # seconds %dist_interrupt and an interrupted %dist_wait wait for a background run
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises one :class:`SpecError` line instead of printing usage and exiting."""
-
-    def __init__(self, prog: str, sigil: str) -> None:
-        super().__init__(prog=prog, add_help=False, exit_on_error=False)
-        self.magic = f"{sigil}{prog}"
-
-    def error(self, message: str) -> NoReturn:
-        raise SpecError(f"{self.magic}: {message}")
-
-
-def _distributed_parser() -> _Parser:
-    p = _Parser("distributed", "%%")
+def _distributed_parser() -> MagicParser:
+    p = MagicParser("distributed", "%%")
     p.add_argument("--nproc", type=int)
     p.add_argument("--gpus", type=int)
     p.add_argument("--device")
@@ -67,15 +60,11 @@ def _distributed_parser() -> _Parser:
     return p
 
 
-def _parse(parser: _Parser, line: str) -> argparse.Namespace:
+def _parse(parser: MagicParser, line: str) -> argparse.Namespace:
     try:
-        namespace, extra = parser.parse_known_args(shlex.split(line))
+        namespace = parser.parse_line(line)
     except SpecError as exc:
         raise UsageError(str(exc)) from None
-    except (ValueError, argparse.ArgumentError) as exc:
-        raise UsageError(f"{parser.magic}: {exc}") from None
-    if extra:
-        raise UsageError(f"{parser.magic}: unknown option {extra[0]!r}; see {parser.magic}? for the options")
     timeout = getattr(namespace, "timeout", None)
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         raise UsageError(f"{parser.magic}: --timeout {timeout:g} is not valid; give seconds above 0")
@@ -171,40 +160,18 @@ class DistributedMagics(Magics):
             )
 
     def _resolve(self, opts: argparse.Namespace) -> LaunchSpec:
+        """The spec this cell asks for: the options it names over the running pool's (``merged``)."""
         given = {k: v for k, v in vars(opts).items() if v is not None and k not in _RUN_OPTIONS}
         if "collective_timeout" in given:  # the process group's timeout, a pool-wide setting
             given["timeout"] = given.pop("collective_timeout")
-        current = self.pool.spec if self.pool is not None else None
-        if current is not None and not given:
-            return current
-        base: dict[str, Any] = {}
-        if current is not None:
-            base = {
-                "nproc": current.nproc,
-                "device": current.device,
-                "strategy": current.strategy,
-                "launcher": current.launcher,
-                "nodes": current.nodes,
-                "timeout": current.timeout,
-                "hosts": current.hosts or None,
-                "interface": current.interface,
-                "partition": current.partition,
-                "time_limit": current.time_limit,
-                "account": current.account,
-            }
-            if "launcher" in given and given["launcher"] != current.launcher:
-                for name in ("hosts", "interface", "partition", "time_limit", "account", "nodes"):
-                    base.pop(name)
-            if "gpus" in given or "device" in given:
-                base.pop("nproc")
-            if "gpus" in given:
-                base.pop("device")
-        return LaunchSpec.create(**{**base, **given})
+        if self.pool is None:
+            return resolve_spec(**given)
+        return merge_spec(self.pool.spec, given)
 
     def _pool_for(self, spec: LaunchSpec) -> Pool:
         pool = self.pool
         if pool is None:
-            pool = self.pool = Pool(spec=spec)
+            pool = self.pool = Pool(spec=spec, sink=NotebookSink() if in_kernel() else None)
         elif spec != pool.spec:
             if pool.started:
                 print(
@@ -220,7 +187,7 @@ class DistributedMagics(Magics):
     @line_magic
     def dist_wait(self, line: str) -> Any:
         """Wait for the background run to end; show its value, or raise its error: %dist_wait [--timeout S]"""
-        parser = _Parser("dist_wait", "%")
+        parser = MagicParser("dist_wait", "%")
         parser.add_argument("--timeout", type=float)
         opts = _parse(parser, line)
         run = self._require_pool().background
@@ -294,7 +261,7 @@ class DistributedMagics(Magics):
 
         ``--gather`` gathers the model returned by ``shard.prepare`` (sharded or not) into the kernel
         as a plain ``nn.Module``."""
-        parser = _Parser("dist_pull", "%")
+        parser = MagicParser("dist_pull", "%")
         parser.add_argument("name")
         group = parser.add_mutually_exclusive_group()
         group.add_argument("--rank", type=int, default=0)
@@ -355,8 +322,6 @@ class DistributedMagics(Magics):
     def dist_export(self, line: str) -> None:
         """Write the cells run since the pool started as a torchrun script:
         %dist_export train.py [--sbatch job.sbatch] [--force]"""
-        from jupyter_shard.export.render import export_magic
-
         if self.pool is None:
             raise UsageError("nothing to export: no %%distributed cell has run in this kernel")
         try:
@@ -380,13 +345,12 @@ def _code(magic: str, cell: str) -> str:
 
 
 def _value(result: RunResult) -> _Value | None:
-    """The cell's Out[n]: the last expression's value from the lowest rank that ran it."""
-    lowest = min(result.ranks)
-    value = result.ranks[lowest].result
-    if value is None:
+    """The cell's Out[n]: :attr:`RunResult.value`, labelled with its rank when that is not rank 0."""
+    value, rank = result.value, result.value_rank
+    if value is None or rank is None:
         return None
-    if lowest != 0:
-        value = {**value, "text/plain": f"[rank {lowest}] {value.get('text/plain', '')}"}
+    if rank != 0:
+        value = {**value, "text/plain": f"[rank {rank}] {value.get('text/plain', '')}"}
     return _Value(value)
 
 
@@ -411,9 +375,11 @@ def _change(old: LaunchSpec, new: LaunchSpec) -> str:
     parts = []
     if old.nproc != new.nproc:
         parts.append(f"{old.nproc} → {new.nproc} ranks" + (" per node" if new.nodes > 1 else ""))
-    for name in LaunchSpec.__dataclass_fields__:
-        a, b = getattr(old, name), getattr(new, name)
-        if name != "nproc" and a != b:
+    values = [(name, getattr(old, name), getattr(new, name)) for name in LaunchSpec.__dataclass_fields__]
+    mine, theirs = dict(old.launcher_options.items()), dict(new.launcher_options.items())
+    values += [(name, mine.get(name), theirs.get(name)) for name in {**mine, **theirs}]
+    for name, a, b in values:
+        if name not in ("nproc", "launcher_options") and a != b:
             shown = "collective-timeout" if name == "timeout" else name.replace("_", "-")
             parts.append(f"{shown} {getattr(a, 'value', a)} → {getattr(b, 'value', b)}")
     return ", ".join(parts) or "with new options"
@@ -424,11 +390,11 @@ class StatusTable:
 
     COLUMNS = ("rank", "pid", "host", "device", "state", "memory", "cell", "log")
 
-    def __init__(self, title: str, rows: list[RankStatus]) -> None:
+    def __init__(self, title: str, rows: list[RankSnapshot]) -> None:
         self.title = title
         self.rows = rows
 
-    def _cells(self, row: RankStatus) -> list[str]:
+    def _cells(self, row: RankSnapshot) -> list[str]:
         rss = row.memory.get("rss")
         memory = f"{rss / 2**20:.0f} MiB" if rss else "-"
         if "cuda_allocated" in row.memory:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from jupyter_shard.kernel.pool import Pool
-from jupyter_shard.kernel.results import RankState
+from jupyter_shard.kernel.ranks import RankState
 
 COMM_TARGET = "jupyter_shard"
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class PoolHolder(Protocol):
     pool: Pool | None
 
 
-def summary(pool: Pool | None) -> dict[str, Any]:
+def status_reply(pool: Pool | None) -> dict[str, Any]:
     """The status reply: the pool's description, its overall state and one row per rank."""
     if pool is None or not pool.started:
         return {"reply": "status", "pool": None, "state": "no pool", "ranks": []}
@@ -108,7 +108,7 @@ class PanelComm:
         return pool
 
     def _status(self, message: str = "") -> dict[str, Any]:
-        reply = summary(self.holder.pool)
+        reply = status_reply(self.holder.pool)
         reply["message"] = message
         return reply
 

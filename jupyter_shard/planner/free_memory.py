@@ -20,11 +20,11 @@ import psutil
 from jupyter_shard.spec import Device
 
 if TYPE_CHECKING:
-    from jupyter_shard.kernel.results import RankStatus
+    from jupyter_shard.kernel.ranks import RankSnapshot
 
 
 class StatusSource(Protocol):
-    def status(self) -> Sequence[RankStatus]: ...
+    def status(self) -> Sequence[RankSnapshot]: ...
 
 
 @dataclass(frozen=True)

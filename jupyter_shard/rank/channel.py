@@ -21,12 +21,13 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import zmq
 
 from jupyter_shard._curve import secure_client
+from jupyter_shard.messages import Outgoing
 from jupyter_shard.protocol import KERNEL, MAX_FRAME, Message, ProtocolError, Wire
 
 FLUSH_INTERVAL = 0.05
@@ -89,7 +90,8 @@ class ShellSocket:
             if msg is not None:
                 return msg
 
-    def send(self, msg_type: str, body: dict[str, Any], buffers: list[bytes] | None = None) -> None:
+    def send(self, msg_type: str, body: Mapping[str, Any], buffers: list[bytes] | None = None) -> None:
+        """Send now; ``send(*DONE(body))`` has mypy check the body (:mod:`jupyter_shard.messages`)."""
         self._sock.send_multipart(self.wire.to_socket(msg_type, body, buffers or []), copy=False)
 
 
@@ -105,38 +107,35 @@ class Channel:
         curve: Curve = None,
     ) -> None:
         self.wire = Wire(key, identity)
-        self._outbox: queue.SimpleQueue[tuple[str, dict[str, Any], list[bytes]]] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[str, Mapping[str, Any], list[bytes]]] = queue.SimpleQueue()
         self._count = 0
         self._count_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._sock = _connect(ctx, address, identity, curve)
-        self.io_handlers: dict[str, Handler] = {}
+        self.io_handlers: dict[str, Handler] = {}  # built by ``messages.handler_table("rank.io", ...)``
         self.flushers: list[Callable[[], None]] = []
-        self.heartbeat: Callable[[], dict[str, Any]] | None = None  # body of the periodic heartbeat
+        self.heartbeat: Callable[[], Outgoing] | None = None  # the periodic heartbeat message
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="jupyter_shard-io", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    @property
-    def count(self) -> int:
-        """How many messages have been queued so far (the kernel counts what it receives)."""
-        return self._count
-
     def flush(self) -> int:
-        """Queue all buffered output; returns :attr:`count` after it."""
+        """Queue all buffered output; returns how many messages have been queued so far (``done``'s
+        ``io_count``: the kernel counts what it receives)."""
         for flush in self.flushers:
             flush()
         return self._count
 
-    def send(self, msg_type: str, body: dict[str, Any], buffers: list[bytes] | None = None) -> None:
+    def send(self, msg_type: str, body: Mapping[str, Any], buffers: list[bytes] | None = None) -> None:
         """Queue a message after any output written before this call."""
         self.flush()
         self.enqueue(msg_type, body, buffers or [])
 
-    def enqueue(self, msg_type: str, body: dict[str, Any], buffers: list[bytes]) -> None:
+    def enqueue(self, msg_type: str, body: Mapping[str, Any], buffers: list[bytes]) -> None:
+        """Queue a message now; ``enqueue(*STREAM(body), buffers)`` has mypy check the body."""
         with self._count_lock:
             self._count += 1
             self._outbox.put((msg_type, body, buffers))
@@ -166,7 +165,7 @@ class Channel:
                 flush()
             if self.heartbeat is not None and time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + HEARTBEAT_INTERVAL
-                self.enqueue("heartbeat", self.heartbeat(), [])
+                self.enqueue(*self.heartbeat(), [])
             self._drain_outbox()
             if self._sock in events:
                 self._receive()
@@ -188,8 +187,12 @@ class Channel:
             except zmq.Again:
                 return
             msg = _decode(self.wire, frames)
-            handler = self.io_handlers.get(msg.type) if msg is not None else None
-            if msg is not None and handler is not None:
+            if msg is None:
+                continue
+            handler = self.io_handlers.get(msg.type)
+            if handler is None:
+                print(f"jupyter_shard: the I/O thread ignored a {msg.type!r} message", file=sys.__stderr__)
+            else:
                 handler(msg)
 
 

@@ -1,5 +1,7 @@
 """The rank's main-thread loop and its handlers: run cells, take pushes, answer pulls, release and
-rebuild the process group, stop. One handler per message type; an unknown type is logged."""
+rebuild the process group, stop. One handler per message type the registry sends a rank's main
+thread (:func:`~jupyter_shard.messages.handler_table` checks there is exactly that); an unknown type
+is logged."""
 
 from __future__ import annotations
 
@@ -13,6 +15,16 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any
 
+from jupyter_shard.messages import (
+    DONE,
+    PULL_REPLY,
+    PUSH_REPLY,
+    REGROUP_REPLY,
+    RELEASE_REPLY,
+    OutcomeReply,
+    RegroupReply,
+    handler_table,
+)
 from jupyter_shard.protocol import MAX_FRAME, Message, cell_head
 from jupyter_shard.rank.channel import Channel, ShellSocket
 
@@ -57,14 +69,17 @@ class Runner:
         self.shell = shell
         self.backend = backend
         self.timeout = timeout
-        self.handlers = {
-            "execute": self.execute,
-            "push": self.push,
-            "pull": self.pull,
-            "shutdown": self.shutdown,
-            "release": self.release,
-            "regroup": self.regroup,
-        }
+        self.handlers = handler_table(
+            "rank",
+            {
+                "execute": self.execute,
+                "push": self.push,
+                "pull": self.pull,
+                "shutdown": self.shutdown,
+                "release": self.release,
+                "regroup": self.regroup,
+            },
+        )
         # One SIGINT handler for the rank's life: it interrupts a running cell and is a no-op between
         # cells, so a cell costs no sigaction calls; a cell that installs its own is undone after it.
         self._sigint = self._on_sigint
@@ -102,35 +117,36 @@ class Runner:
             self._own_sigint()
         name, value, tb = error or ("", "", [])
         self.sock.send(
-            "done",
-            {
-                "io_count": self.channel.flush(),
-                "cell_id": cell_id,
-                "status": "error" if error else "ok",
-                "ename": name,
-                "evalue": value,
-                "traceback": tb,
-                "duration": time.perf_counter() - started,
-            },
+            *DONE(
+                {
+                    "io_count": self.channel.flush(),
+                    "cell_id": cell_id,
+                    "status": "error" if error else "ok",
+                    "ename": name,
+                    "evalue": value,
+                    "traceback": tb,
+                    "duration": time.perf_counter() - started,
+                }
+            )
         )
 
     def push(self, msg: Message) -> None:
         import cloudpickle
 
         names = [str(n) for n in msg.body["names"]]
+        reply: OutcomeReply = {"req_id": str(msg.body["req_id"]), "ok": True, "error": ""}
         try:
             values = [cloudpickle.loads(buf) for buf in msg.buffers]
             self.shell.user_ns.update(zip(names, values, strict=True))
-            reply: dict[str, Any] = {"req_id": msg.body["req_id"], "ok": True, "error": ""}
         except Exception as exc:
-            reply = {"req_id": msg.body["req_id"], "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        self.sock.send("push_reply", reply)
+            reply["ok"], reply["error"] = False, f"{type(exc).__name__}: {exc}"
+        self.sock.send(*PUSH_REPLY(reply))
 
     def pull(self, msg: Message) -> None:
         import cloudpickle
 
         name = str(msg.body["name"])
-        reply: dict[str, Any] = {"req_id": msg.body["req_id"], "ok": False, "error": ""}
+        reply: OutcomeReply = {"req_id": str(msg.body["req_id"]), "ok": False, "error": ""}
         buffers: list[bytes] = []
         if name not in self.shell.user_ns:
             reply["error"] = f"name {name!r} is not defined on rank {self.rank}"
@@ -141,7 +157,7 @@ class Runner:
                     value = self._gathered(name, value)
             except Exception as exc:
                 reply["error"] = f"rank {self.rank}: {exc}"
-                self.sock.send("pull_reply", reply, buffers)
+                self.sock.send(*PULL_REPLY(reply))
                 return
             try:
                 data = cloudpickle.dumps(value)
@@ -154,7 +170,7 @@ class Runner:
                     reply["ok"], buffers = True, [data]
             except Exception as exc:
                 reply["error"] = f"{name!r} could not be pickled: {type(exc).__name__}: {exc}"
-        self.sock.send("pull_reply", reply, buffers)
+        self.sock.send(*PULL_REPLY(reply), buffers)
 
     def _gathered(self, name: str, value: Any) -> Any:
         """The plain, unsharded model behind ``value`` (a collective: every rank takes part)."""
@@ -186,8 +202,8 @@ class Runner:
         here = socket.gethostname()
         # Only processes on this machine can be looked up; ranks elsewhere fall back to the kill.
         closed = _shut_down_connections_to([p for p, h in zip(pids, hosts, strict=False) if h in ("", here)])
-        body = {"req_id": msg.body["req_id"], "ok": not error, "error": error, "closed": closed}
-        self.sock.send("release_reply", body)
+        req_id = str(msg.body["req_id"])
+        self.sock.send(*RELEASE_REPLY({"req_id": req_id, "ok": not error, "error": error, "closed": closed}))
 
     def regroup(self, msg: Message) -> None:
         """Replace the default process group with a new one on a fresh store (after a release)."""
@@ -196,7 +212,13 @@ class Runner:
         from jupyter_shard.rank.shard import current
 
         started = time.perf_counter()
-        reply: dict[str, Any] = {"req_id": msg.body["req_id"], "ok": True, "error": "", "prepared": False}
+        reply: RegroupReply = {
+            "req_id": str(msg.body["req_id"]),
+            "ok": True,
+            "error": "",
+            "prepared": False,
+            "seconds": 0.0,
+        }
         try:
             if dist.is_initialized():
                 with contextlib.suppress(Exception):  # a group broken by the release: drop it anyway
@@ -220,7 +242,7 @@ class Runner:
         except Exception as exc:
             reply["ok"], reply["error"] = False, f"{type(exc).__name__}: {exc}"
         reply["seconds"] = time.perf_counter() - started
-        self.sock.send("regroup_reply", reply)
+        self.sock.send(*REGROUP_REPLY(reply))
 
     def shutdown(self, msg: Message) -> None:
         self.channel.close()

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Callable
-from typing import IO, Any
+from collections.abc import Callable, Mapping
+from typing import IO, Any, Literal
 
+from jupyter_shard.messages import STREAM
 from jupyter_shard.protocol import TEXT_ERRORS
 
 MAX_PENDING = 256 * 1024
 
-Sender = Callable[[str, dict[str, Any], list[bytes]], None]
+Sender = Callable[[str, Mapping[str, Any], list[bytes]], None]
 
 
 class RankStream(io.TextIOBase):
@@ -20,7 +21,7 @@ class RankStream(io.TextIOBase):
 
     def __init__(
         self,
-        name: str,
+        name: Literal["stdout", "stderr"],
         log: IO[str],
         enqueue: Sender,
         cell_id: Callable[[], str],
@@ -28,6 +29,7 @@ class RankStream(io.TextIOBase):
     ) -> None:
         super().__init__()
         self.name = name
+        self._name = name  # ``name`` as the stream body's type (``TextIOBase.name`` is any)
         self._log = log
         self._enqueue = enqueue
         self._cell_id = cell_id
@@ -73,4 +75,4 @@ class RankStream(io.TextIOBase):
         self._pending.clear()
         self._size = 0
         data = text.encode("utf-8", TEXT_ERRORS)
-        self._enqueue("stream", {"cell_id": self._cell_id(), "name": self.name}, [data])
+        self._enqueue(*STREAM({"cell_id": self._cell_id(), "name": self._name}), [data])

@@ -30,7 +30,7 @@ import sys
 import time
 import uuid
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -38,7 +38,9 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from jupyter_shard.env import METRICS_DIR_VAR
 from jupyter_shard.rank import shard as shard_module
+from jupyter_shard.rank.device import select_device
 from jupyter_shard.rank.shard import Shard
 
 if TYPE_CHECKING:
@@ -46,7 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = ["finish", "ipython", "start", "unpickle", "unpickle_file"]
 
-METRICS_ENV = "JUPYTER_SHARD_METRICS_DIR"
+METRICS_ENV = METRICS_DIR_VAR
 FLUSH_EVERY = 1.0  # seconds between writes of queued ``shard.log`` records
 
 _current: _ScriptShard | None = None
@@ -65,16 +67,9 @@ def start(
     _default_to_one_rank()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    if device == "cuda":
-        if torch.cuda.device_count() <= local_rank:
-            raise RuntimeError(
-                f"rank {rank} needs CUDA device {local_rank} but {torch.cuda.device_count()} are visible; "
-                "start as many ranks per node as it has GPUs (torchrun --nproc-per-node)"
-            )
-        torch.cuda.set_device(local_rank)
-        where, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        where, backend = torch.device("cpu"), "gloo"
+    where, backend = select_device(
+        rank, local_rank, device, "start as many ranks per node as it has GPUs (torchrun --nproc-per-node)"
+    )
     dist.init_process_group(
         backend, init_method="env://", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
     )
@@ -161,7 +156,7 @@ class _MetricsFile:
         self._failed = False
         self._pending: list[dict[str, Any]] = []
 
-    def collect(self, kind: str, body: dict[str, Any], buffers: list[bytes]) -> None:
+    def collect(self, kind: str, body: Mapping[str, Any], buffers: list[bytes]) -> None:
         """``Shard``'s ``send``: keep the records of one flush until :meth:`write`."""
         if kind != "metrics":
             print(f"jupyter_shard: a {kind!r} message has no place in a script; dropped", file=sys.stderr)

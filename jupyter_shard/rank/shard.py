@@ -14,7 +14,7 @@ import random
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
@@ -24,10 +24,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
+from jupyter_shard.messages import METRICS, MetricsBody
 from jupyter_shard.strategies import create_strategy, strategy_class
 from jupyter_shard.strategies.base import StrategyBase, StrategyContext
 
-Sender = Callable[[str, dict[str, Any], list[bytes]], None]
+Sender = Callable[[str, Mapping[str, Any], list[bytes]], None]
 
 
 class Shard:
@@ -219,8 +220,8 @@ class Shard:
             steps, times, values = zip(*records, strict=True)
             columns = [array("d", steps), array("d", times)]
             columns.extend(array("d", map(itemgetter(name), values)) for name in names)
-            body = {"rank": self.rank, "names": list(names), "count": len(records)}
-            self._send("metrics", body, [c.tobytes() for c in columns])
+            body: MetricsBody = {"rank": self.rank, "names": list(names), "count": len(records)}
+            self._send(*METRICS(body), [c.tobytes() for c in columns])
 
     def memory(self) -> dict[str, int]:
         """Bytes: ``rss``; ``parameters``/``gradients``/``optimizer`` as this rank holds them; CUDA on GPU."""

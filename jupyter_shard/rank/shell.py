@@ -16,6 +16,7 @@ from IPython.core.inputtransformer2 import TransformerManager
 from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
 from traitlets.config import Config
 
+from jupyter_shard.messages import DISPLAY, RESULT, DisplayBody
 from jupyter_shard.rank.channel import Channel
 
 
@@ -29,7 +30,7 @@ class _RankDisplayHook(DisplayHook):
         shell = self.shell
         assert isinstance(shell, RankShell)
         shell.channel.send(
-            "result", {"cell_id": shell.cell_id, "data": format_dict, "metadata": md_dict or {}}
+            *RESULT({"cell_id": shell.cell_id, "data": format_dict, "metadata": md_dict or {}})
         )
 
     def finish_displayhook(self) -> None:
@@ -49,14 +50,14 @@ class _RankDisplayPublisher(DisplayPublisher):
     ) -> None:
         shell = self.shell
         assert isinstance(shell, RankShell)
-        body = {
+        body: DisplayBody = {
             "cell_id": shell.cell_id,
             "data": data,
             "metadata": metadata or {},
             "transient": transient or {},
             "update": update,
         }
-        shell.channel.send("display", body)
+        shell.channel.send(*DISPLAY(body))
 
     def clear_output(self, wait: bool = False) -> None:
         pass

@@ -66,8 +66,8 @@ def _rank_pids(pool: Pool) -> list[int]:
 
 def _key(pool: Pool) -> bytes:
     """The pool's key, as an attacker who stole it (or a signed frame) would have it."""
-    assert pool._wire is not None
-    return pool._wire._key
+    assert pool.connection.wire is not None
+    return pool.connection.wire._key
 
 
 class _Evil:
@@ -120,14 +120,14 @@ def _framed(parts: list[bytes]) -> list[bytes]:
 
 def _send(pool: Pool, messages: Sequence[list[bytes]], identity: str | None = ALIAS) -> None:
     """Connect to the pool socket as a peer without the key, send, and return once all is sent."""
-    assert pool._dir is not None
+    assert pool.directory is not None
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity.encode())
         sock.setsockopt(zmq.LINGER, 5000)
-        sock.connect(f"ipc://{pool._dir / 'pool.sock'}")
+        sock.connect(f"ipc://{pool.directory / 'pool.sock'}")
         for frames in messages:
             sock.send_multipart(_framed(frames))
         sock.close()
@@ -208,14 +208,14 @@ def test_ranks_have_no_listening_socket_of_their_own(pool: Pool) -> None:
     """Ranks only connect out (rank/channel.py): no ipc/UNIX listener a forged frame could reach.
     Their rendezvous is a FileStore in the private directory; gloo's TCP pairs are loopback only
     (test above)."""
-    assert pool._dir is not None
+    assert pool.directory is not None
     for pid in _rank_pids(pool):
         assert _listening_unix_sockets(pid) == [], f"rank process {pid} listens on a UNIX socket"
-    assert _listening_unix_sockets(os.getpid()) == [str(pool._dir / "pool.sock")]
+    assert _listening_unix_sockets(os.getpid()) == [str(pool.directory / "pool.sock")]
 
 
 def test_private_directory_and_ipc_socket(pool: Pool) -> None:
-    directory = pool._dir
+    directory = pool.directory
     assert directory is not None
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     assert directory.stat().st_uid == os.getuid()
@@ -235,7 +235,7 @@ def test_key_not_on_command_line_nor_inherited_by_rank_children(pool: Pool) -> N
 
 
 def test_frames_without_the_key_are_rejected_and_pool_keeps_working(pool: Pool) -> None:
-    assert pool._dir is not None
+    assert pool.directory is not None
     dropped = pool.dropped
     ctx = zmq.Context.instance()
     socks = []
@@ -245,7 +245,7 @@ def test_frames_without_the_key_are_rejected_and_pool_keeps_working(pool: Pool) 
             if identity is not None:
                 sock.setsockopt(zmq.IDENTITY, identity)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"ipc://{pool._dir / 'pool.sock'}")
+            sock.connect(f"ipc://{pool.directory / 'pool.sock'}")
             socks.append(sock)
             sock.send_multipart(Wire(new_key(), "rank-0").to_socket("done", {"cell_id": "x", "status": "ok"}))
             sock.send_multipart([b"garbage"])
@@ -400,9 +400,9 @@ def test_badly_signed_pickle_is_never_unpickled_by_the_kernel(pool: Pool, marker
     sent = threading.Event()
 
     def forge() -> None:
-        if not _wait_until(lambda: bool(pool._replies), within=10.0):
+        if not _wait_until(lambda: bool(pool.connection.waiting_requests), within=10.0):
             return
-        req_id = next(iter(pool._replies))
+        req_id = pool.connection.waiting_requests[0]
         body = {"req_id": req_id, "ok": True, "error": ""}
         genuine = Wire(_key(pool), ALIAS).encode("pull_reply", body, [payload])
         _send(
@@ -446,18 +446,18 @@ def _rank0_rejected(pool: Pool) -> int:
 
 
 def _to_rank0(pool: Pool, messages: Sequence[list[bytes]]) -> None:
-    assert pool._sock is not None
-    with pool._io_lock:
+    assert pool.connection.socket is not None
+    with pool.connection.lock:
         for frames in messages:
-            pool._sock.send_multipart([rank_identity(0).encode(), *_framed(frames)])
+            pool.connection.socket.send_multipart([rank_identity(0).encode(), *_framed(frames)])
 
 
 def _from_kernel(
     pool: Pool, msg_type: str, body: dict[str, Any], buffers: Sequence[bytes] = ()
 ) -> list[bytes]:
     """Frames as the kernel would sign them (with its next ``seq``), for the test to spoil."""
-    assert pool._wire is not None
-    return pool._wire.encode(msg_type, body, buffers)
+    assert pool.connection.wire is not None
+    return pool.connection.wire.encode(msg_type, body, buffers)
 
 
 def _resigned(frames: list[bytes], key: bytes) -> list[bytes]:
@@ -498,9 +498,9 @@ def test_rank_drops_a_replayed_genuine_execute(
     pool: Pool, marker: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A real cell's ``execute`` frames, captured as the kernel sends them, then sent again."""
-    assert pool._wire is not None
+    assert pool.connection.wire is not None
     captured: list[list[bytes]] = []
-    encode = pool._wire.encode
+    encode = pool.connection.wire.encode
 
     def capture(msg_type: str, body: dict[str, Any], buffers: Sequence[bytes] = ()) -> list[bytes]:
         frames = encode(msg_type, body, buffers)
@@ -508,7 +508,7 @@ def test_rank_drops_a_replayed_genuine_execute(
             captured.append(frames)
         return frames
 
-    monkeypatch.setattr(pool._wire, "encode", capture)
+    monkeypatch.setattr(pool.connection.wire, "encode", capture)
     pool.run(f"open({str(marker)!r}, 'a').write('x')", ranks=[0])
     monkeypatch.undo()
     assert marker.read_text() == "x" and len(captured) == 1
@@ -562,10 +562,10 @@ print(sent)
 
 
 def test_keyless_process_on_the_pool_socket_is_refused_and_runs_nothing(pool: Pool, marker: Path) -> None:
-    assert pool._dir is not None
+    assert pool.directory is not None
     dropped = pool.dropped
     peer = subprocess.run(
-        [sys.executable, "-c", _KEYLESS_PEER, f"ipc://{pool._dir / 'pool.sock'}", str(marker), FORGED],
+        [sys.executable, "-c", _KEYLESS_PEER, f"ipc://{pool.directory / 'pool.sock'}", str(marker), FORGED],
         capture_output=True,
         text=True,
         timeout=60,
@@ -611,8 +611,8 @@ def test_other_user_cannot_connect_to_the_pool_socket(pool: Pool) -> None:
     """The socket sits in a 0700 directory of the kernel's user. Root ignores permission bits, so
     when the tests run as root the mode is asserted and a probe dropped to ``nobody`` must be
     refused where it can reach a control socket in an open directory."""
-    assert pool._dir is not None
-    info = pool._dir.stat()
+    assert pool.directory is not None
+    info = pool.directory.stat()
     assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
     if os.getuid() != 0:
         pytest.skip("switching to another user needs root; the 0700 mode is asserted above")
@@ -634,7 +634,7 @@ def test_other_user_cannot_connect_to_the_pool_socket(pool: Pool) -> None:
                 "-c",
                 _CONNECT_PROBE,
                 str(open_dir / "control.sock"),
-                str(pool._dir / "pool.sock"),
+                str(pool.directory / "pool.sock"),
             ],
             user=nobody,
             group=nobody,

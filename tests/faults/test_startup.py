@@ -131,7 +131,7 @@ def test_pool_runs_collectives_with_port_29500_taken_and_never_listens_on_it(
         results = [ran.ranks[k].result for k in range(2)]
         assert all(r is not None for r in results), results
         values = [ast.literal_eval(r["text/plain"]) for r in results if r is not None]
-        pool_dir = pool._dir
+        pool_dir = pool.directory
         assert pool_dir is not None
         for value in values:
             total, master_port, store, store_path = value
@@ -193,8 +193,8 @@ def _run_collective(tmp_path: Path) -> Path:
             "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
         )
         assert result.value == {"text/plain": "2.0"}
-        assert pool._dir is not None and pool._dir.is_dir()
-        return pool._dir
+        assert pool.directory is not None and pool.directory.is_dir()
+        return pool.directory
 
 
 def test_stale_files_are_cleaned_by_pid_and_start_time_and_a_live_pool_is_left_alone(

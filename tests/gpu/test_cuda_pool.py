@@ -75,8 +75,8 @@ def test_dashboard_shows_cuda_memory_from_heartbeats(tmp_path: Path) -> None:
     import time
 
     from jupyter_shard import Pool
-    from jupyter_shard.notebook.dashboard import render
     from jupyter_shard.kernel.output import ConsoleSink
+    from jupyter_shard.notebook.dashboard import render
 
     sink = ConsoleSink(io.StringIO(), io.StringIO())
     with Pool(nproc=1, device="cuda", log_dir=tmp_path, sink=sink) as pool:

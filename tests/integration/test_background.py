@@ -17,8 +17,8 @@ import pytest
 
 from jupyter_shard import DistributedError, Pool, PoolError
 from jupyter_shard.kernel.background import BackgroundRun
-from jupyter_shard.kernel.results import RankActivity
 from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.kernel.ranks import RankSnapshot
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -79,7 +79,7 @@ def test_shutdown_during_a_background_run_reports_it_lost(pool: Pool) -> None:
         run.wait(5)
 
 
-def _activity_once_flagged(pool: Pool, rank: int, within: float) -> list[RankActivity]:
+def _activity_once_flagged(pool: Pool, rank: int, within: float) -> list[RankSnapshot]:
     """``pool.activity()`` as soon as ``rank`` has a problem, or after ``within`` seconds."""
     deadline = time.monotonic() + within
     rows = pool.activity()

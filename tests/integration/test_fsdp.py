@@ -14,8 +14,8 @@ import pytest
 
 from jupyter_shard import DistributedError, Pool
 from jupyter_shard.kernel.checkpoint import load_full_state_dict
-from jupyter_shard.spec import LaunchSpec
 from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.spec import LaunchSpec
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -92,3 +93,25 @@ def test_interrupt_from_another_thread_reaches_running_ranks(pool: Pool) -> None
     assert time.monotonic() - started < 3.0
     assert caught.value.headline == "interrupted: KeyboardInterrupt on rank 0-1"
     assert pool.run("'alive'").value == {"text/plain": "'alive'"}
+
+
+_NO_UI = """
+import sys
+from jupyter_shard import Pool
+with Pool(nproc=1, device="cpu") as pool:
+    assert pool.run("6 * 7").value == {"text/plain": "42"}
+loaded = sorted(m for m in sys.modules if m.startswith(("jupyter_shard.notebook", "ipywidgets")))
+print("UI modules:", loaded)
+"""
+
+
+def test_a_pool_driven_from_a_script_loads_no_ui_module(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JUPYTER_SHARD_LOG_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_UI], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "UI modules: []" in done.stdout, done.stdout

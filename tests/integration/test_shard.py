@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from jupyter_shard import Pool, PoolError
-from jupyter_shard.strategies.base import StrategyBase
 from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.strategies.base import StrategyBase
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from jupyter_shard import Pool, PoolError
-from jupyter_shard.launchers import zygote
 from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.launchers import zygote
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from jupyter_shard import Pool
-from jupyter_shard.export.render import export
+from jupyter_shard.export.files import export
 from jupyter_shard.kernel.output import ConsoleSink
 from tests.launchers.conftest import SlurmCluster
 

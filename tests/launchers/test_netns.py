@@ -21,8 +21,8 @@ import psutil
 import pytest
 
 from jupyter_shard import DistributedError, Pool
-from jupyter_shard.spec import LaunchSpec
 from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.launchers import resolve_spec
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -83,7 +83,7 @@ def test_ranks_in_two_namespaces_all_reduce_and_dial_back_on_the_bridge(
 ) -> None:
     bridge, addresses, bin_dir = two_namespaces
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    spec = LaunchSpec.create(
+    spec = resolve_spec(
         nproc=1,
         device="cpu",
         strategy="ddp",

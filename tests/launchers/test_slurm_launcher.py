@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from jupyter_shard import DistributedError, Pool
-from jupyter_shard.launchers.slurm import SlurmLauncher
-from jupyter_shard.spec import LaunchSpec
 from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.launchers import resolve_spec
+from jupyter_shard.launchers.slurm import SlurmLauncher
 
 from .conftest import SlurmCluster
 
@@ -43,9 +43,7 @@ def _wait_gone(name: str, seconds: float) -> list[str]:
 
 @pytest.fixture
 def pool(slurm: SlurmCluster, tmp_path: Path) -> Iterator[Pool]:
-    spec = LaunchSpec.create(
-        nproc=2, device="cpu", launcher="slurm", interface="lo", partition=slurm.partition
-    )
+    spec = resolve_spec(nproc=2, device="cpu", launcher="slurm", interface="lo", partition=slurm.partition)
     p = Pool(spec=spec, log_dir=tmp_path, sink=ConsoleSink())
     p.notices = []  # type: ignore[attr-defined]
     p.on_notice = p.notices.append  # type: ignore[attr-defined]
@@ -109,8 +107,8 @@ def test_the_kernels_death_cancels_the_job(slurm: SlurmCluster, tmp_path: Path) 
         f"""
         import sys, time
         from jupyter_shard import Pool
-        from jupyter_shard.spec import LaunchSpec
-        spec = LaunchSpec.create(
+        from jupyter_shard.launchers import resolve_spec
+        spec = resolve_spec(
             nproc=2, device="cpu", launcher="slurm", interface="lo", partition={slurm.partition!r}
         )
         pool = Pool(spec=spec, log_dir={str(tmp_path)!r})

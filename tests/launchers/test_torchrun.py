@@ -25,15 +25,16 @@ import zmq
 
 from jupyter_shard import DistributedError, Pool
 from jupyter_shard._curve import CurveKeys, secure_client
+from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.launchers import resolve_spec
 from jupyter_shard.protocol import Wire, rank_identity
 from jupyter_shard.spec import LaunchSpec
-from jupyter_shard.kernel.output import ConsoleSink
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def _spec(**extra: object) -> LaunchSpec:
-    return LaunchSpec.create(
+    return resolve_spec(
         nproc=1, device="cpu", strategy="ddp", launcher="torchrun", hosts="localhost,localhost", **extra
     )
 
@@ -176,8 +177,8 @@ def test_the_kernels_death_ends_agents_and_ranks(tmp_path: Path) -> None:
     script = (
         "import time\n"
         "from jupyter_shard import Pool\n"
-        "from jupyter_shard.spec import LaunchSpec\n"
-        "spec = LaunchSpec.create(nproc=1, device='cpu', launcher='torchrun', hosts='localhost,localhost')\n"
+        "from jupyter_shard.launchers import resolve_spec\n"
+        "spec = resolve_spec(nproc=1, device='cpu', launcher='torchrun', hosts='localhost,localhost')\n"
         f"pool = Pool(spec=spec, log_dir={str(tmp_path)!r})\n"
         "pool.start()\n"
         "print(*[s.pid for s in pool.status()], *pool._launcher.local_pids(), flush=True)\n"
@@ -201,7 +202,7 @@ def test_the_kernels_death_ends_agents_and_ranks(tmp_path: Path) -> None:
 
 def test_nodes_started_by_hand_join_from_the_printed_command(tmp_path: Path) -> None:
     """``--nodes 2`` without ``--hosts``: the pool prints the command for each node and waits."""
-    spec = LaunchSpec.create(nproc=1, device="cpu", launcher="torchrun", nodes=2, interface="lo")
+    spec = resolve_spec(nproc=1, device="cpu", launcher="torchrun", nodes=2, interface="lo")
     pool = Pool(spec=spec, log_dir=tmp_path, sink=ConsoleSink())
     notices: list[str] = []
     pool.on_notice = notices.append

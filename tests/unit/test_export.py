@@ -17,10 +17,13 @@ import pytest
 import torch
 
 from jupyter_shard.export import render as export_module
-from jupyter_shard.rank import script as script_module
-from jupyter_shard.export.render import export, export_magic, render_sbatch, render_script
-from jupyter_shard.spec import Device, LaunchSpec, SpecError
+from jupyter_shard.export.files import export
+from jupyter_shard.export.render import render_sbatch, render_script
 from jupyter_shard.kernel.transcript import CellEntry, PushEntry, Transcript
+from jupyter_shard.launchers.slurm import SlurmOptions
+from jupyter_shard.notebook.args import export_magic
+from jupyter_shard.rank import script as script_module
+from jupyter_shard.spec import Device, LaunchSpec, SpecError
 
 WHEN = datetime(2025, 1, 2, 3, 4)
 
@@ -282,7 +285,7 @@ def test_sbatch_asks_slurm_for_the_pools_shape_and_starts_torchrun_per_node() ->
         nodes=2,
         launcher="slurm",
         strategy="fsdp",
-        **{"partition": "gpu", "time_limit": "01:30:00", "account": "proj"},  # type: ignore[arg-type]
+        launcher_options=SlurmOptions(partition="gpu", time_limit="01:30:00", account="proj"),
     )
     text = render_sbatch(spec, "train.py", when=WHEN, name="job.sbatch")
     directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]

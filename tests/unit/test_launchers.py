@@ -23,23 +23,24 @@ import psutil
 import pytest
 
 from jupyter_shard import _curve
-from jupyter_shard._curve import CURVE_ENV, CurveKeys, _OnlyOurClient
-from jupyter_shard.launchers import remote
+from jupyter_shard._curve import CurveKeys, _OnlyOurClient
+from jupyter_shard.env import CURVE as CURVE_ENV
+from jupyter_shard.env import KEY as KEY_ENV
+from jupyter_shard.env import PER_RANK as PER_RANK_ENV
+from jupyter_shard.launchers import remote, resolve_spec
 from jupyter_shard.launchers import slurm as slurm_mod
 from jupyter_shard.launchers import torchrun as torchrun_mod
 from jupyter_shard.launchers.base import RankLaunch
+from jupyter_shard.launchers.commands import agent_args as torchrun_args
 from jupyter_shard.launchers.remote import (
-    PER_RANK_ENV,
     AgentProcess,
     RemoteRank,
     job_env,
     resolve_interface,
     tether_argv,
-    torchrun_args,
 )
 from jupyter_shard.launchers.slurm import SlurmLauncher
 from jupyter_shard.launchers.torchrun import TorchrunLauncher, _manual_instructions, _ssh_command
-from jupyter_shard.protocol import KEY_ENV
 from jupyter_shard.spec import LaunchSpec, SpecError
 
 ELSEWHERE = "192.0.2.1"  # TEST-NET-1: never this machine, and resolving it needs no DNS
@@ -53,7 +54,7 @@ def _curve_value() -> str:
 def _spec(**kwargs: Any) -> LaunchSpec:
     kwargs.setdefault("gpu_count", 0)
     kwargs.setdefault("nproc", 1)
-    return LaunchSpec.create(**kwargs)
+    return resolve_spec(**kwargs)
 
 
 def _one_line(exc: pytest.ExceptionInfo[SpecError]) -> str:
@@ -932,3 +933,36 @@ def test_only_the_pools_client_key_gets_in() -> None:
     assert check.refused == 3
     assert check.callback("*", keys.client_public) is True
     assert check.refused == 3
+
+
+def test_the_launcher_contract_answers_what_the_pool_asks_without_names() -> None:
+    from jupyter_shard.launchers import get_launcher
+    from jupyter_shard.launchers.local import LocalLauncher
+
+    local, torchrun, slurm = LocalLauncher(), TorchrunLauncher(), SlurmLauncher()
+    assert (local.meets_on_agent_store, torchrun.meets_on_agent_store, slurm.meets_on_agent_store) == (
+        False,
+        True,
+        True,
+    )
+    assert local.restart_hint == torchrun.restart_hint == "on the same hosts"
+    assert slurm.restart_hint == "in a new SLURM allocation"
+    assert isinstance(get_launcher("slurm"), SlurmLauncher)
+    sent: list[tuple[int, int]] = []
+    for launcher in (local, torchrun, slurm):
+        launcher.set_signal_sender(lambda rank, sig: sent.append((rank, sig)))
+    torchrun.deliver(3, signal.SIGINT)
+    slurm.deliver(4, signal.SIGTERM)
+    assert sent == [(3, signal.SIGINT), (4, signal.SIGTERM)]
+
+
+def test_a_remote_rank_says_why_it_never_started_from_its_agents_log(tmp_path: Path) -> None:
+    log = tmp_path / "node-0.log"
+    log.write_text("ssh: Could not resolve hostname nodeX\n")
+    proc = SimpleNamespace(pid=1, poll=lambda: 255)
+    agent = remote.AgentProcess(0, "nodeX", proc, log)  # type: ignore[arg-type]
+    rank = remote.RemoteRank(0, [agent], lambda r, s: None)
+    assert rank.startup_tail() == "ssh: Could not resolve hostname nodeX"
+    assert rank.node_down is False
+    assert rank.poll() == 255 and rank.node_down is True
+    assert remote.RemoteRank(0, [], lambda r, s: None).startup_tail() is None

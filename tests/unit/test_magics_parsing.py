@@ -1,4 +1,4 @@
-"""jupyter_shard.notebook.magics without rank processes: option errors are one UsageError line, no pool is made.
+"""jupyter_shard.notebook.magics without rank processes: bad options are one UsageError line, no pool.
 
 ``Pool`` is replaced by a tripwire for every test here, so a bug that reached pool creation fails the
 test instead of starting ranks.
@@ -14,10 +14,10 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
-from jupyter_shard.notebook import magics as magics_mod
 from jupyter_shard import spec as spec_mod
+from jupyter_shard.kernel.ranks import RankSnapshot, RankState
+from jupyter_shard.notebook import magics as magics_mod
 from jupyter_shard.notebook.magics import DistributedMagics, StatusTable, _parse
-from jupyter_shard.kernel.results import RankState, RankStatus
 from jupyter_shard.spec import LaunchSpec
 
 
@@ -249,16 +249,25 @@ def test_dist_status_without_pool_prints_the_hint(
 
 def test_status_table_text_and_html() -> None:
     rows = [
-        RankStatus(0, 101, "host-a", "cpu", RankState.IDLE, {"rss": 200 * 2**20}, "", "/logs/rank-0.log"),
-        RankStatus(
-            1,
-            102,
-            "host-a",
-            "cuda:1",
-            RankState.DEAD,
-            {"rss": 0, "cuda_allocated": 3 * 2**20},
-            "c<1>",
-            "/logs/rank-1.log",
+        RankSnapshot(
+            rank=0,
+            pid=101,
+            host="host-a",
+            device="cpu",
+            state=RankState.IDLE,
+            memory={"rss": 200 * 2**20},
+            cell="",
+            log_path="/logs/rank-0.log",
+        ),
+        RankSnapshot(
+            rank=1,
+            pid=102,
+            host="host-a",
+            device="cuda:1",
+            state=RankState.DEAD,
+            memory={"rss": 0, "cuda_allocated": 3 * 2**20},
+            cell="c<1>",
+            log_path="/logs/rank-1.log",
             exit="exited with code 3",
         ),
     ]
@@ -299,3 +308,45 @@ def test_collective_timeout_is_a_pool_setting_kept_across_cells(
     magics.pool = None
     msg = _usage_error(shell, "distributed", "--collective-timeout 0")
     assert msg == "--collective-timeout 0 is not valid; give seconds above 0"
+
+
+def test_a_later_cell_keeps_every_option_it_does_not_name(magics: DistributedMagics) -> None:
+    first = "--nproc 2 --device cpu --strategy ddp --precision bf16-mixed --accumulate 4 --clip-grad-norm 1.0"
+    spec = magics._resolve(_parse(magics._parser, first))
+    pool = _FakePool(nproc=2)
+    pool.spec = spec
+    magics.pool = pool  # type: ignore[assignment]
+    try:
+        later = magics._resolve(_parse(magics._parser, "--nproc 3"))
+    finally:
+        magics.pool = None
+    assert later == spec.with_changes(nproc=3)
+    assert (later.strategy, later.precision.value, later.accumulate, later.clip_grad_norm) == (
+        "ddp",
+        "bf16-mixed",
+        4,
+        1.0,
+    )
+
+
+def test_a_restart_after_a_later_cell_names_only_what_that_cell_changed(magics: DistributedMagics) -> None:
+    from jupyter_shard.notebook.magics import _change
+
+    spec = magics._resolve(_parse(magics._parser, "--nproc 2 --device cpu --precision bf16-mixed"))
+    pool = _FakePool(nproc=2)
+    pool.spec = spec
+    magics.pool = pool  # type: ignore[assignment]
+    try:
+        later = magics._resolve(_parse(magics._parser, "--nproc 3 --accumulate 2"))
+    finally:
+        magics.pool = None
+    assert _change(spec, later) == "2 → 3 ranks, accumulate 1 → 2"
+
+
+def test_a_restart_names_a_changed_launcher_option() -> None:
+    from jupyter_shard.launchers import merge_spec, resolve_spec
+    from jupyter_shard.notebook.magics import _change
+
+    old = resolve_spec(launcher="torchrun", hosts="a,b", interface="eth0", gpu_count=0)
+    assert _change(old, merge_spec(old, {"interface": "eth1"})) == "interface eth0 → eth1"
+    assert _change(old, merge_spec(old, {"nproc": 3})) == "2 → 3 ranks per node"

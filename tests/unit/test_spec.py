@@ -10,8 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jupyter_shard import spec
+from jupyter_shard.launchers import merge_spec, resolve_spec
+from jupyter_shard.launchers.slurm import SlurmOptions
+from jupyter_shard.launchers.torchrun import TorchrunOptions
 from jupyter_shard.spec import (
     Device,
+    LauncherOptions,
     LaunchSpec,
     Offload,
     Precision,
@@ -95,12 +99,12 @@ def test_existing_config_file_is_kept(tmp_path: Path) -> None:
     assert s.config == cfg
 
 
-def test_pool_key_ignores_strategy_and_timeout() -> None:
+def test_specs_compare_by_every_field() -> None:
     a = LaunchSpec.create(gpu_count=0)
     b = LaunchSpec.create(gpu_count=0, strategy="ddp", timeout=5)
     c = LaunchSpec.create(gpu_count=0, nproc=3)
-    assert a.pool_key() == b.pool_key()
-    assert a.pool_key() != c.pool_key()
+    assert a != b
+    assert a != c
     assert a.with_changes(nproc=3) == c
 
 
@@ -116,10 +120,15 @@ def test_spec_is_frozen() -> None:
 def _err(**kwargs: object) -> str:
     kwargs.setdefault("gpu_count", 0)
     with pytest.raises(SpecError) as info:
-        LaunchSpec.create(**kwargs)  # type: ignore[arg-type]
+        resolve_spec(**kwargs)  # LaunchSpec.create, with the launchers' own options
     msg = str(info.value)
     assert "\n" not in msg, "a SpecError is one line"
     return msg
+
+
+def _opt(s: LaunchSpec, name: str) -> object:
+    """One of the launcher's own options of ``s``."""
+    return dict(s.launcher_options.items())[name]
 
 
 def test_spec_error_is_a_value_error() -> None:
@@ -387,7 +396,7 @@ def test_several_nodes_need_torchrun_or_slurm() -> None:
     msg = _err(nodes=2)
     assert msg.startswith("--nodes 2 needs --launcher torchrun or slurm")
     for launcher in ("torchrun", "slurm"):
-        s = LaunchSpec.create(nodes=2, launcher=launcher, gpu_count=0)
+        s = resolve_spec(nodes=2, launcher=launcher, gpu_count=0)
         assert (s.nodes, s.launcher) == (2, launcher)
 
 
@@ -400,15 +409,15 @@ def test_hosts_only_with_torchrun(launcher: str) -> None:
 
 @pytest.mark.parametrize("nodes", [1, 3])
 def test_hosts_give_the_node_count(nodes: int) -> None:
-    s = LaunchSpec.create(launcher="torchrun", hosts="a,b,c", nodes=nodes, gpu_count=0)
+    s = resolve_spec(launcher="torchrun", hosts="a,b,c", nodes=nodes, gpu_count=0)
     assert s.nodes == 3
-    assert s.hosts == ("a", "b", "c")
+    assert _opt(s, "hosts") == ("a", "b", "c")
 
 
 def test_hosts_as_a_list_with_spaces_around_names() -> None:
-    s = LaunchSpec.create(launcher="torchrun", hosts=[" a", "b "], gpu_count=0)
-    assert (s.hosts, s.nodes) == (("a", "b"), 2)
-    assert LaunchSpec.create(launcher="torchrun", hosts="a, b", gpu_count=0).hosts == ("a", "b")
+    s = resolve_spec(launcher="torchrun", hosts=[" a", "b "], gpu_count=0)
+    assert (_opt(s, "hosts"), s.nodes) == (("a", "b"), 2)
+    assert _opt(resolve_spec(launcher="torchrun", hosts="a, b", gpu_count=0), "hosts") == ("a", "b")
 
 
 @pytest.mark.parametrize("nodes", [2, 4])
@@ -419,7 +428,7 @@ def test_hosts_disagreeing_with_nodes_are_refused(nodes: int) -> None:
 
 def test_constructor_refuses_hosts_that_disagree_with_nodes() -> None:
     with pytest.raises(SpecError, match=r"--hosts names 2 host\(s\) but --nodes is 3"):
-        LaunchSpec(launcher="torchrun", hosts=("a", "b"), nodes=3)
+        LaunchSpec(launcher="torchrun", launcher_options=TorchrunOptions(hosts=("a", "b")), nodes=3)
 
 
 @pytest.mark.parametrize(
@@ -437,15 +446,14 @@ def test_bad_hosts_are_refused(hosts: object) -> None:
 @pytest.mark.parametrize("launcher", ["local", "torchrun"])
 def test_slurm_options_only_with_slurm(option: str, flag: str, value: str, launcher: str) -> None:
     assert _err(launcher=launcher, **{option: value}) == f"{flag} applies only to --launcher slurm"
-    s = LaunchSpec.create(launcher="slurm", gpu_count=0, **{option: value})
-    assert getattr(s, option) == value
+    s = resolve_spec(launcher="slurm", gpu_count=0, **{option: value})
+    assert _opt(s, option) == value
 
 
 def test_slurm_options_are_kept() -> None:
-    s = LaunchSpec.create(
-        launcher="slurm", nodes=2, partition="gpu", time_limit="30", account="proj", gpu_count=0
-    )
-    assert (s.partition, s.time_limit, s.account, s.nodes) == ("gpu", "30", "proj", 2)
+    s = resolve_spec(launcher="slurm", nodes=2, partition="gpu", time_limit="30", account="proj", gpu_count=0)
+    assert s.launcher_options == SlurmOptions(partition="gpu", time_limit="30", account="proj")
+    assert s.nodes == 2
 
 
 def test_interface_refused_for_the_local_launcher() -> None:
@@ -456,50 +464,49 @@ def test_interface_refused_for_the_local_launcher() -> None:
 
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
 def test_interface_kept_for_remote_launchers(launcher: str) -> None:
-    assert LaunchSpec.create(launcher=launcher, interface="eth0", gpu_count=0).interface == "eth0"
+    assert _opt(resolve_spec(launcher=launcher, interface="eth0", gpu_count=0), "interface") == "eth0"
 
 
 def test_world_size_is_ranks_per_node_times_nodes() -> None:
-    assert LaunchSpec.create(nproc=3, gpu_count=0).world_size == 3
-    assert LaunchSpec.create(nproc=3, nodes=2, launcher="torchrun", gpu_count=0).world_size == 6
-    assert LaunchSpec.create(gpus=4, nodes=3, launcher="slurm", gpu_count=0).world_size == 12
+    assert resolve_spec(nproc=3, gpu_count=0).world_size == 3
+    assert resolve_spec(nproc=3, nodes=2, launcher="torchrun", gpu_count=0).world_size == 6
+    assert resolve_spec(gpus=4, nodes=3, launcher="slurm", gpu_count=0).world_size == 12
 
 
 def test_multi_node_means_a_remote_launcher() -> None:
-    assert not LaunchSpec.create(gpu_count=0).multi_node
-    assert LaunchSpec.create(launcher="torchrun", gpu_count=0).multi_node
-    assert LaunchSpec.create(launcher="slurm", gpu_count=0).multi_node
+    assert not resolve_spec(gpu_count=0).multi_node
+    assert resolve_spec(launcher="torchrun", gpu_count=0).multi_node
+    assert resolve_spec(launcher="slurm", gpu_count=0).multi_node
 
 
 def test_describe_local_and_multi_node() -> None:
-    assert LaunchSpec.create(nproc=1, gpu_count=0).describe() == "1 CPU rank · none"
-    s = LaunchSpec.create(nproc=3, launcher="torchrun", hosts="a,b", strategy="ddp", gpu_count=0)
+    assert resolve_spec(nproc=1, gpu_count=0).describe() == "1 CPU rank · none"
+    s = resolve_spec(nproc=3, launcher="torchrun", hosts="a,b", strategy="ddp", gpu_count=0)
     assert s.describe() == "2 nodes × 3 CPU ranks (torchrun) · ddp"
-    s = LaunchSpec.create(gpus=1, launcher="slurm", gpu_count=0)
+    s = resolve_spec(gpus=1, launcher="slurm", gpu_count=0)
     assert s.describe() == "1 node × 1 GPU rank (slurm) · none"
 
 
-def test_pool_key_changes_with_the_multi_node_options() -> None:
-    base = LaunchSpec.create(launcher="torchrun", hosts="a,b", interface="eth0", gpu_count=0)
-    keys = {
-        base.pool_key(),
-        base.with_changes(hosts=("a", "c")).pool_key(),
-        base.with_changes(interface="eth1").pool_key(),
-        base.with_changes(nodes=3, hosts=("a", "b", "c")).pool_key(),
-        base.with_changes(launcher="slurm", hosts=(), partition="gpu").pool_key(),
-        base.with_changes(launcher="slurm", hosts=(), partition="cpu").pool_key(),
-        base.with_changes(launcher="slurm", hosts=(), time_limit="10").pool_key(),
-        base.with_changes(launcher="slurm", hosts=(), account="x").pool_key(),
+def test_every_multi_node_option_makes_another_spec() -> None:
+    base = resolve_spec(launcher="torchrun", hosts="a,b", interface="eth0", gpu_count=0)
+    specs = {
+        base,
+        base.with_changes(launcher_options=TorchrunOptions(("a", "c"), "eth0")),
+        base.with_changes(launcher_options=TorchrunOptions(("a", "b"), "eth1")),
+        base.with_changes(nodes=3, launcher_options=TorchrunOptions(("a", "b", "c"), "eth0")),
+        base.with_changes(launcher="slurm", launcher_options=SlurmOptions(partition="gpu")),
+        base.with_changes(launcher="slurm", launcher_options=SlurmOptions(partition="cpu")),
+        base.with_changes(launcher="slurm", launcher_options=SlurmOptions(time_limit="10")),
+        base.with_changes(launcher="slurm", launcher_options=SlurmOptions(account="x")),
     }
-    assert len(keys) == 8
-    assert base.with_changes(strategy="ddp").pool_key() == base.pool_key()
+    assert len(specs) == 8
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
 def test_gpus_on_remote_nodes_are_not_counted_here(launcher: str) -> None:
-    s = LaunchSpec.create(gpus=4, launcher=launcher, gpu_count=0)
+    s = resolve_spec(gpus=4, launcher=launcher, gpu_count=0)
     assert (s.device, s.nproc) == (Device.CUDA, 4)
-    s = LaunchSpec.create(nproc=4, device="cuda", launcher=launcher, gpu_count=0)
+    s = resolve_spec(nproc=4, device="cuda", launcher=launcher, gpu_count=0)
     assert (s.device, s.nproc) == (Device.CUDA, 4)
     assert "--gpus 4 asked for, but 0 CUDA device(s) are visible" in _err(gpus=4)
     assert "--nproc 4 CUDA ranks need 4 GPUs" in _err(nproc=4, device="cuda", gpu_count=2)
@@ -507,3 +514,106 @@ def test_gpus_on_remote_nodes_are_not_counted_here(launcher: str) -> None:
 
 def test_gpus_on_remote_nodes_still_need_cuda() -> None:
     assert "needs CUDA but --device is cpu" in _err(gpus=4, device="cpu", launcher="torchrun")
+
+
+# -- LaunchSpec.merged: the one rule for options across cells -----------------------------------------
+
+
+def _every_field_set(tmp_path: Path) -> LaunchSpec:
+    cfg = tmp_path / "ds.json"
+    cfg.write_text("{}")
+    s = resolve_spec(
+        nproc=3,
+        device="cpu",
+        strategy="deepspeed",
+        zero_stage=2,
+        offload="cpu",
+        precision="bf16-mixed",
+        launcher="torchrun",
+        hosts="a,b",
+        interface="eth0",
+        timeout=7.0,
+        config=cfg,
+        accumulate=4,
+        clip_grad_norm=1.5,
+        gpu_count=0,
+    )
+    return s.with_changes(env=(("A", "1"),))
+
+
+def test_merged_with_nothing_keeps_every_field(tmp_path: Path) -> None:
+    base = _every_field_set(tmp_path)
+    assert base.merged({}) == base
+    assert base.merged({"accumulate": 4}) == base  # naming the current value changes nothing
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "field_value"),
+    [
+        ("nproc", 5, 5),
+        ("strategy", "fsdp", "fsdp"),
+        ("zero_stage", 3, 3),
+        ("offload", "none", Offload.NONE),
+        ("precision", "16-mixed", Precision.FP16_MIXED),
+        ("timeout", 9.0, 9.0),
+        ("accumulate", 2, 2),
+        ("clip_grad_norm", 0.5, 0.5),
+    ],
+)
+def test_merged_changes_only_the_named_option(
+    tmp_path: Path, option: str, value: object, field_value: object
+) -> None:
+    base = _every_field_set(tmp_path)
+    new = base.merged({option: value})
+    assert getattr(new, option) == field_value
+    kept = {f for f in LaunchSpec.__dataclass_fields__ if f != option}
+    if option == "strategy":
+        kept.discard("zero_stage")  # a zero stage belongs to deepspeed only
+        assert new.zero_stage is None
+    assert {f: getattr(new, f) for f in kept} == {f: getattr(base, f) for f in kept}
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "field_value"), [("interface", "eth1", "eth1"), ("hosts", "c,d", ("c", "d"))]
+)
+def test_merging_changes_only_the_named_launcher_option(
+    tmp_path: Path, option: str, value: object, field_value: object
+) -> None:
+    base = _every_field_set(tmp_path)
+    new = merge_spec(base, {option: value})
+    assert _opt(new, option) == field_value
+    assert new.with_changes(launcher_options=base.launcher_options) == base
+    others = {k: v for k, v in base.launcher_options.items() if k != option}
+    assert {k: v for k, v in new.launcher_options.items() if k != option} == others
+
+
+def test_merge_spec_without_launcher_options_is_merged(tmp_path: Path) -> None:
+    base = _every_field_set(tmp_path)
+    assert merge_spec(base, {}) == base
+    assert merge_spec(base, {"accumulate": 2}) == base.merged({"accumulate": 2})
+
+
+def test_merged_covers_every_field() -> None:
+    fields = set(LaunchSpec.__dataclass_fields__)
+    assert fields == {*spec._KEPT_FIELDS, "env"}
+
+
+def test_merged_keeps_training_options_when_only_the_rank_count_changes() -> None:
+    base = resolve_spec(
+        nproc=2, strategy="ddp", precision="bf16-mixed", accumulate=4, clip_grad_norm=1.0, gpu_count=0
+    )
+    new = base.merged({"nproc": 3})
+    assert (new.nproc, new.strategy, new.precision) == (3, "ddp", Precision.BF16_MIXED)
+    assert (new.accumulate, new.clip_grad_norm) == (4, 1.0)
+
+
+def test_merged_starts_another_launcher_from_its_defaults() -> None:
+    base = resolve_spec(launcher="torchrun", hosts="a,b", interface="eth0", gpu_count=0)
+    new = merge_spec(base, {"launcher": "slurm"})
+    assert (new.launcher, new.launcher_options, new.nodes) == ("slurm", SlurmOptions(), 1)
+    assert base.merged({"launcher": "slurm"}).launcher_options == LauncherOptions()
+
+
+def test_merged_refuses_what_is_not_an_option() -> None:
+    with pytest.raises(SpecError, match="'ranks' is not a pool option"):
+        resolve_spec(gpu_count=0).merged({"ranks": "0"})

@@ -1,4 +1,5 @@
-"""Rank output on the wire: a rank's ``RankStream`` to the kernel's ``Receiver``, through real framing."""
+"""Rank output on the wire: a rank's ``RankStream`` to the kernel's ``Connection`` and the running cell,
+through real framing."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ from typing import Any
 
 import pytest
 
+from jupyter_shard.kernel.cell import CellGathering
+from jupyter_shard.kernel.connection import Connection
+from jupyter_shard.kernel.escalation import Escalation
+from jupyter_shard.kernel.history import History
+from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.kernel.ranks import RankRecord, RankTable
 from jupyter_shard.launchers.base import RankHandle
 from jupyter_shard.protocol import Wire, io_identity, new_key
 from jupyter_shard.rank.output import RankStream
-from jupyter_shard.kernel.connection import RankRecord, Receiver
-from jupyter_shard.kernel.results import RankResult, RunResult
-from jupyter_shard.kernel.output import ConsoleSink
 
 
 class _Handle(RankHandle):
@@ -41,9 +45,14 @@ class _Link:
         key = new_key()
         self.rank_wire, self.kernel_wire = Wire(key, io_identity(0)), Wire(key, "kernel")
         self.out, self.err = io.StringIO(), io.StringIO()
-        self.receiver = Receiver(ConsoleSink(self.out, self.err))
-        self.receiver._ranks[0] = RankRecord(_Handle(0), tmp_path / "rank-0.log")
-        self.receiver._run = RunResult("c", {0: RankResult(0)})
+        sink = ConsoleSink(self.out, self.err)
+        self.ranks = RankTable(History())
+        self.conn = Connection(self.ranks)
+        escalation = Escalation(self.conn, self.ranks, sink.notice, lambda ranks: {})
+        self.cells = CellGathering(self.conn, self.ranks, escalation, lambda: sink)
+        record = RankRecord(_Handle(0), tmp_path / "rank-0.log")
+        self.ranks.add(record)
+        self.gathering = self.cells.open("print()", [record], None, 0, None, record=False)
         self.log = io.StringIO()
         self.stream = RankStream("stdout", self.log, self.send, lambda: "c", threading.Lock())
         self.sent: list[tuple[str, dict[str, Any], list[bytes]]] = []
@@ -51,7 +60,7 @@ class _Link:
     def send(self, msg_type: str, body: dict[str, Any], buffers: list[bytes]) -> None:
         self.sent.append((msg_type, body, buffers))
         frames = self.rank_wire.to_socket(msg_type, body, buffers)
-        self.receiver._dispatch(self.kernel_wire, [io_identity(0).encode(), *frames])
+        self.conn.dispatch(self.kernel_wire, [io_identity(0).encode(), *frames])
 
 
 def test_any_text_arrives_unchanged_and_is_not_json_escaped(tmp_path: Path) -> None:
@@ -61,10 +70,9 @@ def test_any_text_arrives_unchanged_and_is_not_json_escaped(tmp_path: Path) -> N
     link.stream.flush()
     assert [(t, b) for t, b, _ in link.sent] == [("stream", {"cell_id": "c", "name": "stdout"})]
     assert link.sent[0][2] == [text.encode("utf-8", "surrogatepass")]
-    assert link.receiver._run is not None
-    assert link.receiver._run.ranks[0].stdout == text
-    assert link.receiver.dropped == 0
-    assert link.receiver._ranks[0].io_received == 1
+    assert link.gathering.result.ranks[0].stdout == text
+    assert link.conn.dropped + link.ranks.dropped == 0
+    assert link.ranks[0].io_received == 1
     assert link.log.getvalue() == text
 
 
@@ -82,10 +90,9 @@ def test_malformed_output_is_dropped_and_counted(
 ) -> None:
     link = _Link(tmp_path)
     link.send("stream", body, buffers)
-    assert link.receiver.dropped == 1
-    assert link.receiver._run is not None
-    assert link.receiver._run.ranks[0].stdout == ""
+    assert link.conn.dropped + link.ranks.dropped == 1
+    assert link.gathering.result.ranks[0].stdout == ""
     assert link.out.getvalue() == ""
     link.stream.write("after\n")
     link.stream.flush()
-    assert link.receiver._run.ranks[0].stdout == "after\n"  # the link still works
+    assert link.gathering.result.ranks[0].stdout == "after\n"  # the link still works

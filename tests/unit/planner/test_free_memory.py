@@ -1,4 +1,4 @@
-"""jupyter_shard.planner.free_memory: the pool's report first, then nvidia-smi, psutil for host RAM; no CUDA here."""
+"""jupyter_shard.planner.free_memory: the pool's report, then nvidia-smi, psutil for host RAM; no CUDA."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from jupyter_shard.errors import PoolError
+from jupyter_shard.kernel.ranks import RankSnapshot, RankState
 from jupyter_shard.planner import free_memory
 from jupyter_shard.planner.free_memory import (
     FreeMemory,
@@ -18,22 +20,23 @@ from jupyter_shard.planner.free_memory import (
     probe_memory,
     run_nvidia_smi,
 )
-from jupyter_shard.kernel.results import PoolError, RankState, RankStatus
 from jupyter_shard.spec import Device
 
 MIB = 2**20
 SMI = "81037, 81559\n40000, 81559\n[N/A], [N/A]\n\n"
 
 
-def rank(k: int, **memory: int) -> RankStatus:
-    return RankStatus(k, 100 + k, "host", "cuda:0", RankState.IDLE, {"rss": 1, **memory}, "", "")
+def rank(k: int, **memory: int) -> RankSnapshot:
+    return RankSnapshot(
+        rank=k, pid=100 + k, host="host", device="cuda:0", state=RankState.IDLE, memory={"rss": 1, **memory}
+    )
 
 
 class FakePool:
-    def __init__(self, rows: Sequence[RankStatus] | Exception) -> None:
+    def __init__(self, rows: Sequence[RankSnapshot] | Exception) -> None:
         self.rows = rows
 
-    def status(self) -> Sequence[RankStatus]:
+    def status(self) -> Sequence[RankSnapshot]:
         if isinstance(self.rows, Exception):
             raise self.rows
         return self.rows
@@ -104,7 +107,7 @@ def test_the_running_pool_comes_first() -> None:
     "rows", [[rank(0), rank(1)], PoolError("the pool is not running")], ids=["cpu", "dead"]
 )
 def test_a_cpu_or_dead_pool_falls_back_to_nvidia_smi(
-    rows: list[RankStatus] | Exception, monkeypatch: pytest.MonkeyPatch
+    rows: list[RankSnapshot] | Exception, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     snap = probe_memory(FakePool(rows), smi=lambda: SMI, host=lambda: None)
@@ -132,7 +135,8 @@ def test_host_available_is_psutil() -> None:
 
 def test_the_kernel_side_imports_no_torch() -> None:
     code = (
-        "import sys, jupyter_shard.planner.free_memory, jupyter_shard.planner.estimate, jupyter_shard.notebook.picker;"
+        "import sys, jupyter_shard.planner.free_memory, jupyter_shard.planner.estimate;"
+        "import jupyter_shard.notebook.picker;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

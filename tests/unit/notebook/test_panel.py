@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, ClassVar
-
-import pytest
+from typing import Any
 
 import jupyter_shard
-from jupyter_shard.kernel.results import RankActivity, RankState
+from jupyter_shard.kernel.ranks import RankSnapshot, RankState
 from jupyter_shard.notebook import panel
-from jupyter_shard.notebook.display import RANK_OUTPUT_MIME, NotebookSink, RankOutputDisplay
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class FakeComm:
@@ -51,9 +46,16 @@ class FakePool:
         self.states = states
         self.calls: list[str] = []
 
-    def activity(self) -> list[RankActivity]:
+    def activity(self) -> list[RankSnapshot]:
         return [
-            RankActivity(k, s, 3.0, None, {"rss": 2**20}, 0.4, "", "", "dead: exit 1" if s == "dead" else "")
+            RankSnapshot(
+                rank=k,
+                state=s,
+                step=3.0,
+                memory={"rss": 2**20},
+                heartbeat_age=0.4,
+                problem="dead: exit 1" if s == "dead" else "",
+            )
             for k, s in enumerate(self.states)
         ]
 
@@ -149,8 +151,14 @@ def test_unknown_request_and_failing_action_are_one_error_line() -> None:
     assert reply == {"reply": "error", "request": "restart", "error": "restart failed: rank 1 is dead"}
 
 
-def test_register_comm_without_a_kernel_does_nothing() -> None:
+def test_register_comm_without_a_kernel_does_nothing(monkeypatch: Any) -> None:
+    registered: list[str] = []
+    manager = SimpleNamespace(register_target=lambda name, fn: registered.append(name))
+    monkeypatch.setattr("comm.get_comm_manager", lambda: manager)
     panel.register_comm(SimpleNamespace(), SimpleNamespace(pool=None))  # type: ignore[arg-type]
+    assert registered == []
+    panel.register_comm(SimpleNamespace(kernel=object()), SimpleNamespace(pool=None))  # type: ignore[arg-type]
+    assert registered == [panel.COMM_TARGET]  # the same call with a kernel does register
 
 
 def test_register_comm_opens_a_panel_that_answers_the_open_message(monkeypatch: Any) -> None:
@@ -171,86 +179,6 @@ def test_extension_version_is_the_python_version() -> None:
     package = json.loads((ROOT / "labextension" / "package.json").read_text())
     assert package["version"] == jupyter_shard.__version__
     assert re.fullmatch(r"\d+\.\d+\.\d+", package["version"])
-
-
-class FakeHandle:
-    shown: ClassVar[list[tuple[str, dict[str, Any]]]] = []
-    times: ClassVar[list[float]] = []
-
-    def display(self, data: dict[str, Any], raw: bool = False) -> None:
-        self.shown.append(("display", json.loads(json.dumps(data))))
-        self.times.append(time.monotonic())
-
-    def update(self, data: dict[str, Any], raw: bool = False) -> None:
-        self.shown.append(("update", json.loads(json.dumps(data))))
-        self.times.append(time.monotonic())
-
-
-@pytest.fixture
-def handles(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
-    FakeHandle.shown, FakeHandle.times = [], []
-    monkeypatch.setattr("IPython.display.DisplayHandle", FakeHandle)
-    return FakeHandle.shown
-
-
-def test_without_the_extension_the_sink_writes_plain_rank_lines(
-    handles: list[Any], capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert not panel.frontend_attached()
-    sink = NotebookSink()
-    sink.begin_cell()
-    sink.stream(0, "stdout", "hello\n")
-    sink.end_cell()
-    assert capsys.readouterr().out == "[rank 0] hello\n"
-    assert handles == []
-
-
-def test_with_the_extension_one_display_holds_the_cell_and_a_text_fallback(
-    handles: list[Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(panel, "_open", [object()])
-    sink = NotebookSink()
-    sink.begin_cell()
-    sink.stream(0, "stdout", "epoch 1\n")
-    sink.stream(1, "stdout", "epoch 1\n")  # within 0.1 s: held back, shown by the timer or the end
-    sink.stream(1, "stderr", "warning\n")
-    sink.end_cell(failed=[1])
-    assert capsys.readouterr().out == ""
-    kinds = [kind for kind, _ in handles]
-    assert kinds[0] == "display" and set(kinds[1:]) <= {"update"} and len(kinds) <= 3
-    final = handles[-1][1]
-    assert final[RANK_OUTPUT_MIME] == {
-        "version": 1,
-        "lines": [[0, "stdout", "epoch 1"], [1, "stdout", "epoch 1"], [1, "stderr", "warning"]],
-        "failed": [1],
-    }
-    assert final["text/plain"] == "[rank 0] epoch 1\n[rank 1] epoch 1\n[rank 1] warning\n"
-
-
-def test_rank_output_display_updates_at_most_ten_times_a_second(handles: list[Any]) -> None:
-    lines = RankOutputDisplay()
-    start = time.monotonic()
-    while time.monotonic() - start < 0.35:
-        lines.add(0, "stdout", ["x"])
-        time.sleep(0.005)
-    time.sleep(0.15)  # the timer shows what was held back
-    gaps = [later - earlier for earlier, later in itertools.pairwise(FakeHandle.times)]
-    assert len(handles) >= 3 and min(gaps) >= 0.095  # a slow machine only widens the gaps
-    assert len(handles[-1][1][RANK_OUTPUT_MIME]["lines"]) == len(lines.lines)
-
-
-def test_a_held_back_update_is_due_an_interval_after_the_last_one(handles: list[Any]) -> None:
-    lines = RankOutputDisplay()
-    lines.add(0, "stdout", ["a"])  # shown at once
-    time.sleep(0.02)
-    lines.add(0, "stdout", ["b"])  # held back until 0.1 s after "a"
-    time.sleep(0.085)
-    lines.add(0, "stdout", ["c"])  # around 0.105 s: held back until 0.1 s after the last update
-    lines.add(0, "stdout", ["d"])
-    time.sleep(0.2)
-    gaps = [later - earlier for earlier, later in itertools.pairwise(FakeHandle.times)]
-    assert min(gaps) >= 0.095
-    assert len(handles[-1][1][RANK_OUTPUT_MIME]["lines"]) == 4
 
 
 def test_restart_and_shutdown_wait_for_the_running_cell() -> None:

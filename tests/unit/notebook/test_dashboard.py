@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 
 from jupyter_shard.kernel.history import History
-from jupyter_shard.kernel.results import RankActivity, RankState
+from jupyter_shard.kernel.ranks import RankSnapshot, RankState
 from jupyter_shard.notebook import dashboard as dash
 from jupyter_shard.notebook.charts import line_chart, nice_ticks
 
@@ -25,19 +26,27 @@ class _Pool:
     history: History = field(default_factory=History)
     spec: _Spec = field(default_factory=_Spec)
     background: Any = None
-    rows: list[RankActivity] = field(default_factory=list)
+    rows: list[RankSnapshot] = field(default_factory=list)
     interrupted: int = 0
 
-    def activity(self) -> list[RankActivity]:
+    def activity(self) -> list[RankSnapshot]:
         return self.rows
 
     def interrupt(self) -> None:
         self.interrupted += 1
 
 
-def _row(rank: int, problem: str = "", state: RankState = RankState.RUNNING) -> RankActivity:
-    return RankActivity(
-        rank, state, 10.0, 5.0, {"rss": 300 * 2**20}, 0.4, "for step in ...", "epoch 1", problem
+def _row(rank: int, problem: str = "", state: RankState = RankState.RUNNING) -> RankSnapshot:
+    return RankSnapshot(
+        rank=rank,
+        state=state,
+        step=10.0,
+        steps_per_s=5.0,
+        memory={"rss": 300 * 2**20},
+        heartbeat_age=0.4,
+        cell="for step in ...",
+        last_line="epoch 1",
+        problem=problem,
     )
 
 
@@ -78,8 +87,7 @@ def test_problem_ranks_stand_out_in_the_status_table() -> None:
 
 
 def test_text_from_ranks_is_escaped() -> None:
-    row = _row(0)
-    row.last_line = "<script>alert(1)</script>"
+    row = dataclasses.replace(_row(0), last_line="<script>alert(1)</script>")
     assert "<script>" not in dash.status_table([row]) and "&lt;script&gt;" in dash.status_table([row])
     assert 'data-metric="a&quot;b"' in line_chart('a"b', [], title="t", x_label="step")
 

@@ -1,8 +1,7 @@
-"""jupyter_shard.notebook.display: line assembly, progress lines, labelling, the per-cell cap."""
+"""jupyter_shard.kernel.output: line assembly, progress lines, labelling, the per-cell cap."""
 
 from __future__ import annotations
 
-import base64
 import io
 from typing import Any
 
@@ -12,7 +11,6 @@ from hypothesis import strategies as st
 
 from jupyter_shard.kernel import output as rank_output
 from jupyter_shard.kernel.output import ConsoleSink, LineAssembler, RankSink, visible_text
-from jupyter_shard.notebook.display import label_bundle
 
 # -- visible_text / LineAssembler --------------------------------------------------------------------
 
@@ -233,45 +231,6 @@ def test_crlf_lines_count_towards_the_cap(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_progress_line_ended_by_crlf_is_still_live() -> None:
     assert LineAssembler().feed("\r 50%\r100%\r\n") == ([("100%", True)], None)
-
-
-# -- label_bundle ------------------------------------------------------------------------------------
-
-
-def test_label_bundle_keeps_plain_text_fallback() -> None:
-    data = {"text/plain": "42"}
-    out = label_bundle(3, data)
-    assert out == {"text/plain": "[rank 3] 42"}
-    assert data == {"text/plain": "42"}, "the input bundle is not modified"
-
-
-def test_label_bundle_without_plain_text_still_gets_a_fallback() -> None:
-    assert label_bundle(0, {"application/json": {"a": 1}})["text/plain"] == "[rank 0] "
-
-
-def test_label_bundle_wraps_html() -> None:
-    out = label_bundle(1, {"text/plain": "<DataFrame>", "text/html": "<table>t</table>"})
-    assert out["text/plain"] == "[rank 1] <DataFrame>"
-    assert out["text/html"].startswith(
-        '<div class="jupyter-shard-rank" data-rank="1"><small>[rank 1]</small>'
-    )
-    assert out["text/html"].endswith("<table>t</table></div>")
-
-
-@pytest.mark.parametrize("mime", ["image/png", "image/jpeg"])
-def test_label_bundle_wraps_images(mime: str) -> None:
-    b64 = base64.b64encode(b"\x89PNG fake").decode()
-    out = label_bundle(2, {"text/plain": "<Figure size 640x480>", mime: b64})
-    assert out[mime] == b64, "the image itself is kept for nbconvert / GitHub"
-    assert out["text/plain"] == "[rank 2] <Figure size 640x480>"
-    assert '<small>[rank 2]</small><br><img src="' in out["text/html"]
-    assert f"data:{mime};base64,{b64}" in out["text/html"]
-
-
-def test_label_bundle_escapes_image_data_in_the_src_attribute() -> None:
-    out = label_bundle(0, {"image/png": 'x" onerror="alert(1)'})
-    assert 'onerror="alert' not in out["text/html"]
-    assert "&quot;" in out["text/html"]
 
 
 def test_past_the_cap_the_unfinished_line_is_still_followed(monkeypatch: pytest.MonkeyPatch) -> None:

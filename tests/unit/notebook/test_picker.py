@@ -1,4 +1,4 @@
-"""jupyter_shard.notebook.picker: the %dist_picker form follows its fields and its buttons do what they say."""
+"""jupyter_shard.notebook.picker: the %dist_picker form follows its fields; its buttons do what they say."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from torch import nn
 
-from jupyter_shard.planner.estimate import CAVEAT, plans
-from jupyter_shard.planner.free_memory import MemorySnapshot
-from jupyter_shard.kernel.results import RankState, RankStatus
-from jupyter_shard.spec import LaunchSpec, SpecError
+from jupyter_shard.kernel.ranks import RankSnapshot, RankState
 from jupyter_shard.notebook.picker import Picker, picker
 from jupyter_shard.planner.choice import ModelInfo
+from jupyter_shard.planner.estimate import CAVEAT, plans
+from jupyter_shard.planner.free_memory import MemorySnapshot
+from jupyter_shard.spec import LaunchSpec, SpecError
 
 GIB = 2**30
 FOUR_GPUS = MemorySnapshot(((70 * GIB, 80 * GIB),) * 4, 200 * GIB, "nvidia-smi")
@@ -219,9 +219,12 @@ def test_no_count_yet_then_typed() -> None:
 class FakePool:
     spec = LaunchSpec(nproc=2)
 
-    def status(self) -> list[RankStatus]:
+    def status(self) -> list[RankSnapshot]:
         memory = {"rss": 1, "cuda_free": 10 * GIB, "cuda_total": 80 * GIB}
-        return [RankStatus(k, k, "h", f"cuda:{k}", RankState.IDLE, memory, "", "") for k in range(2)]
+        return [
+            RankSnapshot(rank=k, pid=k, host="h", device=f"cuda:{k}", state=RankState.IDLE, memory=memory)
+            for k in range(2)
+        ]
 
 
 def test_picker_reads_the_model_and_the_pool() -> None:

@@ -13,9 +13,7 @@ import torch
 from torch import nn
 
 from jupyter_shard._atomic import write_atomic
-from jupyter_shard.planner.estimate import Plan
 from jupyter_shard.notebook.magics import _distributed_parser
-from jupyter_shard.spec import Device, LaunchSpec, Offload, Precision, SpecError
 from jupyter_shard.planner.choice import (
     ModelInfo,
     check_fields,
@@ -24,6 +22,8 @@ from jupyter_shard.planner.choice import (
     model_info,
     strategy_config,
 )
+from jupyter_shard.planner.estimate import Plan
+from jupyter_shard.spec import Device, LaunchSpec, Offload, Precision, SpecError
 
 CPU, NVME = Offload.CPU, Offload.NVME
 

@@ -1,4 +1,4 @@
-"""jupyter_shard.planner.estimate: per-rank bytes against the ZeRO formulas, plan rules, counts, recommendations."""
+"""jupyter_shard.planner.estimate: per-rank bytes against the ZeRO formulas, plan rules, recommendations."""
 
 from __future__ import annotations
 

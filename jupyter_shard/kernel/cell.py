@@ -1,0 +1,317 @@
+"""One cell on the ranks, from ``execute`` to the last rank's ``done``: the only writer of a
+:class:`~jupyter_shard.kernel.results.RunResult`.
+
+:class:`CellGathering` sends the cell, takes in what the ranks send about it (output, displays, the
+last expression's value, ``done``) and decides each step whether the cell is over: every rank done, a
+rank dead, a rank failed while others still run (a desync), a collective that can never complete, or
+the timeout. Whatever has to be stopped is handed to :class:`~jupyter_shard.kernel.escalation.Escalation`,
+whose outcome is written into the result here.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from jupyter_shard.kernel.connection import Connection
+from jupyter_shard.kernel.escalation import Escalation, Stopped
+from jupyter_shard.kernel.output import RankSink, visible_text
+from jupyter_shard.kernel.ranks import RankRecord, RankState, RankTable
+from jupyter_shard.kernel.results import RankResult, RunResult
+from jupyter_shard.messages import EXECUTE, ExecuteBody
+from jupyter_shard.protocol import TEXT_ERRORS, Message, cell_head
+from jupyter_shard.spec import format_ranks
+
+__all__ = ["CellGathering", "Gathering"]
+
+CAPTURE_LIMIT = 4 * 1024 * 1024  # of each rank's stdout and stderr kept in the result
+DESYNC_GRACE = 3.0
+OUTPUT_WAIT = 2.0
+
+
+@dataclass
+class Gathering:
+    """One cell in flight: its result so far, the ranks it waits on and its limits."""
+
+    result: RunResult
+    targets: list[int]
+    started: float
+    timeout: float | None
+    pending: set[int] = field(default_factory=set)
+    first_done: float = 0.0  # when the first rank finished the cell (monotonic), 0 before
+    code: str = ""
+    ranks: tuple[int, ...] | None = None  # as asked for (None: all ranks)
+    exec_count: int = 0
+    record: bool = True  # kept in the pool's transcript (what %dist_export writes out)
+
+    def __post_init__(self) -> None:
+        self.pending = set(self.targets)
+
+
+def _last_visible_line(text: str, look_back: int = 64) -> str:
+    """The last non-blank line a terminal would show, looking only at the end of ``text``."""
+    for line in reversed(text.rsplit("\n", look_back)[-look_back:]):
+        shown = visible_text(line.removesuffix("\r"))
+        if shown.strip():
+            return shown
+    return ""
+
+
+class CellGathering:
+    """Sends cells and gathers their results; at most one cell is in flight at a time."""
+
+    def __init__(
+        self, conn: Connection, ranks: RankTable, escalation: Escalation, sink: Callable[[], RankSink]
+    ) -> None:
+        self.conn = conn
+        self.ranks = ranks
+        self.escalation = escalation
+        self._sink = sink
+        self.current: Gathering | None = None
+        conn.on_io = self._on_io
+        conn.handle(
+            {
+                "stream": self.on_stream,
+                "display": self.on_display,
+                "result": self.on_result,
+                "done": self.on_done,
+            }
+        )
+
+    def open(
+        self,
+        code: str,
+        targets: list[RankRecord],
+        timeout: float | None,
+        exec_count: int,
+        asked: Sequence[int] | None,
+        record: bool,
+    ) -> Gathering:
+        """Make ``code`` the cell in flight on ``targets`` (what :meth:`begin` sends)."""
+        result = RunResult(uuid.uuid4().hex, {r.rank: RankResult(r.rank) for r in targets})
+        self.current = Gathering(
+            result,
+            [r.rank for r in targets],
+            time.monotonic(),
+            timeout,
+            code=code,
+            ranks=None if asked is None else tuple(sorted(set(asked))),
+            exec_count=exec_count,
+            record=record,
+        )
+        return self.current
+
+    def begin(
+        self,
+        code: str,
+        targets: list[RankRecord],
+        timeout: float | None,
+        exec_count: int,
+        asked: Sequence[int] | None,
+        record: bool,
+    ) -> Gathering:
+        """Send ``code`` to ``targets`` and return its gathering."""
+        gathering = self.open(code, targets, timeout, exec_count, asked, record)
+        self._sink().begin_cell()
+        body: ExecuteBody = {"cell_id": gathering.result.cell_id, "code": code, "exec_count": exec_count}
+        self.conn.send(targets, *EXECUTE(body))
+        head = cell_head(code)
+        for r in targets:
+            r.state, r.cell, r.collective = RankState.RUNNING, head, ""
+        return gathering
+
+    def end(self, gathering: Gathering, notes: Sequence[str]) -> list[int]:
+        """Close the cell: add ``notes`` (node failures), flush its output; the ranks that failed."""
+        for line in notes:
+            if line not in gathering.result.notes:
+                gathering.result.notes.append(line)
+        failed = [k for k, r in gathering.result.ranks.items() if r.status not in ("ok", "pending")]
+        self._sink().end_cell(failed)
+        self.current = None
+        return failed
+
+    def gather(self, gathering: Gathering) -> None:
+        """Receive until the cell ends; Ctrl-C in the kernel stops the ranks (escalating)."""
+        interrupted = False
+        while True:
+            try:
+                if self.step(gathering, 0.05):
+                    break
+            except KeyboardInterrupt:
+                if interrupted:
+                    continue
+                interrupted = True
+                self.stop(gathering, "interrupted")
+                break
+        if interrupted:
+            gathering.result.notes.append("the cell was interrupted")
+
+    def interrupted(self, gathering: Gathering, why: str) -> None:
+        """Stop a cell the user interrupted from elsewhere (a background run)."""
+        self.stop(gathering, why)
+        gathering.result.notes.append("the cell was interrupted")
+
+    def step(self, gathering: Gathering, wait: float) -> bool:
+        """Receive for up to ``wait`` seconds and act on what happened; True once the cell ended."""
+        result, pending = gathering.result, gathering.pending
+        self.conn.pump(wait)
+        for k in list(pending):
+            r = self.ranks[k]
+            if self.check_exit(r, result):
+                pending.discard(k)
+            if r.pending_done is not None and time.monotonic() - r.pending_since > OUTPUT_WAIT:
+                self._finish(r, r.pending_done)  # output lost in transit must not hang the cell
+        pending.intersection_update(k for k in pending if result.ranks[k].status == "pending")
+        if not pending:
+            return True
+        now = time.monotonic()
+        if not gathering.first_done and len(pending) < len(gathering.targets):
+            gathering.first_done = now
+        failed = [f for f in result.ranks.values() if f.failed_at]
+        dead = [f.rank for f in failed if f.status == "dead"]
+        if dead:
+            self.stop(gathering, f"stopped because rank {format_ranks(dead)} died")
+            return True
+        if failed and now - min(f.failed_at for f in failed) > DESYNC_GRACE:
+            self.stop(gathering, "still running after another rank failed")
+            return True
+        waiting = {k: self.ranks[k].collective for k in sorted(pending) if self.ranks[k].collective}
+        if gathering.first_done and now - gathering.first_done > DESYNC_GRACE and waiting:
+            # A collective can never complete once a rank it needs has left the cell: a straggler
+            # took another branch (F4). Say who waits where, and for whom.
+            done = format_ranks(sorted(set(gathering.targets) - pending))
+            calls = ", ".join(sorted(set(waiting.values())))
+            self.stop(
+                gathering, f"waited in {calls} for rank {done}, which finished the cell without joining it"
+            )
+            return True
+        timeout = gathering.timeout
+        if timeout is not None and time.monotonic() - gathering.started > timeout:
+            self.stop(gathering, f"still running after the {timeout:g} s timeout")
+            return True
+        return False
+
+    def check_exit(self, r: RankRecord, result: RunResult | None) -> bool:
+        """Notice that ``r`` died; True if that failed its part of ``result`` (then it is recorded)."""
+        if not self.conn.poll_exit(r):
+            return False
+        if result is None or r.rank not in result.ranks or result.ranks[r.rank].status != "pending":
+            return False
+        failure = result.ranks[r.rank]
+        failure.status, failure.evalue, failure.failed_at = (
+            "dead",
+            f"rank {r.rank} {r.exit}",
+            time.monotonic(),
+        )
+        failure.traceback = [f"rank {r.rank} {r.exit} while running the cell; its log: {r.log_path}"]
+        return True
+
+    # -- stopping ranks that still run, and writing down how it went ------------------------------
+
+    def stop(self, gathering: Gathering, why: str) -> None:
+        result = gathering.result
+        pending = sorted(gathering.pending)
+        if any(self.ranks[k].collective for k in pending):
+            result.notes.append(f"rank {format_ranks(pending)} {why}")
+        stopped = self.escalation.stop(
+            pending, why, lambda ranks, secs, enough: self._await(result, ranks, secs, enough)
+        )
+        self._record(result, stopped)
+
+    def _await(
+        self, result: RunResult, ranks: list[int], seconds: float, enough: Callable[[list[int]], bool]
+    ) -> list[int]:
+        """Receive for up to ``seconds`` until ``ranks`` ended their cell or ``enough(running)``;
+        return those still running."""
+        deadline = time.monotonic() + seconds
+        while True:
+            self.conn.pump(0.05)
+            for k in ranks:
+                self.check_exit(self.ranks[k], result)
+            running = [k for k in ranks if result.ranks[k].status == "pending"]
+            if not running or enough(running) or time.monotonic() >= deadline:
+                return running
+
+    def _record(self, result: RunResult, stopped: Stopped) -> None:
+        for k in stopped.released_from:
+            failure = result.ranks[k]
+            if failure.status == "error":
+                failure.evalue = (
+                    f"left waiting in {stopped.blocked.get(k) or 'a collective'}; released by closing the "
+                    f"process group on rank {format_ranks(stopped.released)}"
+                )
+        if stopped.released_from:
+            result.notes.append(
+                f"closed the process group on rank {format_ranks(stopped.released)} to release the ranks "
+                "blocked in a collective; the next cell first rebuilds the group (rank state is kept)"
+            )
+        for k, stack in stopped.killed.items():
+            self.check_exit(self.ranks[k], result)
+            result.ranks[k].traceback[:0] = [
+                f"rank {k} did not stop within {stopped.waited:g} s (SIGINT, then a release of any "
+                "collective it waited in); its stack before it was killed:",
+                stack,
+            ]
+        if stopped.killed:
+            result.notes.append(stopped.kill_note)
+
+    # -- what ranks send about the running cell (dispatched by the connection) --------------------
+
+    def on_stream(self, r: RankRecord, msg: Message) -> None:
+        name = str(msg.body["name"])
+        try:
+            (data,) = msg.buffers
+            text = data.decode("utf-8", TEXT_ERRORS)
+        except ValueError:  # not one buffer, or not UTF-8
+            self.ranks.drop_malformed(r, "output")
+            return
+        self._sink().stream(r.rank, name, text)
+        last = _last_visible_line(text)
+        if last:
+            r.last_line = last[:200]
+        run = self.current
+        if run is not None and r.rank in run.result.ranks:
+            res = run.result.ranks[r.rank]
+            if name == "stderr" and len(res.stderr) < CAPTURE_LIMIT:
+                res.stderr += text
+            elif name == "stdout" and len(res.stdout) < CAPTURE_LIMIT:
+                res.stdout += text
+
+    def on_display(self, r: RankRecord, msg: Message) -> None:
+        self._sink().display(r.rank, dict(msg.body["data"]), dict(msg.body["metadata"]))
+
+    def on_result(self, r: RankRecord, msg: Message) -> None:
+        run = self.current
+        if run is not None and r.rank in run.result.ranks:
+            run.result.ranks[r.rank].result = dict(msg.body["data"])
+
+    def on_done(self, r: RankRecord, msg: Message) -> None:
+        if r.io_received < int(msg.body["io_count"]):
+            r.pending_done = msg  # its output is still in flight on the I/O socket
+            r.pending_since = time.monotonic()
+            return
+        self._finish(r, msg)
+
+    def _on_io(self, r: RankRecord) -> None:
+        if r.pending_done is not None and r.io_received >= r.pending_done.body["io_count"]:
+            self._finish(r, r.pending_done)
+
+    def _finish(self, r: RankRecord, msg: Message) -> None:
+        r.pending_done = None
+        body = msg.body
+        ok = body["status"] == "ok"
+        r.state, r.cell = (RankState.IDLE if ok else RankState.FAILED), ""
+        run = self.current
+        if run is None or body["cell_id"] != run.result.cell_id or r.rank not in run.result.ranks:
+            return
+        res = run.result.ranks[r.rank]
+        res.duration = float(body["duration"])
+        if ok:
+            res.status = "ok"
+            return
+        res.status = "interrupted" if body["ename"] == "KeyboardInterrupt" else "error"
+        res.ename, res.evalue = str(body["ename"]), str(body["evalue"])
+        res.traceback = [str(line) for line in body["traceback"]]
+        res.failed_at = time.monotonic()

@@ -1,0 +1,67 @@
+"""Moving Python values between the kernel and the ranks: ``push`` and ``pull``.
+
+Values travel pickled (cloudpickle) as message buffers, one per value, and are unpickled only after
+the message was authenticated. A pushed value is also kept in the pool's transcript, so that
+``%dist_export`` can write it out for the script.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jupyter_shard.errors import PoolError
+from jupyter_shard.kernel.connection import Connection
+from jupyter_shard.kernel.ranks import RankTable
+from jupyter_shard.kernel.transcript import PushEntry, Transcript
+from jupyter_shard.messages import PULL, PUSH
+from jupyter_shard.protocol import MAX_FRAME
+from jupyter_shard.spec import format_ranks
+
+__all__ = ["Values"]
+
+
+class Values:
+    """Push and pull through the pool's connection."""
+
+    def __init__(self, conn: Connection, ranks: RankTable, transcript: Transcript) -> None:
+        self.conn = conn
+        self.ranks = ranks
+        self.transcript = transcript
+
+    def push(self, ranks: Sequence[int] | None, values: Mapping[str, Any]) -> None:
+        """Copy ``values`` to every rank (or ``ranks``) under their names."""
+        import cloudpickle
+
+        names = list(values)
+        buffers = [cloudpickle.dumps(values[n]) for n in names]
+        too_big = [n for n, b in zip(names, buffers, strict=True) if len(b) > MAX_FRAME]
+        if too_big:
+            raise PoolError(
+                f"{too_big[0]!r} is over the {MAX_FRAME // 2**20} MiB message limit; "
+                "save it to a file and load it on the ranks"
+            )
+        targets = self.ranks.targets(ranks)
+        replies = self.conn.request(*PUSH({"names": names}), targets, buffers=buffers, timeout=60.0)
+        errors = [f"rank {k}: {m.body['error']}" for k, m in sorted(replies.items()) if not m.body["ok"]]
+        if errors:
+            raise PoolError("push failed on " + "; ".join(errors))
+        if not names[0].startswith("_js_"):  # the pool's own pushes are not the user's work
+            asked = None if ranks is None else tuple(sorted(set(ranks)))
+            self.transcript.add(PushEntry(tuple(zip(names, buffers, strict=True)), asked))
+
+    def pull(self, name: str, ranks: Sequence[int] | None, gather: bool) -> dict[int, Any]:
+        """Copies of ``name`` from ``ranks`` (default all), by rank; ``gather``: the unsharded model."""
+        import cloudpickle
+
+        targets = self.ranks.targets(ranks)
+        replies = self.conn.request(*PULL({"name": name, "gather": gather}), targets, timeout=600.0)
+        out: dict[int, Any] = {}
+        for k, msg in sorted(replies.items()):
+            if not msg.body["ok"]:
+                raise PoolError(msg.body["error"])
+            out[k] = cloudpickle.loads(msg.buffers[0])
+        missing = sorted({r.rank for r in targets} - set(out))
+        if missing:
+            raise PoolError(f"rank {format_ranks(missing)} did not answer the pull of {name!r}")
+        return out

@@ -1,0 +1,93 @@
+"""What a rank's I/O thread answers while the main thread may be busy in a cell: its stacks, its
+status (the heartbeat's body, on request), and signals from a kernel that cannot send them itself.
+These run on the I/O thread, so they answer even when a cell is blocked in a collective."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from jupyter_shard.messages import (
+    HEARTBEAT,
+    STACKS_REPLY,
+    STATUS_REPLY,
+    HeartbeatBody,
+    ThreadStack,
+    handler_table,
+)
+from jupyter_shard.protocol import Message
+from jupyter_shard.rank.channel import Channel
+from jupyter_shard.rank.handlers import CellState
+
+__all__ = ["current_collective", "serve_io"]
+
+
+def serve_io(channel: Channel, state: CellState) -> None:
+    """Give ``channel``'s I/O thread its request handlers and its heartbeat."""
+    channel.io_handlers = handler_table(
+        "rank.io",
+        {
+            "stacks": lambda msg: _reply_stacks(channel, msg),
+            "status": lambda msg: _reply_status(channel, msg, state),
+            "signal": _signal_self,
+        },
+    )
+    channel.heartbeat = lambda: HEARTBEAT(_status_body(state))
+
+
+def _signal_self(msg: Message) -> None:
+    """A signal from the kernel for a rank it cannot signal itself (started by an agent elsewhere)."""
+    sig = int(msg.body["signal"])
+    if sig == signal.SIGKILL and os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)  # the rank leads its group: its children go too
+    elif sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+        os.kill(os.getpid(), sig)
+
+
+def _reply_stacks(channel: Channel, msg: Message) -> None:
+    main_id = threading.main_thread().ident
+    names = {t.ident: t.name for t in threading.enumerate()}
+    stacks: list[ThreadStack] = []
+    for ident, frame in sys._current_frames().items():
+        name = names.get(ident, str(ident))
+        if name.startswith("jupyter_shard-"):
+            continue
+        lines = traceback.format_stack(frame)
+        stacks.append({"thread": "MainThread" if ident == main_id else name, "stack": "".join(lines)})
+    channel.enqueue(*STACKS_REPLY({"req_id": str(msg.body["req_id"]), "stacks": stacks}), [])
+
+
+def _status_body(state: CellState) -> HeartbeatBody:
+    from jupyter_shard.rank.shard import current, memory_report
+
+    helper = current()
+    return {
+        "executing": state.executing,
+        "cell": state.cell_head,
+        "running_for": time.time() - state.started if state.executing else 0.0,
+        "memory": memory_report(helper.device if helper else None),
+        "step": helper.global_step if helper else 0,
+        "collective": current_collective() if state.executing else "",
+    }
+
+
+_C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
+
+
+def current_collective() -> str:
+    """The ``torch.distributed`` call the main thread is in (``all_reduce``, ``barrier``…), else ""."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    outermost = ""
+    while frame is not None:  # innermost to outermost: the last c10d frame seen is the public call
+        if frame.f_code.co_filename.endswith(_C10D):
+            outermost = frame.f_code.co_name
+        frame = frame.f_back
+    return outermost
+
+
+def _reply_status(channel: Channel, msg: Message, state: CellState) -> None:
+    channel.enqueue(*STATUS_REPLY({"req_id": str(msg.body["req_id"]), **_status_body(state)}), [])

@@ -1,0 +1,67 @@
+"""Every message a real pool sends, both ways, matches what the registry declares for its type.
+
+The kernel and both ranks sign with a checking :class:`~jupyter_shard.protocol.Wire`
+(``JUPYTER_SHARD_CHECK_PROTOCOL``): each body signed is appended to one file and checked against
+:mod:`jupyter_shard.messages`. The pool is driven through every message type a local CPU pool can
+send (``signal`` goes only to ranks started by an agent, ``startup_failed`` only from a failing rank).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from jupyter_shard import DistributedError, Pool
+from jupyter_shard.env import CHECK_PROTOCOL_VAR as CHECK_ENV
+from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.messages import MSG_TYPES, check_body
+from jupyter_shard.protocol import KERNEL
+
+pytestmark = pytest.mark.timeout(150)
+
+NOT_DRIVEN = {"signal", "startup_failed"}
+
+CELL = """
+from IPython.display import display
+display({"text/plain": "shown"}, raw=True)
+shard.log(loss=1.5)
+print("out")
+x = 41 + shard.rank
+x
+"""
+DESYNC = "import torch, torch.distributed as dist\nif shard.rank == 0:\n    dist.all_reduce(torch.ones(1))"
+
+
+def _drive(pool: Pool) -> None:
+    assert pool.run(CELL).ok
+    pool.push(a=1)
+    assert pool.pull("x", rank=1) == 42
+    assert set(pool.stacks()) == {0, 1}
+    assert len(pool.status()) == 2
+    time.sleep(1.2)  # a heartbeat from each rank's I/O thread
+    with pytest.raises(DistributedError):
+        pool.run(DESYNC)  # rank 1 closes its group (release) so rank 0's all_reduce fails
+    assert pool.run("import torch, torch.distributed as dist\ndist.all_reduce(torch.ones(1))").ok  # regroup
+
+
+def test_every_message_sent_both_ways_matches_its_declared_body(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record = tmp_path / "sent.jsonl"
+    monkeypatch.setenv(CHECK_ENV, str(record))  # the pool passes it on to the ranks
+    with Pool(
+        nproc=2, device="cpu", log_dir=tmp_path / "logs", sink=ConsoleSink(io.StringIO(), io.StringIO())
+    ) as pool:
+        _drive(pool)
+    sent = [json.loads(line) for line in record.read_text().splitlines()]
+    wrong = [(m["sender"], m["type"], m["problems"]) for m in sent if m["problems"]]
+    assert wrong == []
+    assert all(check_body(m["type"], m["body"]) == [] for m in sent)  # as received: after JSON
+    by_kernel = {m["type"] for m in sent if m["sender"] == KERNEL}
+    by_ranks = {m["type"] for m in sent if m["sender"] != KERNEL}
+    assert {m["sender"] for m in sent} >= {KERNEL, "rank-0", "rank-1", "rank-0.io", "rank-1.io"}
+    assert by_kernel | by_ranks == MSG_TYPES - NOT_DRIVEN, "types not driven by this test"

@@ -1,0 +1,134 @@
+"""jupyter_shard.notebook.display: the notebook's rank-output sink, the rank-tabs display and
+rank-labelled rich output."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import time
+from typing import Any, ClassVar
+
+import pytest
+
+from jupyter_shard.notebook import panel
+from jupyter_shard.notebook.display import RANK_OUTPUT_MIME, NotebookSink, RankOutputDisplay, label_bundle
+
+
+class FakeHandle:
+    shown: ClassVar[list[tuple[str, dict[str, Any]]]] = []
+    times: ClassVar[list[float]] = []
+
+    def display(self, data: dict[str, Any], raw: bool = False) -> None:
+        self.shown.append(("display", json.loads(json.dumps(data))))
+        self.times.append(time.monotonic())
+
+    def update(self, data: dict[str, Any], raw: bool = False) -> None:
+        self.shown.append(("update", json.loads(json.dumps(data))))
+        self.times.append(time.monotonic())
+
+
+@pytest.fixture
+def handles(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
+    FakeHandle.shown, FakeHandle.times = [], []
+    monkeypatch.setattr("IPython.display.DisplayHandle", FakeHandle)
+    return FakeHandle.shown
+
+
+def test_without_the_extension_the_sink_writes_plain_rank_lines(
+    handles: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert not panel.frontend_attached()
+    sink = NotebookSink()
+    sink.begin_cell()
+    sink.stream(0, "stdout", "hello\n")
+    sink.end_cell()
+    assert capsys.readouterr().out == "[rank 0] hello\n"
+    assert handles == []
+
+
+def test_with_the_extension_one_display_holds_the_cell_and_a_text_fallback(
+    handles: list[Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(panel, "_open", [object()])
+    sink = NotebookSink()
+    sink.begin_cell()
+    sink.stream(0, "stdout", "epoch 1\n")
+    sink.stream(1, "stdout", "epoch 1\n")  # within 0.1 s: held back, shown by the timer or the end
+    sink.stream(1, "stderr", "warning\n")
+    sink.end_cell(failed=[1])
+    assert capsys.readouterr().out == ""
+    kinds = [kind for kind, _ in handles]
+    assert kinds[0] == "display" and set(kinds[1:]) <= {"update"} and len(kinds) <= 3
+    final = handles[-1][1]
+    assert final[RANK_OUTPUT_MIME] == {
+        "version": 1,
+        "lines": [[0, "stdout", "epoch 1"], [1, "stdout", "epoch 1"], [1, "stderr", "warning"]],
+        "failed": [1],
+    }
+    assert final["text/plain"] == "[rank 0] epoch 1\n[rank 1] epoch 1\n[rank 1] warning\n"
+
+
+def test_rank_output_display_updates_at_most_ten_times_a_second(handles: list[Any]) -> None:
+    lines = RankOutputDisplay()
+    start = time.monotonic()
+    while time.monotonic() - start < 0.35:
+        lines.add(0, "stdout", ["x"])
+        time.sleep(0.005)
+    time.sleep(0.15)  # the timer shows what was held back
+    gaps = [later - earlier for earlier, later in itertools.pairwise(FakeHandle.times)]
+    assert len(handles) >= 3 and min(gaps) >= 0.095  # a slow machine only widens the gaps
+    assert len(handles[-1][1][RANK_OUTPUT_MIME]["lines"]) == len(lines.lines)
+
+
+def test_a_held_back_update_is_due_an_interval_after_the_last_one(handles: list[Any]) -> None:
+    lines = RankOutputDisplay()
+    lines.add(0, "stdout", ["a"])  # shown at once
+    time.sleep(0.02)
+    lines.add(0, "stdout", ["b"])  # held back until 0.1 s after "a"
+    time.sleep(0.085)
+    lines.add(0, "stdout", ["c"])  # around 0.105 s: held back until 0.1 s after the last update
+    lines.add(0, "stdout", ["d"])
+    time.sleep(0.2)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(FakeHandle.times)]
+    assert min(gaps) >= 0.095
+    assert len(handles[-1][1][RANK_OUTPUT_MIME]["lines"]) == 4
+
+
+# -- label_bundle ------------------------------------------------------------------------------------
+
+
+def test_label_bundle_keeps_plain_text_fallback() -> None:
+    data = {"text/plain": "42"}
+    out = label_bundle(3, data)
+    assert out == {"text/plain": "[rank 3] 42"}
+    assert data == {"text/plain": "42"}, "the input bundle is not modified"
+
+
+def test_label_bundle_without_plain_text_still_gets_a_fallback() -> None:
+    assert label_bundle(0, {"application/json": {"a": 1}})["text/plain"] == "[rank 0] "
+
+
+def test_label_bundle_wraps_html() -> None:
+    out = label_bundle(1, {"text/plain": "<DataFrame>", "text/html": "<table>t</table>"})
+    assert out["text/plain"] == "[rank 1] <DataFrame>"
+    assert out["text/html"].startswith(
+        '<div class="jupyter-shard-rank" data-rank="1"><small>[rank 1]</small>'
+    )
+    assert out["text/html"].endswith("<table>t</table></div>")
+
+
+@pytest.mark.parametrize("mime", ["image/png", "image/jpeg"])
+def test_label_bundle_wraps_images(mime: str) -> None:
+    b64 = base64.b64encode(b"\x89PNG fake").decode()
+    out = label_bundle(2, {"text/plain": "<Figure size 640x480>", mime: b64})
+    assert out[mime] == b64, "the image itself is kept for nbconvert / GitHub"
+    assert out["text/plain"] == "[rank 2] <Figure size 640x480>"
+    assert '<small>[rank 2]</small><br><img src="' in out["text/html"]
+    assert f"data:{mime};base64,{b64}" in out["text/html"]
+
+
+def test_label_bundle_escapes_image_data_in_the_src_attribute() -> None:
+    out = label_bundle(0, {"image/png": 'x" onerror="alert(1)'})
+    assert 'onerror="alert' not in out["text/html"]
+    assert "&quot;" in out["text/html"]
