@@ -197,10 +197,6 @@ class Wire:
         self._last_seen[sender] = seq
         return Message(type=msg_type, body=body, sender=sender, seq=seq, buffers=list(buffers))
 
-    def forget(self, sender: str) -> None:
-        """Drop replay state for a sender that is being replaced by a fresh process."""
-        self._last_seen.pop(sender, None)
-
 
 def _check_and_record(path: str, sender: str, msg_type: str, body: Mapping[str, Any]) -> None:
     """Append what is signed to ``path`` (one JSON line, so processes can share the file); raise

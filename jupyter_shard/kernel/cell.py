@@ -63,13 +63,20 @@ class CellGathering:
     """Sends cells and gathers their results; at most one cell is in flight at a time."""
 
     def __init__(
-        self, conn: Connection, ranks: RankTable, escalation: Escalation, sink: Callable[[], RankSink]
+        self,
+        conn: Connection,
+        ranks: RankTable,
+        escalation: Escalation,
+        sink: Callable[[], RankSink],
+        tick: Callable[[], None] = lambda: None,
     ) -> None:
         self.conn = conn
+        self.tick = tick  # after each receive: observers (dashboards) redraw at their own rate
         self.ranks = ranks
         self.escalation = escalation
         self._sink = sink
         self.current: Gathering | None = None
+        self.out_of_step = ""  # the ranks the last cell failed on, when it failed on only some
         conn.on_io = self._on_io
         conn.handle(
             {
@@ -89,7 +96,7 @@ class CellGathering:
         asked: Sequence[int] | None,
         record: bool,
     ) -> Gathering:
-        """Make ``code`` the cell in flight on ``targets`` (what :meth:`begin` sends)."""
+        """Make ``code`` the cell in flight on ``targets`` (:meth:`send` sends it)."""
         result = RunResult(uuid.uuid4().hex, {r.rank: RankResult(r.rank) for r in targets})
         self.current = Gathering(
             result,
@@ -103,34 +110,39 @@ class CellGathering:
         )
         return self.current
 
-    def begin(
-        self,
-        code: str,
-        targets: list[RankRecord],
-        timeout: float | None,
-        exec_count: int,
-        asked: Sequence[int] | None,
-        record: bool,
-    ) -> Gathering:
-        """Send ``code`` to ``targets`` and return its gathering."""
-        gathering = self.open(code, targets, timeout, exec_count, asked, record)
+    def send(self, gathering: Gathering, targets: list[RankRecord]) -> Gathering:
+        """Send the opened cell to ``targets``; the ranks are running it from now on."""
         self._sink().begin_cell()
-        body: ExecuteBody = {"cell_id": gathering.result.cell_id, "code": code, "exec_count": exec_count}
+        body: ExecuteBody = {
+            "cell_id": gathering.result.cell_id,
+            "code": gathering.code,
+            "exec_count": gathering.exec_count,
+        }
         self.conn.send(targets, *EXECUTE(body))
-        head = cell_head(code)
+        head = cell_head(gathering.code)
         for r in targets:
             r.state, r.cell, r.collective = RankState.RUNNING, head, ""
         return gathering
 
-    def end(self, gathering: Gathering, notes: Sequence[str]) -> list[int]:
-        """Close the cell: add ``notes`` (node failures), flush its output; the ranks that failed."""
+    def end(self, gathering: Gathering, notes: Sequence[str]) -> None:
+        """Close the cell: add ``notes`` (node failures), flush its output."""
         for line in notes:
             if line not in gathering.result.notes:
                 gathering.result.notes.append(line)
         failed = [k for k, r in gathering.result.ranks.items() if r.status not in ("ok", "pending")]
+        if failed and len(failed) < len(gathering.targets) and self.escalation.restart_reason is None:
+            self.out_of_step = format_ranks(failed)
         self._sink().end_cell(failed)
         self.current = None
-        return failed
+
+    def warn_out_of_step(self) -> None:
+        """Before the next cell: say once that the last one failed on some ranks only."""
+        if self.out_of_step:
+            self.escalation.notice(
+                f"the last cell failed on rank {self.out_of_step} only, so the ranks may be out of "
+                "step (different variables or training steps); %dist_restart gives fresh ranks"
+            )
+            self.out_of_step = ""
 
     def gather(self, gathering: Gathering) -> None:
         """Receive until the cell ends; Ctrl-C in the kernel stops the ranks (escalating)."""
@@ -157,6 +169,7 @@ class CellGathering:
         """Receive for up to ``wait`` seconds and act on what happened; True once the cell ended."""
         result, pending = gathering.result, gathering.pending
         self.conn.pump(wait)
+        self.tick()
         for k in list(pending):
             r = self.ranks[k]
             if self.check_exit(r, result):

@@ -15,6 +15,7 @@ import os
 import sys
 import weakref
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,13 +28,14 @@ from jupyter_shard.kernel.escalation import Escalation
 from jupyter_shard.kernel.history import History
 from jupyter_shard.kernel.lifecycle import Lifecycle
 from jupyter_shard.kernel.output import RankSink, default_sink
-from jupyter_shard.kernel.ranks import RankSnapshot, RankState, RankTable
+from jupyter_shard.kernel.ranks import RankSnapshot, RankTable
 from jupyter_shard.kernel.results import DistributedError, RunResult
 from jupyter_shard.kernel.transcript import CellEntry, Transcript
 from jupyter_shard.kernel.values import Values
 from jupyter_shard.launchers import Launcher
 from jupyter_shard.messages import SIGNAL, STACKS, STATUS
-from jupyter_shard.spec import DEFAULT_TIMEOUT, LaunchSpec, format_ranks
+from jupyter_shard.spec import DEFAULT_TIMEOUT, LaunchSpec
+from jupyter_shard.strategies import registered
 
 __all__ = ["Observer", "Pool", "latest_pool"]
 
@@ -77,26 +79,14 @@ class Pool:
         self.observers: list[Observer] = []
         self.transcript = Transcript()  # cells and pushes since the last start (%dist_export)
         self.ranks = RankTable(self.history)
-        self.connection = Connection(self.ranks)
-        self.connection.handle(
-            {
-                "ready": self.ranks.on_ready,
-                "heartbeat": self.ranks.on_heartbeat,
-                "startup_failed": self.ranks.on_startup_failed,
-                "metrics": self.ranks.on_metrics,
-            }
-        )
-        self.escalation = Escalation(self.connection, self.ranks, self._notice, self._stacks_of)
-        self.cells = CellGathering(self.connection, self.ranks, self.escalation, lambda: self.sink)
-        self.lifecycle = Lifecycle(self.connection, self.ranks, Path(log_dir) if log_dir else None)
-        self.values = Values(self.connection, self.ranks, self.transcript)
-        self._out_of_step = ""  # the ranks the last cell failed on, when it failed on only some
+        conn = self.connection = Connection(self.ranks)
+        conn.handle(self.ranks.handlers())
+        self.escalation = Escalation(conn, self.ranks, self._notice, partial(self.stacks, 1.0))
+        self.cells = CellGathering(conn, self.ranks, self.escalation, lambda: self.sink, self._tick)
+        self.lifecycle = Lifecycle(conn, self.ranks, Path(log_dir) if log_dir else None)
+        self.values = Values(conn, self.ranks, self.transcript)
         self._watcher = Watcher(
-            self.connection.lock,
-            lambda: self.connection.open,
-            self._idle_step,
-            self._background_step,
-            lambda: self.background,
+            conn.lock, lambda: conn.open, self._idle_step, self._background_step, lambda: self.background
         )
 
     # -- state ----------------------------------------------------------------------------------
@@ -152,7 +142,7 @@ class Pool:
         if self.started:
             return
         self.escalation.reset()
-        self._out_of_step = ""
+        self.cells.out_of_step = ""
         self.transcript = self.values.transcript = Transcript()
         for record in self.lifecycle.start(self.spec, self._deliver_signal):
             self.sink.log_paths[record.rank] = str(record.log_path)
@@ -176,8 +166,6 @@ class Pool:
 
     def _share_registered_strategy(self) -> None:
         """A strategy registered in the kernel with ``register_strategy`` is registered on the ranks too."""
-        from jupyter_shard.strategies import registered
-
         entry = registered(self.spec.strategy)
         if entry is None:
             return
@@ -284,20 +272,13 @@ class Pool:
         self, code: str, ranks: Sequence[int] | None, timeout: float | None, exec_count: int, record: bool
     ) -> Gathering:
         self._prepare()
-        if self._out_of_step:
-            self._notice(
-                f"the last cell failed on rank {self._out_of_step} only, so the ranks may be out of "
-                "step (different variables or training steps); %dist_restart gives fresh ranks"
-            )
-            self._out_of_step = ""
+        self.cells.warn_out_of_step()
         targets = self.ranks.targets(ranks)
-        return self.cells.begin(code, targets, timeout, exec_count, ranks, record)
+        return self.cells.send(self.cells.open(code, targets, timeout, exec_count, ranks, record), targets)
 
     def _end(self, gathering: Gathering) -> None:
         hint = self.launcher.restart_hint if self.launcher is not None else ""
-        failed = self.cells.end(gathering, self.ranks.node_failures(hint))
-        if failed and len(failed) < len(gathering.targets) and self.escalation.restart_reason is None:
-            self._out_of_step = format_ranks(failed)
+        self.cells.end(gathering, self.ranks.node_failures(hint))
         if gathering.record:
             status = "ok" if gathering.result.ok else "error"
             self.transcript.add(CellEntry(gathering.code, gathering.ranks, status, gathering.exec_count))
@@ -319,7 +300,6 @@ class Pool:
             ended = True
         else:
             ended = self.cells.step(gathering, 0.0)
-            self._tick()
         if ended:
             self._end(gathering)
             run.finish()
@@ -367,18 +347,9 @@ class Pool:
         """Every rank now: pid, host, device, state, fresh memory, the cell it runs (and where)."""
         live = self.ranks.live() if self.started else []
         replies = self.connection.request(*STATUS({}), live, timeout=1.0) if live else {}
-        rows = []
-        for r in sorted(self.ranks, key=lambda r: r.rank):
+        for r in self.ranks:
             self.cells.check_exit(r, None)
-            reply = replies.get(r.rank)
-            memory = dict(reply.body["memory"]) if reply else {}
-            running = r.cell if r.state is RankState.RUNNING else ""
-            cell = str(reply.body["cell"]) if reply and reply.body["executing"] else running
-            collective = str(reply.body.get("collective", "")) if reply else ""
-            if collective:
-                cell = f"{cell} · in {collective}"
-            rows.append(self.ranks.snapshot(r, memory=memory, cell=cell))
-        return rows
+        return self.ranks.status(replies)
 
     def activity(self) -> list[RankSnapshot]:
         """Each rank's state, step, throughput, memory and heartbeat age; problems named."""
@@ -389,19 +360,7 @@ class Pool:
         chosen = sorted(r.rank for r in self.ranks) if ranks is None else sorted(ranks)
         live = [r for r in self.ranks.live() if r.rank in chosen]
         replies = self.connection.request(*STACKS({}), live, timeout=timeout)
-        out: dict[int, str] = {}
-        for k in chosen:
-            r = self.ranks[k]
-            if k in replies:
-                out[k] = "\n".join(f"{s['thread']}:\n{s['stack']}" for s in replies[k].body["stacks"])
-            elif r.dead:
-                out[k] = f"(rank {k} {r.exit})"
-            else:
-                out[k] = f"(no answer within {timeout:g} s: the rank may hold the GIL in native code)"
-        return out
-
-    def _stacks_of(self, ranks: list[int]) -> dict[int, str]:
-        return self.stacks(timeout=1.0, ranks=ranks)
+        return self.ranks.stacks(chosen, replies, timeout)
 
     def interrupt(self) -> None:
         """Interrupt whatever the ranks are running (outside a foreground :meth:`run`).

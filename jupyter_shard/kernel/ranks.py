@@ -14,7 +14,7 @@ import socket
 import sys
 import time
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -172,6 +172,14 @@ class RankTable:
 
     # -- what ranks say about themselves (dispatched by the connection) -------------------------
 
+    def handlers(self) -> dict[str, Callable[[RankRecord, Message], None]]:
+        return {
+            "ready": self.on_ready,
+            "heartbeat": self.on_heartbeat,
+            "startup_failed": self.on_startup_failed,
+            "metrics": self.on_metrics,
+        }
+
     def on_ready(self, r: RankRecord, msg: Message) -> None:
         r.state, r.device = RankState.IDLE, str(msg.body["device"])
         r.heartbeat = time.monotonic()
@@ -203,6 +211,33 @@ class RankTable:
         print(f"jupyter_shard: dropped malformed {what} from rank {r.rank}", file=sys.__stderr__)
 
     # -- snapshots ----------------------------------------------------------------------------------
+
+    def status(self, replies: Mapping[int, Message]) -> list[RankSnapshot]:
+        """Every rank with what its ``status_reply`` said now (fresh memory, the cell and where)."""
+        rows = []
+        for k, r in sorted(self.records.items()):
+            reply = replies.get(k)
+            memory = dict(reply.body["memory"]) if reply else {}
+            running = r.cell if r.state is RankState.RUNNING else ""
+            cell = str(reply.body["cell"]) if reply and reply.body["executing"] else running
+            collective = str(reply.body["collective"]) if reply else ""
+            if collective:
+                cell = f"{cell} · in {collective}"
+            rows.append(self.snapshot(r, memory=memory, cell=cell))
+        return rows
+
+    def stacks(self, chosen: Sequence[int], replies: Mapping[int, Message], timeout: float) -> dict[int, str]:
+        """Each chosen rank's stacks from its ``stacks_reply``, or why there is none."""
+        out: dict[int, str] = {}
+        for k in chosen:
+            r = self.records[k]
+            if k in replies:
+                out[k] = "\n".join(f"{s['thread']}:\n{s['stack']}" for s in replies[k].body["stacks"])
+            elif r.dead:
+                out[k] = f"(rank {k} {r.exit})"
+            else:
+                out[k] = f"(no answer within {timeout:g} s: the rank may hold the GIL in native code)"
+        return out
 
     def activity(self) -> list[RankSnapshot]:
         """Each rank from its heartbeats and logs (no request): state, step, throughput, problems."""

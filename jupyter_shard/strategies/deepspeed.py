@@ -89,6 +89,11 @@ class DeepSpeedStrategy(StrategyBase):
         if checkpointed:
             _checkpoint_modules(model, {str(name) for name in checkpointed})
         model = model.to(self.ctx.device)
+        if self.stage == 3 and _offloads_parameters_to_nvme(self.config):
+            # Partitioned here with the config's dtype: the engine's own conversion on a CPU device
+            # picks bf16 for the NVMe swap buffers whatever the config says (DeepSpeed 0.19), and the
+            # fp32 forward then fails with "self and mat2 must have the same dtype".
+            ds.zero.Init(module=model, config_dict_or_path=self.config)
         client_optimizer = _engine_optimizer(optimizer, model, self.config) if optimizer else None
         engine, engine_optimizer, _, _ = ds.initialize(
             model=model,
@@ -303,6 +308,11 @@ def _autocast_forward(engine: nn.Module, device_type: str, dtype: torch.dtype) -
 def _full_shape(p: torch.Tensor) -> torch.Size:
     shape: torch.Size = getattr(p, "ds_shape", p.shape)
     return shape
+
+
+def _offloads_parameters_to_nvme(config: dict[str, Any]) -> bool:
+    offload = config.get("zero_optimization", {}).get("offload_param") or {}
+    return str(offload.get("device", "none")) == "nvme"
 
 
 def _engine_optimizer(

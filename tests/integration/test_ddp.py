@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from training_cells import LOSS_PARITY, SETUP
 
 from jupyter_shard import LaunchSpec, Pool
 from jupyter_shard.kernel.output import ConsoleSink
+from tests.integration.training_cells import LOSS_PARITY, SETUP
 
 pytestmark = pytest.mark.timeout(300)
 

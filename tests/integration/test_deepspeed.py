@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from training_cells import LOSS_PARITY, SETUP
 
 from jupyter_shard import DistributedError, Pool
 from jupyter_shard.kernel.output import ConsoleSink
 from jupyter_shard.spec import LaunchSpec
 from jupyter_shard.strategies.base import StrategyContext
 from jupyter_shard.strategies.deepspeed_config import ConfigConflict, build_config
+from tests.integration.training_cells import LOSS_PARITY, SETUP
 
 pytest.importorskip("deepspeed")
 

@@ -111,7 +111,7 @@ def test_ranks_in_two_namespaces_all_reduce_and_dial_back_on_the_bridge(
         # no listener of the pool is on loopback or a wildcard address
         assert pool.address != f"tcp://127.0.0.1:{port}"
 
-        on_node_1 = next(k for k, r in pool._ranks.items() if r.node == 1)
+        on_node_1 = next(k for k, r in pool.ranks.records.items() if r.node == 1)
         agent = subprocess.run(
             ["ip", "netns", "pids", f"jsns{os.getpid() % 10000}-1"], capture_output=True, text=True
         ).stdout.split()

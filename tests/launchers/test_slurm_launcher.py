@@ -55,8 +55,8 @@ def pool(slurm: SlurmCluster, tmp_path: Path) -> Iterator[Pool]:
 
 
 def _launcher(pool: Pool) -> SlurmLauncher:
-    assert isinstance(pool._launcher, SlurmLauncher)
-    return pool._launcher
+    assert isinstance(pool.launcher, SlurmLauncher)
+    return pool.launcher
 
 
 def test_ranks_are_tasks_of_one_job_and_shutdown_cancels_it(pool: Pool, slurm: SlurmCluster) -> None:
@@ -70,7 +70,7 @@ def test_ranks_are_tasks_of_one_job_and_shutdown_cancels_it(pool: Pool, slurm: S
     assert seen == {0: [job_id, "0", name], 1: [job_id, "0", name]}  # one task (node 0) runs both ranks
     assert any(f"SLURM job {job_id} ({name}) RUNNING on {slurm.node}" in n for n in pool.notices)  # type: ignore[attr-defined]
     assert _queued(name) == [f"{job_id} RUNNING"]
-    assert {r.job for r in pool._ranks.values()} == {job_id}
+    assert {r.job for r in pool.ranks} == {job_id}
     pool.shutdown()
     assert _wait_gone(name, 10) == []
 
@@ -113,7 +113,7 @@ def test_the_kernels_death_cancels_the_job(slurm: SlurmCluster, tmp_path: Path) 
         )
         pool = Pool(spec=spec, log_dir={str(tmp_path)!r})
         pool.start()
-        print(pool._launcher.job_name, flush=True)
+        print(pool.launcher.job_name, flush=True)
         time.sleep(600)
         """
     )

@@ -58,7 +58,7 @@ def test_ranks_on_two_agents_all_reduce_and_keep_state(pool: Pool) -> None:
     lines = {k: r.stdout.split() for k, r in result.ranks.items()}
     assert {k: (v[0], v[3]) for k, v in lines.items()} == {0: ("0", "3.0"), 1: ("1", "3.0")}
     assert sorted(v[1] for v in lines.values()) == ["0", "1"]  # one rank per node (rendezvous picks which)
-    assert {k: str(pool._ranks[k].node) for k in lines} == {k: v[1] for k, v in lines.items()}
+    assert {k: str(pool.ranks[k].node) for k in lines} == {k: v[1] for k, v in lines.items()}
     assert lines[0][2] == lines[1][2] and lines[0][2].startswith("jupyter_shard-")  # one rendezvous
     # the agents are the pool's children; the ranks are theirs, not the kernel's
     agents = {
@@ -98,12 +98,12 @@ def test_without_the_curve_keys_a_client_is_refused(pool: Pool, tmp_path: Path) 
     """A peer that knows the HMAC key but not the Curve keys gets nothing through; raw bytes neither."""
     host, port = pool.address.removeprefix("tcp://").rsplit(":", 1)
     marker = tmp_path / "forged-code-ran"
-    assert pool._wire is not None
-    forged = Wire(pool._wire._key, rank_identity(0)).to_socket(
+    assert pool.connection.wire is not None
+    forged = Wire(pool.connection.wire._key, rank_identity(0)).to_socket(
         "stream", {"name": "stdout", "cell_id": "x"}, [f"open({str(marker)!r}, 'w')".encode()]
     )
     dropped_before = pool.dropped
-    refused_before = pool._curve.refused if pool._curve is not None else -1
+    refused_before = pool.curve.refused if pool.curve is not None else -1
     ctx = zmq.Context()
     try:
         plain = ctx.socket(zmq.DEALER)  # no Curve at all: the handshake cannot even start
@@ -111,9 +111,7 @@ def test_without_the_curve_keys_a_client_is_refused(pool: Pool, tmp_path: Path) 
         plain.connect(pool.address)
         wrong = ctx.socket(zmq.DEALER)  # Curve with the right server key but another client key
         other = CurveKeys.new()
-        server_public = (
-            CurveKeys.new().server_public if pool._curve is None else pool._curve.keys.server_public
-        )
+        server_public = CurveKeys.new().server_public if pool.curve is None else pool.curve.keys.server_public
         secure_client(
             wrong, f"{server_public.decode()} {other.client_public.decode()} {other.client_secret.decode()}"
         )
@@ -135,15 +133,13 @@ def test_without_the_curve_keys_a_client_is_refused(pool: Pool, tmp_path: Path) 
             except ConnectionResetError:
                 pass
         deadline = time.monotonic() + 5
-        while (
-            pool._curve is not None and pool._curve.refused == refused_before and time.monotonic() < deadline
-        ):
+        while pool.curve is not None and pool.curve.refused == refused_before and time.monotonic() < deadline:
             time.sleep(0.05)
         pool.run("pass")  # the pool receives whatever got in, and still works
     finally:
         ctx.destroy(linger=0)
     assert b"READY" not in received and len(received) <= 64, received[:80]  # at most its greeting
-    assert pool._curve is not None and pool._curve.refused > refused_before  # the wrong key, refused
+    assert pool.curve is not None and pool.curve.refused > refused_before  # the wrong key, refused
     assert pool.dropped == dropped_before  # nothing reached the decoder at all
     assert not marker.exists()
 
@@ -151,8 +147,8 @@ def test_without_the_curve_keys_a_client_is_refused(pool: Pool, tmp_path: Path) 
 def test_a_node_killed_mid_cell_is_reported_as_that_node(tmp_path: Path) -> None:
     with Pool(spec=_spec(), log_dir=tmp_path, sink=ConsoleSink()) as p:
         p.run("import torch, torch.distributed as dist")
-        assert p._launcher is not None
-        tether = psutil.Process(p._launcher.agents[1].pid)  # type: ignore[attr-defined]
+        assert p.launcher is not None
+        tether = psutil.Process(p.launcher.agents[1].pid)  # type: ignore[attr-defined]
         (agent,) = tether.children()
         killer = threading.Timer(2.0, agent.kill)  # node 1's torchrun agent dies, like its machine
         killer.start()
@@ -163,14 +159,14 @@ def test_a_node_killed_mid_cell_is_reported_as_that_node(tmp_path: Path) -> None
         took = time.monotonic() - started
         message = str(err.value)
         assert f"went down with node 1 ({socket.gethostname()})" in message, message
-        on_node_1 = next(k for k, r in p._ranks.items() if r.node == 1)
+        on_node_1 = next(k for k, r in p.ranks.records.items() if r.node == 1)
         assert err.value.result.ranks[on_node_1].status == "dead"
         assert took < 30, took
         notes = "\n".join(err.value.result.notes)
         assert f"node 1 ({socket.gethostname()}) failed: rank {on_node_1} went down with it" in notes, notes
         assert "%dist_restart starts the pool again on the same hosts" in notes
         other = 1 - on_node_1
-        assert "went down with node" not in p._ranks[other].exit  # the rank on node 0 is not blamed
+        assert "went down with node" not in p.ranks[other].exit  # the rank on node 0 is not blamed
 
 
 def test_the_kernels_death_ends_agents_and_ranks(tmp_path: Path) -> None:
@@ -181,7 +177,7 @@ def test_the_kernels_death_ends_agents_and_ranks(tmp_path: Path) -> None:
         "spec = resolve_spec(nproc=1, device='cpu', launcher='torchrun', hosts='localhost,localhost')\n"
         f"pool = Pool(spec=spec, log_dir={str(tmp_path)!r})\n"
         "pool.start()\n"
-        "print(*[s.pid for s in pool.status()], *pool._launcher.local_pids(), flush=True)\n"
+        "print(*[s.pid for s in pool.status()], *pool.launcher.local_pids(), flush=True)\n"
         "time.sleep(600)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -222,7 +218,9 @@ def test_nodes_started_by_hand_join_from_the_printed_command(tmp_path: Path) -> 
         pool.start()
         joiner.join()
         assert notices[0].startswith("waiting for 2 nodes to join; on each node run")
-        assert pool._wire is not None and pool._wire._key.hex() not in notices[0]  # keys stay in the file
+        assert (
+            pool.connection.wire is not None and pool.connection.wire._key.hex() not in notices[0]
+        )  # keys stay in the file
         result = pool.run(
             "import torch, torch.distributed as dist\nt = torch.ones(1); dist.all_reduce(t); t.item()"
         )

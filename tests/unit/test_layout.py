@@ -136,3 +136,8 @@ def test_layers_point_down(layer: str) -> None:
 def test_no_module_is_over_500_lines() -> None:
     long = {n: len(p.read_text().splitlines()) for n, p in MODULES.items()}
     assert {n: c for n, c in long.items() if c > MAX_LINES} == {}
+
+
+def test_the_pool_is_a_small_facade() -> None:
+    """``Pool`` delegates to its parts (connection, ranks, cell, escalation, lifecycle)."""
+    assert len(MODULES["jupyter_shard.kernel.pool"].read_text().splitlines()) <= 400

@@ -158,17 +158,6 @@ def test_independent_senders_have_independent_sequences(receiver: Wire) -> None:
     assert receiver.decode(fb2).type == "done"
 
 
-def test_forget_allows_a_replaced_sender_to_start_again(receiver: Wire) -> None:
-    old = Wire(KEY, "rank-0")
-    frames = old.encode("ready", {})
-    receiver.decode(frames)
-    with pytest.raises(ProtocolError):
-        receiver.decode(frames)
-    receiver.forget("rank-0")
-    assert receiver.decode(frames).type == "ready"
-    receiver.forget("never-seen")  # no error
-
-
 # -- rejection ----------------------------------------------------------------------------------------
 
 

@@ -240,7 +240,7 @@ def test_round_trip(msg_type: str, body: dict[str, Any], buffers: list[bytes], w
 
 class ReplayModel(RuleBasedStateMachine):
     """Senders make messages; any made message may be delivered any number of times, in any order.
-    Accepted exactly when its seq is above the last accepted from that sender (reset by forget)."""
+    Accepted exactly when its seq is above the last accepted from that sender."""
 
     made = Bundle("made")
 
@@ -289,11 +289,6 @@ class ReplayModel(RuleBasedStateMachine):
         tampered[part] = bytes(spoiled)
         assert _decode(self.receiver, tampered, who) is None
         self.refused += 1
-
-    @rule(who=st.sampled_from(SENDERS))
-    def forget(self, who: str) -> None:
-        self.receiver.forget(who)
-        self.last.pop(who, None)
 
     @invariant()
     def refusals_are_counted(self) -> None:

@@ -1,0 +1,141 @@
+"""jupyter_shard.launchers.tether: the tether as a real process, started by remote.tether_argv."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from jupyter_shard.launchers.remote import tether_argv
+
+SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
+
+
+def _catches_sigterm(pid: int) -> bool:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) & SIGTERM_BIT)
+    except OSError:
+        pass
+    return False
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _until(check: Any, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.02)
+    return bool(check())
+
+
+class _Tether:
+    def __init__(self, command: list[str], cancel: list[str] | tuple[str, ...] = ()) -> None:
+        read, self.write = os.pipe()
+        self.proc = subprocess.Popen(
+            tether_argv(read, command, cancel), pass_fds=(read,), stderr=subprocess.PIPE
+        )
+        os.close(read)
+
+    def children(self) -> list[psutil.Process]:
+        """The command and everything it started, once the tether watches for signals."""
+        found: list[psutil.Process] = []
+
+        def ready() -> bool:
+            nonlocal found
+            with_children = psutil.Process(self.proc.pid).children(recursive=True)
+            found = with_children
+            return bool(with_children) and _catches_sigterm(self.proc.pid)
+
+        assert _until(ready), "the tether did not start its command"
+        return found
+
+    def close(self) -> None:
+        if self.write >= 0:
+            os.close(self.write)
+            self.write = -1
+
+
+@pytest.fixture
+def tethers() -> Iterator[list[_Tether]]:
+    started: list[_Tether] = []
+    yield started
+    for t in started:
+        t.close()
+        if t.proc.poll() is None:
+            t.proc.kill()
+        t.proc.wait(5)
+        if t.proc.stderr is not None:
+            t.proc.stderr.close()
+
+
+def test_tether_exits_with_the_commands_status(tethers: list[_Tether]) -> None:
+    t = _Tether(["sh", "-c", "exit 3"])
+    tethers.append(t)
+    assert t.proc.wait(5) == 3
+
+
+def test_tether_reports_a_signal_as_a_shell_does(tethers: list[_Tether]) -> None:
+    t = _Tether(["sh", "-c", "kill -9 $$"])
+    tethers.append(t)
+    assert t.proc.wait(5) == 128 + signal.SIGKILL
+
+
+def test_tether_when_the_kernel_is_gone_cancels_and_kills_the_process_group(
+    tmp_path: Path, tethers: list[_Tether]
+) -> None:
+    marker = tmp_path / "cancelled"
+    t = _Tether(["sh", "-c", "sleep 60 & wait"], cancel=["touch", str(marker)])
+    tethers.append(t)
+    t.children()
+    procs = _until_children(t, 2)
+    assert len(procs) == 2, "sh and its background sleep"
+    t.close()  # the kernel's end of the lifeline
+    assert t.proc.wait(5) == 128 + signal.SIGTERM
+    assert marker.exists(), "the --cancel command did not run"
+    assert all(_until(lambda p=p: _gone(p.pid), 3.0) for p in procs), "a process of the group outlived it"
+    assert t.proc.stderr is not None
+    assert b"the kernel is gone" in t.proc.stderr.read()
+
+
+def _until_children(t: _Tether, n: int) -> list[psutil.Process]:
+    _until(lambda: len(psutil.Process(t.proc.pid).children(recursive=True)) >= n)
+    return psutil.Process(t.proc.pid).children(recursive=True)
+
+
+def test_tether_sigterm_stops_the_command_and_exits(tmp_path: Path, tethers: list[_Tether]) -> None:
+    marker = tmp_path / "cancelled"
+    t = _Tether(["sleep", "60"], cancel=["touch", str(marker)])
+    tethers.append(t)
+    (child,) = t.children()
+    t.proc.send_signal(signal.SIGTERM)
+    assert t.proc.wait(5) == 128 + signal.SIGTERM
+    assert _until(lambda: _gone(child.pid), 3.0)
+    assert marker.exists()
+
+
+def test_tether_without_a_command_is_a_usage_error() -> None:
+    read, write = os.pipe()
+    try:
+        done = subprocess.run(
+            tether_argv(read, []), pass_fds=(read,), capture_output=True, timeout=10, check=False
+        )
+    finally:
+        os.close(read)
+        os.close(write)
+    assert done.returncode == 2 and b"no command given" in done.stderr
