@@ -585,31 +585,43 @@ class _AbSide:
 
 class AbSession:
     """This tree against ``--baseline DIR`` (another checkout), alive together and interleaved sample by
-    sample, each timed inside its own process by the same driver: drift on the machine hits both."""
+    sample, each timed inside its own process by the same driver: drift on the machine hits both.
+
+    The pool started first runs measurably slower in this setup (the same tree against itself gave
+    0.95-0.98), so half the samples are taken with this tree started first and half with the
+    baseline started first, on fresh pools.
+    """
 
     baseline: Path | None = None  # set from --baseline
 
     def __init__(self, nproc: int, scratch: Path) -> None:
         assert self.baseline is not None
-        here = Path(__file__).resolve().parents[1]
+        self.nproc, self.scratch = nproc, scratch
+        self.trees = {"shard-tree": Path(__file__).resolve().parents[1], "shard-base": self.baseline}
         self.sides: dict[str, _AbSide] = {}
+
+    def _start(self, order: list[str]) -> None:
+        self.close()
         try:
-            self.sides["shard-tree"] = _AbSide(here, nproc, scratch / "logs-tree")
-            self.sides["shard-base"] = _AbSide(self.baseline, nproc, scratch / "logs-base")
+            for name in order:
+                self.sides[name] = _AbSide(self.trees[name], self.nproc, self.scratch / f"logs-{name}")
         except BaseException:
             self.close()
             raise
 
     def round_trips(self, warmup: int, repeats: int) -> dict[str, list[float]]:
-        for _ in range(warmup):
-            for side in self.sides.values():
-                side.run()
-        samples: dict[str, list[float]] = {name: [] for name in self.sides}
-        for i in range(repeats):  # which side goes first alternates
-            order = list(self.sides.items())
-            for name, side in order if i % 2 == 0 else reversed(order):
-                samples[name].append(side.run())
-            INTERRUPTS.check()
+        samples: dict[str, list[float]] = {name: [] for name in self.trees}
+        for half, order in enumerate((["shard-tree", "shard-base"], ["shard-base", "shard-tree"])):
+            self._start(order)
+            for _ in range(warmup):
+                for side in self.sides.values():
+                    side.run()
+            for i in range(repeats // 2 if half == 0 else repeats - repeats // 2):
+                sides = list(self.sides.items())
+                for name, side in sides if i % 2 == 0 else reversed(sides):  # who goes first alternates
+                    samples[name].append(side.run())
+                INTERRUPTS.check()
+        self.close()
         return samples
 
     def warm_restarts(self) -> dict[str, Callable[[], tuple[float, float]]]:
@@ -618,6 +630,7 @@ class AbSession:
     def close(self) -> None:
         for side in self.sides.values():
             side.close()
+        self.sides = {}
 
 
 class ShardKernelSession:
@@ -1097,13 +1110,13 @@ def start_table(
     return out
 
 
-def report(res: Results, plots: list[str]) -> str:
+def report(res: Results, plots: list[str], stem: str = "dispatch") -> str:
     settings = res.settings
     out = [
         "# Dispatch: round trip, cold start and warm restart against ipyparallel and jupyter-distributed",
         "",
         f"Produced by `{res.command}`; how to read it: `benchmarks/README.md`. "
-        "Raw samples: `dispatch.json` beside this file.",
+        f"Raw samples: `{stem}.json` beside this file.",
         "",
         "## Machine",
         "",
@@ -1125,8 +1138,10 @@ def report(res: Results, plots: list[str]) -> str:
             "",
             *ab_lines(res),
         ]
-        if "dispatch-roundtrip.png" in plots:
-            out += ["![Round trip p50 and p90 by rank count](dispatch-roundtrip.png)", ""]
+        out += [
+            f"![Round trip p50 and p90 by rank count]({n})" for n in plots if n.endswith("-roundtrip.png")
+        ]
+        out += [""]
     if any(res.cold.values()):
         out += [
             f"## Cold start to first result, s: {settings['cold_repeats']} each, alternated",
@@ -1143,8 +1158,8 @@ def report(res: Results, plots: list[str]) -> str:
             *start_table(res.warm, WARM, ("restart", "first cell")),
             "",
         ]
-    if "dispatch-start.png" in plots:
-        out += ["![Cold start and warm restart to first result](dispatch-start.png)", ""]
+    starts = [n for n in plots if n.endswith("-start.png")]
+    out += [f"![Cold start and warm restart to first result]({n})" for n in starts] + ([""] if starts else [])
     goals = targets(res)
     out += [
         "## Targets (issue 8), computed from the numbers above",
@@ -1173,10 +1188,12 @@ COLOURS = {
     "ipp-nb": "tab:orange",
     "jd": "tab:green",
     "jd-nb": "tab:olive",
+    "shard-tree": "tab:blue",
+    "shard-base": "tab:gray",
 }
 
 
-def plot(res: Results, folder: Path) -> list[str]:
+def plot(res: Results, folder: Path, stem: str = "dispatch") -> list[str]:
     """Draw the two figures into ``folder``; their file names."""
     import matplotlib
 
@@ -1204,9 +1221,9 @@ def plot(res: Results, folder: Path) -> list[str]:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
-        fig.savefig(folder / "dispatch-roundtrip.png", dpi=120)
+        fig.savefig(folder / f"{stem}-roundtrip.png", dpi=120)
         plt.close(fig)
-        written.append("dispatch-roundtrip.png")
+        written.append(f"{stem}-roundtrip.png")
     if any(res.cold.values()) or any(res.warm.values()):
         fig, axes = plt.subplots(1, 2, figsize=(13, 6.5))
         for ax, table, labels, title in (
@@ -1234,9 +1251,9 @@ def plot(res: Results, folder: Path) -> list[str]:
             ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
             ax.set_title(title)
         fig.tight_layout()
-        fig.savefig(folder / "dispatch-start.png", dpi=120)
+        fig.savefig(folder / f"{stem}-start.png", dpi=120)
         plt.close(fig)
-        written.append("dispatch-start.png")
+        written.append(f"{stem}-start.png")
     return written
 
 
@@ -1246,9 +1263,10 @@ def write(res: Results, results: str) -> None:
     if results != "-":
         folder = Path(results).parent
         folder.mkdir(parents=True, exist_ok=True)
-        plots = plot(res, folder)
-        (folder / "dispatch.json").write_text(res.to_json())
-    text = report(res, plots)
+        stem = Path(results).stem  # dispatch.md: dispatch.json, dispatch-roundtrip.png, ...
+        plots = plot(res, folder, stem)
+        (folder / f"{stem}.json").write_text(res.to_json())
+    text = report(res, plots, Path(results).stem if results != "-" else "dispatch")
     print()
     print(text)
     if results != "-":
