@@ -1,6 +1,6 @@
 /**
  * Pure formatting of what the kernel's `jupyter_shard` comm replies (no JupyterLab imports, so the
- * Jest tests run it directly). The shapes mirror `jupyter_shard/widgets/panel.py`.
+ * Jest tests run it directly). The shapes mirror `jupyter_shard/notebook/panel.py`.
  */
 
 export interface IRankRow {
