@@ -39,7 +39,6 @@ class Connection:
         self.dropped = 0  # frames rejected on the pool socket (unknown peer, bad signature, replay)
         self.lock = threading.RLock()  # run() and e.g. stacks() from another thread share the socket
         self.on_io: Callable[[RankRecord], None] = lambda r: None  # after each message on a rank's I/O
-        self._handlers: dict[str, Handler] = {}
         self.table: dict[str, Handler] = dict.fromkeys(REPLIES, self._on_reply)  # by message type
         self._replies: dict[str, dict[int, Message]] = {}
 
@@ -59,12 +58,12 @@ class Connection:
 
     def handle(self, handlers: Mapping[str, Handler]) -> None:
         """Register what to do with each type of message the ranks send."""
-        self._handlers.update(handlers)
         self.table.update(handlers)
 
     def checked_table(self) -> dict[str, Handler]:
         """The dispatch table: one handler per type the kernel receives, or a ``ValueError``."""
-        return handler_table("kernel", self._handlers, replies=self._on_reply)
+        registered = {name: h for name, h in self.table.items() if name not in REPLIES}
+        return handler_table("kernel", registered, replies=self._on_reply)
 
     @property
     def waiting_requests(self) -> list[str]:

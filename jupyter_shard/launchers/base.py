@@ -110,8 +110,16 @@ class Launcher(ABC):
         imply (``--hosts a,b`` means two nodes). ``given`` holds only names of ``options_type``."""
         return cls.options_type(**given), nodes
 
-    def set_signal_sender(self, send: SignalSender) -> None:  # noqa: B027 (optional hook)
+    _signal_sender: SignalSender | None = None
+
+    def set_signal_sender(self, send: SignalSender) -> None:
         """How to signal a rank this launcher cannot signal itself (called before :meth:`start`)."""
+        self._signal_sender = send
+
+    def signal_rank(self, rank: int, sig: int) -> None:
+        """Signal ``rank`` through the pool (its I/O thread signals itself); a no-op before it is set."""
+        if self._signal_sender is not None:
+            self._signal_sender(rank, sig)
 
     @abstractmethod
     def start(self, spec: LaunchSpec, ranks: list[RankLaunch], lifeline_fd: int) -> list[RankHandle]:

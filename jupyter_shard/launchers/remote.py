@@ -32,8 +32,6 @@ from jupyter_shard.spec import SpecError
 SILENT_AFTER = 20.0  # a rank that sent nothing (not even a heartbeat) for this long is lost
 KILL_WAIT = 3.0
 
-Deliver = SignalSender  # (rank, signal): ask the rank's I/O thread to signal itself
-
 
 class AgentProcess:
     """A process started here for one node (``node``) or for all of them (``node`` None)."""
@@ -90,7 +88,7 @@ class AgentProcess:
 class RemoteRank(RankHandle):
     """One rank started by an agent, seen only through its messages and its agent's process."""
 
-    def __init__(self, rank: int, agents: Sequence[AgentProcess], deliver: Deliver) -> None:
+    def __init__(self, rank: int, agents: Sequence[AgentProcess], deliver: SignalSender) -> None:
         self.rank = rank
         self.pid = 0
         self.host = ""

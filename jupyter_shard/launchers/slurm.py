@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from jupyter_shard.env import NODE
-from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch, SignalSender
+from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
 from jupyter_shard.launchers.commands import agent_args, agent_command
 from jupyter_shard.launchers.remote import (
     AgentProcess,
-    Deliver,
     RemoteRank,
     job_env,
     need_interface,
@@ -81,13 +80,9 @@ class SlurmLauncher(Launcher):
 
     def __init__(self) -> None:
         self.agents: list[AgentProcess] = []
-        self.deliver: Deliver = lambda rank, sig: None  # set through set_signal_sender before start
         self.job_name = f"jupyter_shard-{uuid.uuid4().hex[:10]}"
         self._queue: tuple[float, str | None] = (0.0, None)
         self.job_id = ""
-
-    def set_signal_sender(self, send: SignalSender) -> None:
-        self.deliver = send
 
     def bind_address(self, spec: LaunchSpec) -> str:
         interface = options_of(spec).interface
@@ -118,7 +113,7 @@ class SlurmLauncher(Launcher):
         )
         agent.end_note = self._end_note
         self.agents.append(agent)
-        return [RemoteRank(launch.rank, self.agents, lambda r, s: self.deliver(r, s)) for launch in ranks]
+        return [RemoteRank(launch.rank, self.agents, self.signal_rank) for launch in ranks]
 
     def job(self) -> tuple[str, str, str] | None:
         """``(job id, state, reason or nodes)`` from squeue, or None once the job left the queue."""

@@ -25,11 +25,10 @@ from typing import ClassVar
 
 from jupyter_shard._net import free_port
 from jupyter_shard.env import CURVE, KEY, NODE, PREFIX, SECRETS
-from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch, SignalSender
+from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
 from jupyter_shard.launchers.commands import agent_args, agent_command
 from jupyter_shard.launchers.remote import (
     AgentProcess,
-    Deliver,
     RemoteRank,
     interfaces_here,
     is_this_machine,
@@ -84,11 +83,7 @@ class TorchrunLauncher(Launcher):
 
     def __init__(self) -> None:
         self.agents: list[AgentProcess] = []
-        self.deliver: Deliver = lambda rank, sig: None  # set through set_signal_sender before start
         self._manual: str = ""
-
-    def set_signal_sender(self, send: SignalSender) -> None:
-        self.deliver = send
 
     def _hosts(self, spec: LaunchSpec) -> list[str]:
         hosts = options_of(spec).hosts
@@ -159,7 +154,7 @@ class TorchrunLauncher(Launcher):
         if not hosts:
             options = agent_args(str(spec.nodes), spec.nproc, endpoint, rdzv_id)
             self._manual = _manual_instructions(spec, base, options, log_dir, cwd)
-        return [RemoteRank(launch.rank, self.agents, lambda r, s: self.deliver(r, s)) for launch in ranks]
+        return [RemoteRank(launch.rank, self.agents, self.signal_rank) for launch in ranks]
 
     def waiting(self) -> str | None:
         return self._manual or None

@@ -132,6 +132,11 @@ class NotebookSink(RankSink):
         (sys.stderr if name == "stderr" else sys.stdout).write(text)
         self._wrote = True
 
+    def notice(self, text: str) -> None:
+        """The pool's own lines go out at once, so they stand before the rank output that follows."""
+        super().notice(text)
+        sys.stderr.flush()
+
     def live_line(self, rank: int, name: str, text: str, final: bool) -> None:
         from IPython.display import DisplayHandle
 

@@ -177,6 +177,7 @@ class DistributedMagics(Magics):
                 print(
                     f"jupyter_shard: restarting pool {_change(pool.spec, spec)}; rank state is lost",
                     file=sys.stderr,
+                    flush=True,  # before the new ranks' output, as the start line is
                 )
             pool.restart(spec)
         if not pool.started:

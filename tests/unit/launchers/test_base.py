@@ -24,6 +24,6 @@ def test_the_launcher_contract_answers_what_the_pool_asks_without_names() -> Non
     sent: list[tuple[int, int]] = []
     for launcher in (local, torchrun, slurm):
         launcher.set_signal_sender(lambda rank, sig: sent.append((rank, sig)))
-    torchrun.deliver(3, signal.SIGINT)
-    slurm.deliver(4, signal.SIGTERM)
+    torchrun.signal_rank(3, signal.SIGINT)
+    slurm.signal_rank(4, signal.SIGTERM)
     assert sent == [(3, signal.SIGINT), (4, signal.SIGTERM)]
