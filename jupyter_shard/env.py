@@ -58,14 +58,26 @@ START_TIMEOUT_VAR = PREFIX + "START_TIMEOUT"
 METRICS_DIR_VAR = PREFIX + "METRICS_DIR"  # where an exported script writes its shard.log records
 CHECK_PROTOCOL_VAR = PREFIX + "CHECK_PROTOCOL"
 
+# What torchrun gives each worker (torch.distributed.elastic's local agent), so that libraries which
+# check how they were launched (torch.distributed.is_torchelastic_launched, Lightning's
+# TorchElasticEnvironment) see a torchrun launch.
 TORCH_PER_RANK = (
     "RANK",
     "LOCAL_RANK",
     "WORLD_SIZE",
     "LOCAL_WORLD_SIZE",
     "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
 )
 # Per-rank variables the pool sets for a local rank; a node agent (torchrun) sets its own.
 PER_RANK = (*TORCH_PER_RANK, LIFELINE_FD, PARENT_PID, STORE, LOG)
@@ -92,7 +104,10 @@ class RankEnv:
     timeout: float
     options: Mapping[str, Any] = field(default_factory=dict)
     group_rank: int = 0
+    group_world_size: int = 1
     master_addr: str = "127.0.0.1"
+    run_id: str = "none"  # torchrun's rendezvous id; the pool's name for local ranks
+    error_file: str | None = None  # where torch.distributed.elastic's @record writes a failure
     store: str | None = None
     lifeline_fd: int | None = None
     parent_pid: int | None = None
@@ -110,8 +125,16 @@ class RankEnv:
             "WORLD_SIZE": str(self.world_size),
             "LOCAL_WORLD_SIZE": str(self.local_world_size),
             "GROUP_RANK": str(self.group_rank),
+            "GROUP_WORLD_SIZE": str(self.group_world_size),
+            "ROLE_RANK": str(self.rank),
+            "ROLE_NAME": "default",
+            "ROLE_WORLD_SIZE": str(self.world_size),
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
+            "TORCHELASTIC_RUN_ID": self.run_id,
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
             KEY: self.key,
             ADDRESS: self.address,
             MAX_FRAME_VAR: str(self.max_frame),  # one message limit on both ends
@@ -121,6 +144,7 @@ class RankEnv:
             TIMEOUT: str(self.timeout),
         }
         optional = {
+            "TORCHELASTIC_ERROR_FILE": self.error_file,
             STORE: self.store,
             LIFELINE_FD: self.lifeline_fd,
             PARENT_PID: self.parent_pid,
@@ -147,7 +171,10 @@ class RankEnv:
             world_size=int(environ["WORLD_SIZE"]),
             local_world_size=int(environ.get("LOCAL_WORLD_SIZE") or environ["WORLD_SIZE"]),
             group_rank=int(environ.get("GROUP_RANK") or 0),
+            group_world_size=int(environ.get("GROUP_WORLD_SIZE") or 1),
             master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            run_id=environ.get("TORCHELASTIC_RUN_ID") or "none",
+            error_file=environ.get("TORCHELASTIC_ERROR_FILE") or None,
             master_port=int(environ.get("MASTER_PORT") or 0),
             key=environ[KEY],
             address=environ[ADDRESS],

@@ -126,6 +126,7 @@ class DoneBody(TypedDict):
     evalue: str
     traceback: list[str]
     duration: float
+    grouped: bool  # whether the rank still has a default process group (a cell may destroy it)
 
 
 class MetricsBody(TypedDict):

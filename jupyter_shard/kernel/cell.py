@@ -132,6 +132,7 @@ class CellGathering:
         failed = [k for k, r in gathering.result.ranks.items() if r.status not in ("ok", "pending")]
         if failed and len(failed) < len(gathering.targets) and self.escalation.restart_reason is None:
             self.out_of_step = format_ranks(failed)
+        self.escalation.say_group_closed()
         self._sink().end_cell(failed)
         self.current = None
 
@@ -314,6 +315,8 @@ class CellGathering:
     def _finish(self, r: RankRecord, msg: Message) -> None:
         r.pending_done = None
         body = msg.body
+        if not body.get("grouped", True):
+            self.escalation.group_closed(r.rank)
         ok = body["status"] == "ok"
         r.state, r.cell = (RankState.IDLE if ok else RankState.FAILED), ""
         run = self.current

@@ -54,11 +54,26 @@ class Escalation:
         self.notice = notice
         self.stacks = stacks
         self.regroup_needed = False  # ranks closed their process group to release a blocked rank
+        self.closed_by_cell: list[int] = []  # ranks whose cell destroyed the group (destroy_process_group)
         self.restart_reason: str | None = None  # set once a rank was killed: the next cell restarts
         self._groups = 0  # process groups built after the first, each on its own store
 
     def reset(self) -> None:
         self.regroup_needed, self.restart_reason = False, None
+        self.closed_by_cell = []
+
+    def group_closed(self, rank: int) -> None:
+        """A cell ended on ``rank`` without a process group: the next cell gets a new one."""
+        self.closed_by_cell.append(rank)
+        self.regroup_needed = True
+
+    def say_group_closed(self) -> None:
+        """Once, as the cell that closed the group ends."""
+        if self.closed_by_cell and self.restart_reason is None:
+            self.notice(
+                f"the cell closed the process group on rank {format_ranks(sorted(self.closed_by_cell))}"
+                " (destroy_process_group); the next cell gets a new one"
+            )
 
     def interrupt(self) -> None:
         """SIGINT to every rank that runs a cell (outside a foreground run)."""
@@ -164,6 +179,7 @@ class Escalation:
         False when it could not be built (a rank died or failed): then the pool must restart.
         """
         self.regroup_needed = False
+        closed_by_cell, self.closed_by_cell = self.closed_by_cell, []
         self._groups += 1
         live = self.ranks.live()
         # A local pool meets on a fresh FileStore; ranks started by agents on a prefix of their store.
@@ -185,7 +201,8 @@ class Escalation:
             )
             return False
         took = max(float(m.body["seconds"]) for m in replies.values())
-        note = f"rebuilt the process group after the desync in {took * 1000:.0f} ms; rank state is kept"
+        after = "destroy_process_group" if closed_by_cell else "the desync"
+        note = f"rebuilt the process group after {after} in {took * 1000:.0f} ms; rank state is kept"
         if any(m.body["prepared"] for m in replies.values()):
             note += (
                 ". The model prepared with shard.prepare still holds the old group: run the cells that"

@@ -55,6 +55,8 @@ def rank_launch(
         curve=curve.client_env() if curve is not None else None,
         rank_logs=str(log_dir) if agent_started else None,
         check_protocol=os.environ.get(CHECK_PROTOCOL_VAR) or None,
+        run_id=pool_dir.name,
+        error_file=str(log_dir / f"rank-{rank}-error.json"),
     )
     env = without_pool_variables(os.environ)
     env.update(
@@ -67,5 +69,6 @@ def rank_launch(
     )
     env.update(orders.to_env())
     per_host = spec.nproc  # ranks sharing this rank's machine
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # as torchrun sets it
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_host)))
     return RankLaunch(rank=rank, env=env, log_path=log_path, cwd=Path.cwd())

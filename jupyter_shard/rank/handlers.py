@@ -11,9 +11,8 @@ import signal
 import socket
 import sys
 import time
-from datetime import timedelta
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jupyter_shard.messages import (
     DONE,
@@ -27,6 +26,9 @@ from jupyter_shard.messages import (
 )
 from jupyter_shard.protocol import MAX_FRAME, Message, cell_head
 from jupyter_shard.rank.channel import Channel, ShellSocket
+
+if TYPE_CHECKING:
+    from jupyter_shard.rank.group import PoolGroup
 
 
 class CellState:
@@ -59,16 +61,14 @@ class Runner:
         sock: ShellSocket,
         state: CellState,
         shell: Any,
-        backend: str,
-        timeout: float,
+        group: PoolGroup,
     ) -> None:
         self.rank = rank
         self.channel = channel
         self.sock = sock
         self.state = state
         self.shell = shell
-        self.backend = backend
-        self.timeout = timeout
+        self.group = group
         self.handlers = handler_table(
             "rank",
             {
@@ -126,6 +126,7 @@ class Runner:
                     "evalue": value,
                     "traceback": tb,
                     "duration": time.perf_counter() - started,
+                    "grouped": self.group.alive(),
                 }
             )
         )
@@ -207,8 +208,6 @@ class Runner:
 
     def regroup(self, msg: Message) -> None:
         """Replace the default process group with a new one on a fresh store (after a release)."""
-        import torch.distributed as dist
-
         from jupyter_shard.rank.shard import current
 
         started = time.perf_counter()
@@ -220,23 +219,10 @@ class Runner:
             "seconds": 0.0,
         }
         try:
-            if dist.is_initialized():
-                with contextlib.suppress(Exception):  # a group broken by the release: drop it anyway
-                    dist.destroy_process_group()
-            from torch._C._distributed_c10d import PrefixStore
-
-            meet: dict[str, Any] = (
-                {"store": PrefixStore(str(msg.body["prefix"]), agent_store[0])}
-                if "prefix" in msg.body
-                else {"init_method": "file://" + str(msg.body["store"])}
-            )
-            dist.init_process_group(
-                self.backend,
-                rank=self.rank,
-                world_size=int(os.environ["WORLD_SIZE"]),
-                timeout=timedelta(seconds=self.timeout),
-                **meet,
-            )
+            if "prefix" in msg.body:
+                self.group.build_on_prefix(str(msg.body["prefix"]))
+            else:
+                self.group.build_on_file(str(msg.body["store"]))
             helper = current()
             reply["prepared"] = helper is not None and helper.group_rebuilt()
         except Exception as exc:
@@ -272,6 +258,3 @@ def _shut_down_connections_to(peers: list[int]) -> int:
         finally:
             sock.detach()
     return closed
-
-
-agent_store: list[Any] = []  # the torchrun agent's store, kept for rebuilding the process group

@@ -24,7 +24,7 @@ import zmq
 from jupyter_shard.env import RankEnv, pop_secrets
 from jupyter_shard.protocol import io_identity, rank_identity
 from jupyter_shard.rank.channel import Channel, ShellSocket, watch_kernel, watch_lifeline
-from jupyter_shard.rank.handlers import CellState, Runner, agent_store
+from jupyter_shard.rank.handlers import CellState, Runner
 from jupyter_shard.rank.io_replies import serve_io
 from jupyter_shard.rank.output import RankStream
 
@@ -78,36 +78,31 @@ def main() -> None:
 
 
 def _start_up(env: RankEnv, channel: Channel, shell_sock: ShellSocket, state: CellState) -> Runner:
-    import torch.distributed as dist
-
+    from jupyter_shard.integrations import install as install_integrations
     from jupyter_shard.rank import shard as shard_module
     from jupyter_shard.rank.device import select_device
+    from jupyter_shard.rank.group import PoolGroup
     from jupyter_shard.rank.shell import RankShell
 
     rank, local_rank, world_size = env.rank, env.local_rank, env.world_size
     device, backend = select_device(rank, local_rank, env.device)
-    timeout = timedelta(seconds=env.timeout)
+    group = PoolGroup(backend, device.type, rank, world_size, env.timeout)
     if env.store is not None:
-        dist.init_process_group(
-            backend, init_method="file://" + env.store, rank=rank, world_size=world_size, timeout=timeout
-        )
+        group.build_on_file(env.store)
     else:  # started by torchrun: its store (c10d rendezvous), a prefix per process group
-        from torch._C._distributed_c10d import PrefixStore
         from torch.distributed.rendezvous import rendezvous
 
+        timeout = timedelta(seconds=env.timeout)
         store, _, _ = next(rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
-        agent_store.append(store)
-        dist.init_process_group(
-            backend,
-            store=PrefixStore("jupyter_shard/group-0/", store),
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-        )
+        group.agent_store = store
+        group.build_on_prefix("jupyter_shard/group-0/")
+    group.install()
+    install_integrations(device.type)
     helper = shard_module.Shard(
         rank, local_rank, world_size, device, env.strategy, channel.enqueue, dict(env.options)
     )
     shard_module.set_current(helper)
+    group.on_rebuilt = helper.group_rebuilt
     channel.flushers.append(helper.flush_metrics)
     shell = RankShell.create(channel, {"shard": helper, "__name__": "__main__"})
     shell_sock.send(
@@ -122,4 +117,4 @@ def _start_up(env: RankEnv, channel: Channel, shell_sock: ShellSocket, state: Ce
             "job": os.environ.get("SLURM_JOB_ID", ""),
         },
     )
-    return Runner(rank, channel, shell_sock, state, shell, backend, timeout.total_seconds())
+    return Runner(rank, channel, shell_sock, state, shell, group)

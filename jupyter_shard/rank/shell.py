@@ -126,6 +126,13 @@ class RankShell(InteractiveShell):
         shell._default_checkers = [type(c).__name__ for c in shell.prefilter_manager.checkers]
         return shell
 
+    def init_prompts(self) -> None:
+        """No ``sys.ps1``: a rank is not an interactive interpreter, and libraries check for one.
+
+        IPython sets the prompts "so that scripts can decide if they are running interactively";
+        Lightning, for one, then refuses ``strategy="ddp"`` and asks for ``ddp_notebook`` (a fork).
+        """
+
     @contextlib.contextmanager
     def _tee(self, channel: str) -> Iterator[None]:
         """Keep no copy of what a cell prints.

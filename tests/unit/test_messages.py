@@ -41,6 +41,7 @@ def _done(**changes: Any) -> dict[str, Any]:
         "evalue": "",
         "traceback": [],
         "duration": 0.01,
+        "grouped": True,
     }
     return {**body, **changes}
 
@@ -92,7 +93,7 @@ def test_each_side_handles_exactly_the_types_it_receives() -> None:
 def test_the_rank_tables_are_built_from_the_registry() -> None:
     previous = signal.getsignal(signal.SIGINT)
     try:
-        runner = Runner(0, None, None, CellState(), None, "gloo", 1.0)  # type: ignore[arg-type]
+        runner = Runner(0, None, None, CellState(), None, None)  # type: ignore[arg-type]
     finally:
         signal.signal(signal.SIGINT, previous)
     assert set(runner.handlers) == {n for n, k in MESSAGES.items() if receiver_of(k) == "rank"}
