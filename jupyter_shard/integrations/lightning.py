@@ -36,8 +36,11 @@ def adjustments(device_type: str) -> dict[str, Adjust]:
     for package in (*_FABRIC, *_TRAINER):
         found[f"{package}.accelerators.cpu"] = _auto_devices("CPUAccelerator", device_type == "cpu")
         found[f"{package}.accelerators.cuda"] = _auto_devices("CUDAAccelerator", device_type == "cuda")
+    for package in (*_FABRIC, *_TRAINER):
+        found[f"{package}.strategies.launchers.multiprocessing"] = _no_spawn
     for package in _FABRIC:
         found[f"{package}.plugins.environments.slurm"] = _not_slurm
+        found[f"{package}.plugins.environments.torchelastic"] = _pool_sized
     return found
 
 
@@ -59,6 +62,61 @@ def _not_slurm(module: ModuleType) -> None:
     cls = getattr(module, "SLURMEnvironment", None)
     if cls is not None:
         cls.detect = staticmethod(lambda: False)
+
+
+def _no_spawn(module: ModuleType) -> None:
+    """``ddp_spawn``, ``ddp_fork`` and ``ddp_notebook`` run on the pool's ranks, as ``ddp`` does.
+
+    Those strategies start their own processes from the one that calls ``fit``; in a rank, the
+    processes already exist (the pool's), so the function runs here, as Lightning's launcher for
+    processes started externally (torchrun) runs it.
+    """
+    cls = getattr(module, "_MultiProcessingLauncher", None)
+    if cls is None:
+        return
+    launch = cls.launch
+
+    @functools.wraps(launch)
+    def in_this_rank(self: Any, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        environment = getattr(self._strategy, "cluster_environment", None)
+        if environment is None or not environment.creates_processes_externally:
+            if trainer is not None:
+                kwargs["trainer"] = trainer
+            return launch(self, function, *args, **kwargs)
+        return function(*args, **kwargs)
+
+    cls.launch = in_this_rank
+
+
+def _pool_sized(module: ModuleType) -> None:
+    """Asking for another number of processes than the pool's ranks fails at once, saying what to pass.
+
+    Lightning sizes its world from ``devices`` and ``num_nodes``; under torchrun it neither checks
+    nor changes the real one, and a mismatch would shard the data for ranks that do not exist.
+    """
+    cls = getattr(module, "TorchElasticEnvironment", None)
+    if cls is None:
+        return
+
+    def set_world_size(self: Any, size: int) -> None:
+        if size != self.world_size():
+            raise ValueError(pool_size_message(size))
+
+    cls.set_world_size = set_world_size
+
+
+def pool_size_message(asked: int) -> str:
+    """What to pass instead of ``devices`` × ``num_nodes`` = ``asked`` processes."""
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE") or 1)
+    per_node = _ranks_per_node()
+    fit = f"devices={per_node}" + (f", num_nodes={nodes}" if nodes > 1 else "")
+    where = f" ({per_node} on each of {nodes} nodes)" if nodes > 1 else ""
+    return (
+        f"Lightning was asked for {asked} processes (devices × num_nodes), but this pool has {world} "
+        f'ranks{where}: pass {fit} or devices="auto", or start a pool of {asked} ranks with '
+        f"%%distributed --nproc {asked}"
+    )
 
 
 def callbacks() -> list[Any]:

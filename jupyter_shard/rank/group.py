@@ -40,6 +40,7 @@ class PoolGroup:
         self._store: Any = None  # the store of the current generation of groups
         self._rebuilds = 0  # groups a cell built after destroying the pool's, since the last build
         self._original_init: Callable[..., None] | None = None
+        self._retired: list[Any] = []  # groups a cell destroyed, freed at the next cell (see install)
 
     # -- built by the pool --------------------------------------------------------------------------
 
@@ -52,6 +53,7 @@ class PoolGroup:
         self._build(PrefixStore(prefix, self.agent_store))
 
     def _build(self, store: Any) -> None:
+        self.free_retired()
         if dist.is_initialized():
             with contextlib.suppress(Exception):  # a group broken by a release: drop it anyway
                 dist.destroy_process_group()
@@ -76,48 +78,71 @@ class PoolGroup:
 
         @functools.wraps(original)
         def init_process_group(*args: Any, **kwargs: Any) -> None:
-            __tracebackhide__ = True  # IPython shows the cell's line and the error, not these frames
-            bound = signature.bind(*args, **kwargs)
-            self.user_init(bound.arguments)
+            arguments = signature.bind(*args, **kwargs).arguments
+            mismatch = self.mismatch(arguments)
+            if mismatch:
+                raise ValueError(mismatch)
+            self.user_init(arguments)
 
         dist.init_process_group = init_process_group
         dist.distributed_c10d.init_process_group = init_process_group
 
+        # A gloo group freed while one of its worker threads still frees a work item deadlocks: the
+        # thread freeing the group holds the GIL and joins the workers, and the worker needs the GIL
+        # (torch 2.13 keeps a Python object in the work's thread-local state during backward). A
+        # script's DDP model that goes out of scope right after destroy_process_group() frees its
+        # group just then. Destroyed groups are therefore kept until the next cell, when the
+        # workers are long idle.
+        destroy = dist.distributed_c10d.destroy_process_group
+
+        @functools.wraps(destroy)
+        def destroy_process_group(group: Any = None) -> None:
+            world = dist.distributed_c10d._world
+            self._retired.extend(
+                world.pg_map if group is None or group is dist.GroupMember.WORLD else [group]
+            )
+            destroy(group)
+
+        dist.destroy_process_group = destroy_process_group
+        dist.distributed_c10d.destroy_process_group = destroy_process_group
+
+    def free_retired(self) -> None:
+        """Free the groups cells destroyed (between cells: no work of theirs is in flight)."""
+        self._retired.clear()
+
     def user_init(self, arguments: dict[str, Any]) -> None:
-        """A cell's ``init_process_group(**arguments)``: checked against the pool, then accepted."""
-        __tracebackhide__ = True
-        self.check(arguments)
+        """A cell's ``init_process_group(**arguments)`` that matches the pool: accepted."""
         if dist.is_initialized():
             return  # the pool's group is the one the script asked for
         self._rebuilds += 1
         self._init(PrefixStore(f"jupyter_shard/cell-group-{self._rebuilds}/", self._store))
         self.on_rebuilt()
 
-    def check(self, arguments: dict[str, Any]) -> None:
-        """Raise a ValueError saying what to change when the call does not match this pool."""
-        __tracebackhide__ = True
+    def mismatch(self, arguments: dict[str, Any]) -> str:
+        """What to change when the call does not match this pool; empty when it does."""
         backend = arguments.get("backend")
         if backend and not self._backend_matches(str(backend)):
             where = _DEVICE_NAMES.get(self.device_type, self.device_type)
             other = "--device cuda" if self.device_type == "cpu" else "--device cpu"
-            raise ValueError(
+            return (
                 f'init_process_group(backend="{backend}"): this pool\'s ranks run on {where}, where its '
                 f'process group uses {self.backend}. Pass backend="{self.backend}" or leave backend out, '
                 f"or start the pool with %%distributed {other}"
             )
         world_size = int(arguments.get("world_size", -1))
         if world_size not in (-1, self.world_size):
-            raise ValueError(
+            return (
                 f"init_process_group(world_size={world_size}): this pool has {self.world_size} ranks. "
                 f"Leave world_size out (WORLD_SIZE is set) or pass {self.world_size}, or start a pool "
                 f"of {world_size} with %%distributed --nproc {world_size}"
             )
         rank = int(arguments.get("rank", -1))
         if rank not in (-1, self.rank):
-            raise ValueError(
+            return (
                 f"init_process_group(rank={rank}) on rank {self.rank}: the pool numbers its ranks. "
                 'Leave rank out, or pass int(os.environ["RANK"])'
             )
+        return ""
 
     def _backend_matches(self, backend: str) -> bool:
         """``gloo``, or a ``device:backend`` list whose entry for this pool's device is its backend."""

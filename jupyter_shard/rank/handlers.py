@@ -107,6 +107,7 @@ class Runner:
         body = msg.body
         cell_id, code = str(body["cell_id"]), str(body["code"])
         started = time.perf_counter()
+        self.group.free_retired()
         self.state.begin(cell_id, code)
         try:  # the handler is put back after every cell, so it is ours here
             error = self.shell.run(code, cell_id, int(body.get("exec_count", 0)))

@@ -18,7 +18,11 @@ FORBIDDEN = {
     "jupyter_shard.kernel": ("jupyter_shard.notebook", "jupyter_shard.rank", "jupyter_shard.export"),
     "jupyter_shard.rank": ("jupyter_shard.notebook", "jupyter_shard.kernel", "jupyter_shard.launchers"),
     "jupyter_shard.launchers": ("jupyter_shard.notebook", "jupyter_shard.kernel"),
-    "jupyter_shard.integrations": ("jupyter_shard.notebook", "jupyter_shard.kernel", "jupyter_shard.launchers"),
+    "jupyter_shard.integrations": (
+        "jupyter_shard.notebook",
+        "jupyter_shard.kernel",
+        "jupyter_shard.launchers",
+    ),
     "jupyter_shard.strategies": ("jupyter_shard.notebook", "jupyter_shard.kernel", "jupyter_shard.launchers"),
     "jupyter_shard.planner": ("jupyter_shard.notebook",),
     "jupyter_shard.export": ("jupyter_shard.notebook",),
