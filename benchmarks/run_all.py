@@ -58,6 +58,7 @@ BENCHMARKS = (
     ),
     Benchmark("streaming", "Streaming output and metrics", optional=True),
     Benchmark("memory", "Memory per rank against torchrun", optional=True),
+    Benchmark("frameworks", "A Lightning Trainer against the same script under torchrun", quick=("--quick",)),
 )
 NAMES = [b.name for b in BENCHMARKS]
 

@@ -226,7 +226,8 @@ def _fit(nb: Any, name: str, trainer_options: str, fit_options: str = "") -> lis
         f"t.fit(model, DataLoader(data, batch_size=8){fit_options})\n"
         "after = full_loss(model)\n"
         f"{name} = flat(model)\n"
-        "print('world', t.world_size, 'steps', t.global_step, 'down', after < before, type(t.strategy).__name__)"
+        "print('world', t.world_size, 'steps', t.global_step, 'down', after < before,\n"
+        "      type(t.strategy).__name__)"
     )
     assert run.ok, run.outputs
     assert _replicas_identical(nb, name), "replicas differ after a DDP fit"
@@ -363,7 +364,8 @@ def test_hugging_face_trainer(nb: Any, tmp_path: Path) -> None:
         "lm = GPT2LMHeadModel(config)\n"
         "ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(1))\n"
         "rows = [{'input_ids': row, 'labels': row} for row in ids]\n"
-        f"args = TrainingArguments(output_dir={str(tmp_path)!r}, per_device_train_batch_size=4, max_steps=12,\n"
+        f"args = TrainingArguments(output_dir={str(tmp_path)!r}, per_device_train_batch_size=4,\n"
+        "    max_steps=12,\n"
         "    logging_steps=2, report_to='none', use_cpu=True, learning_rate=3e-3, save_strategy='no',\n"
         "    disable_tqdm=True)\n"
         "hf = Trainer(model=lm, args=args, train_dataset=rows)\n"
@@ -379,7 +381,8 @@ def test_hugging_face_trainer(nb: Any, tmp_path: Path) -> None:
     assert _replicas_identical(nb, "hf_weights")
     losses = _value(
         nb,
-        "import jupyter_shard\n[r['loss'] for r in jupyter_shard.history() if 'loss' in r and r['rank'] == 0]",
+        "import jupyter_shard\n"
+        "[r['loss'] for r in jupyter_shard.history() if 'loss' in r and r['rank'] == 0]",
     )
     steps = sorted({s for r, s in _history(nb, "grad_norm")})
     assert steps == [2, 4, 6, 8, 10, 12], steps
@@ -401,7 +404,8 @@ def test_accelerate(nb: Any) -> None:
         "    opt.step()\n"
         "    acc.log({'acc_loss': loss.item()}, step=step)\n"
         "acc_weights = torch.cat([p.detach().flatten() for p in acc.unwrap_model(net).parameters()])\n"
-        "print('acc', acc.num_processes, acc.process_index, acc.gather(torch.tensor([acc.process_index])).tolist())"
+        "print('acc', acc.num_processes, acc.process_index,\n"
+        "      acc.gather(torch.tensor([acc.process_index])).tolist())"
     )
     assert run.ok, run.outputs
     assert sorted(line for line in run.stream().splitlines() if "] acc " in line) == [
