@@ -5,7 +5,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
-# torch is pinned and installed first: an unpinned torch pulls a multi-GB CUDA build.
+# torch is pinned and installed first, then held by a constraints file while the extras install (lightning,
+# accelerate, transformers, deepspeed would otherwise be free to pull a newer, multi-GB CUDA build).
 TORCH  := torch==2.13.0
 QUICKSTART := notebooks/00_quickstart.ipynb
 LINT_PATHS := jupyter_shard tests benchmarks notebooks/run_headless.py
@@ -37,8 +38,9 @@ $(LABEXT): $(STAMP) labextension/package.json labextension/package-lock.json $(w
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) $(TORCH)
-	$(PY) -m pip install $(PIP_FLAGS) -e '.[test,dev,bench,lab,deepspeed]'
-	$(PY) -c "import jupyter_shard, torch, nbval; print('setup ok: torch', torch.__version__)"
+	echo "$(TORCH)" > $(VENV)/constraints.txt
+	$(PY) -m pip install $(PIP_FLAGS) -c $(VENV)/constraints.txt -e '.[test,dev,bench,lab,deepspeed,frameworks]'
+	$(PY) -c "import jupyter_shard, torch, nbval, lightning, transformers, accelerate; print('setup ok: torch', torch.__version__)"
 	touch $@
 
 quickstart: setup

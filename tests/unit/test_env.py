@@ -56,6 +56,28 @@ def test_the_variable_names_stay_as_ranks_and_scripts_know_them() -> None:
     assert "JUPYTER_SHARD_CURVE" not in written and "JUPYTER_SHARD_NODE" not in written
 
 
+def test_a_rank_has_what_torchrun_gives_its_workers() -> None:
+    orders = RankEnv(**{**_local().__dict__, "run_id": "pool-x", "error_file": "/tmp/logs/rank-1-error.json"})
+    written = orders.to_env()
+    assert {
+        name: written[name] for name in written if name.startswith(("ROLE_", "GROUP_", "TORCHELASTIC_"))
+    } == {
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_RANK": "1",
+        "ROLE_NAME": "default",
+        "ROLE_WORLD_SIZE": "2",
+        "TORCHELASTIC_RUN_ID": "pool-x",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_ERROR_FILE": "/tmp/logs/rank-1-error.json",
+    }
+    assert RankEnv.from_env(written) == orders
+    # a node agent (torchrun) sets every one of these itself
+    assert not set(written) - set(PER_RANK) & {n for n in written if not n.startswith("JUPYTER_SHARD_")}
+
+
 def test_a_rank_started_by_an_agent_reads_the_agents_variables() -> None:
     written = _local().to_env()
     written[CURVE] = "server client secret"
