@@ -17,6 +17,9 @@ __all__ = ["install"]
 
 def install(device_type: str) -> None:
     """Adjust each framework as it is imported in this rank (``device_type``: the pool's device)."""
+    from jupyter_shard.strategies.deepspeed import deepspeed_environment
+
+    deepspeed_environment(device_type)
     for module, adjust in lightning.adjustments(device_type).items():
         after_import(module, adjust)
     after_import("transformers.trainer", huggingface.add_default_callback)

@@ -34,11 +34,20 @@ _TORCH_ONLY = {"foreach", "maximize", "capturable", "differentiable", "fused", "
 EXTENSIONS_DIR = Path.home() / ".cache" / "jupyter_shard" / "torch_extensions"
 
 
-def import_deepspeed(device: torch.device) -> Any:
-    """Import deepspeed for ``device``: CPU accelerator on CPU, a persistent build cache for its ops."""
-    if device.type == "cpu":
+def deepspeed_environment(device_type: str) -> None:
+    """CPU accelerator on CPU ranks, and one persistent build cache for DeepSpeed's compiled ops.
+
+    Set before DeepSpeed is first imported, by this strategy or by a framework that uses it
+    (Lightning, Accelerate, the Hugging Face Trainer), so every user of a pool shares the builds.
+    """
+    if device_type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_DIR))
+
+
+def import_deepspeed(device: torch.device) -> Any:
+    """Import deepspeed for ``device`` (see :func:`deepspeed_environment`)."""
+    deepspeed_environment(device.type)
     import deepspeed
 
     return deepspeed

@@ -314,7 +314,11 @@ def test_lightning_progress_bar_is_a_live_line(nb: Any) -> None:
         "from lightning.pytorch.callbacks import TQDMProgressBar\n"
         "t = trainer(devices=2, strategy='ddp', max_epochs=1, enable_progress_bar=True,"
         " callbacks=[TQDMProgressBar(refresh_rate=1)])\n"
-        "t.fit(Regressor('loss_bar'), DataLoader(data, batch_size=8))"
+        "import time\nfrom torch.utils.data import default_collate\n"
+        "def slow(batch):  # long enough a step for the bar to be redrawn as it goes\n"
+        "    time.sleep(0.05)\n"
+        "    return default_collate(batch)\n"
+        "t.fit(Regressor('loss_bar'), DataLoader(data, batch_size=8, collate_fn=slow))"
     )
     assert run.ok, run.outputs
     assert "it/s" not in run.stream("stderr") and "it/s" not in run.stream(), "bar updates leaked"
@@ -387,6 +391,31 @@ def test_hugging_face_trainer(nb: Any, tmp_path: Path) -> None:
     steps = sorted({s for r, s in _history(nb, "grad_norm")})
     assert steps == [2, 4, 6, 8, 10, 12], steps
     assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.timeout(600)  # the first DeepSpeed use on a machine may compile its shared-memory op
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hugging_face_trainer_with_deepspeed_zero(nb: Any, tmp_path: Path, stage: int) -> None:
+    run = nb.execute(
+        "%%distributed\n"
+        "lm = GPT2LMHeadModel(config)\n"
+        f"zero = {{'zero_optimization': {{'stage': {stage}}}, 'bf16': {{'enabled': False}},\n"
+        "        'train_micro_batch_size_per_gpu': 'auto', 'gradient_accumulation_steps': 'auto',\n"
+        "        'train_batch_size': 'auto'}\n"
+        f"args = TrainingArguments(output_dir={str(tmp_path)!r}, per_device_train_batch_size=4,\n"
+        "    max_steps=6, logging_steps=2, report_to='none', use_cpu=True, learning_rate=3e-3,\n"
+        "    save_strategy='no', disable_tqdm=True, deepspeed=zero)\n"
+        "zero_trainer = Trainer(model=lm, args=args, train_dataset=rows)\n"
+        "zero_trainer.train()\n"
+        "engine = zero_trainer.model_wrapped\n"
+        "print('zero', engine.zero_optimization_stage(), zero_trainer.args.world_size,\n"
+        "      zero_trainer.state.global_step, type(engine).__name__)",
+        timeout=540,
+    )
+    assert run.ok, run.outputs
+    assert sorted(line for line in run.stream().splitlines() if "] zero " in line) == [
+        f"[rank {r}] zero {stage} 2 6 DeepSpeedEngine" for r in (0, 1)
+    ]
 
 
 def test_accelerate(nb: Any) -> None:
