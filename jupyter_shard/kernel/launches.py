@@ -70,5 +70,9 @@ def rank_launch(
     env.update(orders.to_env())
     per_host = spec.nproc  # ranks sharing this rank's machine
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # as torchrun sets it
+    # Rich (Lightning's default progress bar) redraws live only on a terminal; a cell shows its
+    # redraws as one live line per rank, as it does tqdm's.
+    env.setdefault("TTY_COMPATIBLE", "1")
+    env.setdefault("TTY_INTERACTIVE", "1")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_host)))
     return RankLaunch(rank=rank, env=env, log_path=log_path, cwd=Path.cwd())

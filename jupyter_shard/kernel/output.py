@@ -9,6 +9,7 @@ nothing here imports UI code. What a sink shows per cell is capped; the rank's l
 
 from __future__ import annotations
 
+import re
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -19,8 +20,15 @@ MAX_LINES_SHOWN = 5000
 MAX_BYTES_SHOWN = 2 * 1024 * 1024
 
 
+# Terminal control sequences other than colours (SGR, ``ESC[...m``, which Jupyter renders): cursor
+# moves, line erases, cursor show/hide, as Rich's live displays write them around each redraw.
+_CONTROL = re.compile(r"\x1b\[[0-9;?]*[A-Za-ln-z]")
+
+
 def visible_text(segment: str) -> str:
-    """What a terminal shows for a line written with carriage returns."""
+    """What a terminal shows for a line written with carriage returns (control sequences dropped)."""
+    if "\x1b" in segment:
+        segment = _CONTROL.sub("", segment)
     parts = [p for p in segment.split("\r") if p]
     return parts[-1] if parts else ""
 

@@ -332,6 +332,26 @@ def test_lightning_progress_bar_is_a_live_line(nb: Any) -> None:
     assert "8/8" in bars[-1], bars[-1]
 
 
+def test_lightnings_default_rich_progress_bar_is_a_live_line(nb: Any) -> None:
+    run = nb.execute(
+        "%%distributed\n"
+        "t = trainer(devices=2, strategy='ddp', max_epochs=1, enable_progress_bar=True)\n"
+        "t.fit(Regressor('loss_rich'), DataLoader(data, batch_size=8, collate_fn=slow))\n"
+        "type(t.progress_bar_callback).__name__"
+    )
+    assert run.ok, run.outputs
+    assert run.data("execute_result")[0]["text/plain"] == "'RichProgressBar'"
+    bars = [
+        o["data"]["text/plain"]
+        for o in run.outputs
+        if o["type"] in ("display_data", "update_display_data")
+        and o["data"].get("text/plain", "").startswith("[rank 0] Epoch 0/0")
+    ]
+    assert len(bars) >= 2, run.outputs
+    assert "8/8" in bars[-1] and "\x1b[2K" not in bars[-1], bars[-1]
+    assert "Epoch 0/0" not in run.stream() + run.stream("stderr"), "redraws leaked into the stream"
+
+
 def test_fabric_runs_on_the_pool(nb: Any) -> None:
     run = nb.execute(
         "%%distributed\n"

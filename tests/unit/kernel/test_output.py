@@ -23,6 +23,16 @@ def test_visible_text(segment: str, shown: str) -> None:
     assert visible_text(segment) == shown
 
 
+def test_a_rich_live_redraw_is_one_live_line_with_its_colours() -> None:
+    # Rich on a terminal: hide the cursor, then "\r" + erase line + the frame for every redraw
+    a = LineAssembler()
+    frame = "Epoch 0/0  \x1b[35m━━━━\x1b[0m\x1b[90m━━━━\x1b[0m {}/4"
+    assert a.feed("\x1b[?25l\r\x1b[2K" + frame.format(1)) == ([], frame.format(1))
+    assert a.feed("\r\x1b[2K" + frame.format(4)) == ([], frame.format(4))
+    assert a.feed("\n\x1b[?25hdone\n") == ([(frame.format(4), True), ("done", False)], None)
+    assert visible_text("\x1b[1A\x1b[2K") == ""
+
+
 def test_whole_lines_in_one_chunk() -> None:
     a = LineAssembler()
     assert a.feed("one\ntwo\n") == ([("one", False), ("two", False)], None)
