@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 from types import ModuleType
 from typing import Any
@@ -39,6 +40,7 @@ def adjustments(device_type: str) -> dict[str, Adjust]:
     for package in (*_FABRIC, *_TRAINER):
         found[f"{package}.strategies.launchers.multiprocessing"] = _no_spawn
     for package in _FABRIC:
+        found[f"{package}.utilities.registry"] = _quiet_about_this_callback
         found[f"{package}.plugins.environments.slurm"] = _not_slurm
         found[f"{package}.plugins.environments.torchelastic"] = _pool_sized
     return found
@@ -56,6 +58,13 @@ def _auto_devices(name: str, pool_device: bool) -> Adjust:
 
 def _ranks_per_node() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+
+
+def _quiet_about_this_callback(module: ModuleType) -> None:
+    """Lightning announces each external callback on every fit; this one is the pool's plumbing."""
+    logging.getLogger(module.__name__).addFilter(
+        lambda record: "entry point 'jupyter_shard'" not in record.getMessage()
+    )
 
 
 def _not_slurm(module: ModuleType) -> None:

@@ -68,3 +68,21 @@ def test_the_dashboard_logger_keeps_lightnings_paths() -> None:
     logger = logger_class("/runs/here")
     assert (logger.name, logger.version, logger.save_dir) == ("", "", "/runs/here")
     logger.log_metrics({"loss": 1.0}, step=3)  # outside a rank: nothing to send, no error
+
+
+def test_lightning_does_not_announce_this_callback(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    module = importlib.import_module("lightning.fabric.utilities.registry")
+    logger = logging.getLogger(module.__name__)
+    filters = list(logger.filters)
+    integration.adjustments("cpu")["lightning.fabric.utilities.registry"](module)
+    try:
+        with caplog.at_level(logging.INFO, logger=module.__name__):
+            logger.info("Adding 1 callbacks from entry point 'jupyter_shard': DashboardCallback")
+            logger.info("Adding 1 callbacks from entry point 'theirs': TheirCallback")
+        assert [r.getMessage() for r in caplog.records] == [
+            "Adding 1 callbacks from entry point 'theirs': TheirCallback"
+        ]
+    finally:
+        logger.filters[:] = filters
