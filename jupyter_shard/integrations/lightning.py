@@ -5,6 +5,7 @@
   visible GPU), so ``Trainer(devices="auto")`` matches the pool as ``devices=N`` does.
 - The pool's ranks are torchrun's workers even when a SLURM job runs them, so Lightning's SLURM
   environment (which would take the world size from SLURM's task count) is not chosen in a rank.
+- ``fabric.log`` / ``fabric.log_dict`` also send their values to ``shard.log``.
 - :func:`callbacks` is the entry point Lightning calls for external callbacks
   (``lightning.pytorch.callbacks_factory``): in a rank it adds a logger next to the user's own, so
   every record Lightning logs (at ``log_every_n_steps``, epoch ends, validation) is also sent to
@@ -24,7 +25,7 @@ from types import ModuleType
 from typing import Any
 
 from jupyter_shard.integrations.hooks import Adjust
-from jupyter_shard.integrations.metrics import to_dashboard
+from jupyter_shard.integrations.metrics import also_to_dashboard, to_dashboard
 from jupyter_shard.rank.shard import current
 
 _FABRIC = ("lightning.fabric", "lightning_fabric")
@@ -40,6 +41,7 @@ def adjustments(device_type: str) -> dict[str, Adjust]:
     for package in (*_FABRIC, *_TRAINER):
         found[f"{package}.strategies.launchers.multiprocessing"] = _no_spawn
     for package in _FABRIC:
+        found[f"{package}.fabric"] = _fabric_logs
         found[f"{package}.utilities.registry"] = _quiet_about_this_callback
         found[f"{package}.plugins.environments.slurm"] = _not_slurm
         found[f"{package}.plugins.environments.torchelastic"] = _pool_sized
@@ -58,6 +60,13 @@ def _auto_devices(name: str, pool_device: bool) -> Adjust:
 
 def _ranks_per_node() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+
+
+def _fabric_logs(module: ModuleType) -> None:
+    """``fabric.log`` and ``fabric.log_dict`` (which ``log`` calls) also reach the dashboard."""
+    cls = getattr(module, "Fabric", None)
+    if cls is not None:
+        also_to_dashboard(cls, "log_dict", "metrics")
 
 
 def _quiet_about_this_callback(module: ModuleType) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -31,3 +32,26 @@ def to_dashboard(values: Mapping[str, Any], step: int | None = None) -> None:
     found = scalars(values) if helper is not None else {}
     if helper is not None and found:
         helper.log(step=None if step is None else int(step), **found)
+
+
+def also_to_dashboard(cls: type, method: str, values_name: str) -> None:
+    """Wrap ``cls.<method>(self, <values_name>, step=None, ...)`` so the values also reach the dashboard.
+
+    The names are given, not read from the signature: framework decorators (Accelerate's
+    ``on_main_process``) hide it. The framework's own method runs first, as before; applied once.
+    """
+    original = getattr(cls, method)
+    if getattr(original, "_to_dashboard", False):
+        return
+
+    @functools.wraps(original)
+    def logged(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        values = args[0] if args else kwargs.get(values_name)
+        step = args[1] if len(args) > 1 else kwargs.get("step")
+        if isinstance(values, Mapping):
+            to_dashboard(values, step)
+        return result
+
+    logged._to_dashboard = True  # type: ignore[attr-defined]
+    setattr(cls, method, logged)

@@ -362,10 +362,12 @@ def test_fabric_runs_on_the_pool(nb: Any) -> None:
         "net, opt = fabric.setup(module.net, torch.optim.SGD(module.net.parameters(), lr=0.05))\n"
         "loader = fabric.setup_dataloaders(DataLoader(data, batch_size=8))\n"
         "for epoch in range(3):\n"
-        "    for x, y in loader:\n"
+        "    for i, (x, y) in enumerate(loader):\n"
         "        opt.zero_grad()\n"
-        "        fabric.backward(torch.nn.functional.mse_loss(net(x), y))\n"
+        "        loss = torch.nn.functional.mse_loss(net(x), y)\n"
+        "        fabric.backward(loss)\n"
         "        opt.step()\n"
+        "        fabric.log('fabric_loss', loss, step=epoch * len(loader) + i)\n"
         "fabric_weights = flat(module)\n"
         "print('fabric', fabric.world_size, fabric.global_rank, len(loader), full_loss(module) < before)"
     )
@@ -373,6 +375,7 @@ def test_fabric_runs_on_the_pool(nb: Any) -> None:
     lines = sorted(line for line in run.stream().splitlines() if "fabric" in line)
     assert lines == ["[rank 0] fabric 2 0 8 True", "[rank 1] fabric 2 1 8 True"]
     assert _replicas_identical(nb, "fabric_weights")
+    assert sorted(_history(nb, "fabric_loss")) == sorted((r, s) for r in (0, 1) for s in range(24))
 
 
 # -- Hugging Face and Accelerate --------------------------------------------------------------------
