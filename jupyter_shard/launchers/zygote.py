@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jupyter_shard.env import LIFELINE_FD, PARENT_PID, ZYGOTE_SWITCH, without_pool_variables
+from jupyter_shard.env import LIFELINE_FD, PARENT_PID, PER_RANK, ZYGOTE_SWITCH, without_pool_variables
 from jupyter_shard.errors import PoolError
 
 ENV_SWITCH = ZYGOTE_SWITCH
@@ -44,9 +44,19 @@ def enabled() -> bool:
 
 
 def interpreter_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    """What of an environment shapes a Python process at start-up (a zygote serves one such key)."""
+    """What of an environment shapes a Python process at start-up (a zygote serves one such key).
+
+    A rank's own launch variables (``RANK``, ``TORCHELASTIC_RUN_ID``, ...) differ per rank and pool and
+    are set in the forked rank, so they are not part of it.
+    """
     keep = ("PYTHON", "LD_", "MALLOC", "CUDA_", "NCCL_", "GLOO_", "KMP_", "MKL_", "TORCH")
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(keep) and k != "PYTHONUNBUFFERED"))
+    return tuple(
+        sorted(
+            (k, v)
+            for k, v in env.items()
+            if k.startswith(keep) and k != "PYTHONUNBUFFERED" and k not in PER_RANK
+        )
+    )
 
 
 # -- the kernel's side ---------------------------------------------------------------------------

@@ -72,6 +72,48 @@ def test_ranks_on_two_agents_all_reduce_and_keep_state(pool: Pool) -> None:
     assert pool.run("t.item() + 1").ranks[1].result == {"text/plain": "4.0"}  # state kept
 
 
+def test_a_script_and_lightning_see_two_nodes(pool: Pool) -> None:
+    # A script's own init/destroy on ranks whose group lives on the agents' store: run twice.
+    script = (
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "s = torch.ones(1)\n"
+        "dist.all_reduce(s)\n"
+        "dist.destroy_process_group()\n"
+        "print('sum', int(s.item()), os.environ['GROUP_WORLD_SIZE'])"
+    )
+    for _ in range(2):
+        result = pool.run("import os\n" + script)
+        assert [r.stdout.strip() for r in result.ranks.values()] == ["sum 2 2", "sum 2 2"]
+    fit = (
+        "import lightning as L\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "class Net(L.LightningModule):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.net = torch.nn.Linear(4, 1)\n"
+        "    def training_step(self, batch, i):\n"
+        "        return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])\n"
+        "    def configure_optimizers(self):\n"
+        "        return torch.optim.SGD(self.parameters(), lr=0.1)\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "data = TensorDataset(torch.randn(32, 4, generator=g), torch.zeros(32, 1))\n"
+        "trainer = L.Trainer(accelerator='cpu', devices='auto', num_nodes={nodes}, max_epochs=1,\n"
+        "    logger=False, enable_progress_bar=False, enable_model_summary=False,\n"
+        "    enable_checkpointing=False)\n"
+        "trainer.fit(Net(), DataLoader(data, batch_size=4))\n"
+        "print(trainer.world_size, trainer.num_nodes, trainer.num_devices, trainer.global_step,\n"
+        "      trainer.node_rank)"
+    )
+    result = pool.run(fit.format(nodes=2))
+    outputs = sorted(r.stdout.strip().splitlines()[-1] for r in result.ranks.values())
+    assert outputs == ["2 2 1 4 0", "2 2 1 4 1"], outputs
+    with pytest.raises(DistributedError) as failed:
+        pool.run(fit.format(nodes=3))
+    expected = "but this pool has 2 ranks (1 on each of 2 nodes): pass devices=1, num_nodes=2"
+    assert expected in str(failed.value)
+
+
 def test_status_names_each_ranks_host_and_the_world(pool: Pool) -> None:
     rows = pool.status()
     assert [r.rank for r in rows] == [0, 1]

@@ -1,0 +1,26 @@
+"""jupyter_shard.launchers.zygote: which zygote serves a rank."""
+
+from __future__ import annotations
+
+from jupyter_shard.launchers.zygote import interpreter_key
+
+
+def test_one_zygote_serves_every_rank_and_pool_of_an_interpreter() -> None:
+    base = {
+        "PATH": "/usr/bin",
+        "PYTHONPATH": "/src",
+        "OMP_NUM_THREADS": "1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    }
+
+    def rank(k: int, pool: str) -> dict[str, str]:
+        return base | {
+            "RANK": str(k),
+            "TORCHELASTIC_RUN_ID": pool,
+            "TORCHELASTIC_ERROR_FILE": f"/logs/{pool}/rank-{k}-error.json",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+        }
+
+    keys = {interpreter_key(rank(k, pool)) for k in range(4) for pool in ("pool-a", "pool-b")}
+    assert keys == {(("PYTHONPATH", "/src"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"))}
+    assert interpreter_key(base | {"LD_PRELOAD": "x.so"}) != interpreter_key(base)
