@@ -28,17 +28,14 @@ round and given as the median over rounds. Run:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -50,13 +47,10 @@ from strategies import (
     ROOT,
     THROUGHPUT_TARGET,
     _cpu,
-    _kill_torchrun,
     _loads,
     _paired,
-    _signal_ranks,
     _step_times,
-    _turn_pipes,
-    _wait_for_ranks,
+    interleave,
     run_pool,
 )
 
@@ -211,49 +205,15 @@ def start_torchrun(code: str, scratch: Path) -> tuple[subprocess.Popen[bytes], P
 def run_round(
     params: dict[str, int], scratch: Path, pool_first: bool
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """One round, both sides at once taking turns step by step; returns the (pool, torchrun) reports.
-
-    As ``strategies.run_pair``: the side with the first turn starts first, the other once its ranks
-    are in the fit; if torchrun fails, the pool's ranks are woken and given every turn left so that
-    its cell ends; if the pool fails, torchrun is killed.
-    """
-    turns = Path(tempfile.mkdtemp(dir=scratch))
-    fds = _turn_pipes(turns, ("pool", "torchrun"), "pool" if pool_first else "torchrun")
-    started, abandoned = threading.Event(), threading.Event()
-    torchrun: list[tuple[subprocess.Popen[bytes], Path]] = []
-    err: list[bytes] = []
-
-    def start_and_watch() -> None:  # starts torchrun and reads its stderr; if it fails, frees the pool
-        if pool_first and not _wait_for_ranks(turns, "pool", gone=abandoned):
-            return
-        proc, out = start_torchrun(fit_code(params, turns, "torchrun", "pool"), scratch)
-        torchrun.append((proc, out))
-        started.set()
-        err.append(proc.communicate()[1])
-        if proc.returncode != 0:
-            _signal_ranks(turns, "pool", signal.SIGCONT)
-            os.write(fds["pool"], b"x" * (2 * params["warmup"] + 2 * params["steps"] + 2))
-
-    watcher = threading.Thread(target=start_and_watch, daemon=True)
-    watcher.start()
-    try:
-        if not pool_first:
-            if not started.wait(PATIENCE):
-                raise RuntimeError("torchrun did not start")
-            _wait_for_ranks(turns, "torchrun", gone=torchrun[0][0])
-        mine = run_pool({"strategy": "none"}, fit_code(params, turns, "pool", "torchrun"), scratch)
-        watcher.join(PATIENCE)
-    finally:
-        abandoned.set()  # a torchrun side not started yet never will be
-        if torchrun:  # still running: nothing hands it turns any more
-            _kill_torchrun(turns, "torchrun", torchrun[0][0])
-        watcher.join()
-        for fd in fds.values():
-            os.close(fd)
-    proc, out = torchrun[0]
-    if proc.returncode != 0:
-        raise RuntimeError(f"torchrun failed ({proc.returncode}):\n{err[0].decode(errors='replace')[-4000:]}")
-    return mine, [json.loads((out / f"rank-{k}.json").read_text()) for k in range(2)]
+    """One round, both sides at once taking turns step by step (``strategies.interleave``)."""
+    return interleave(
+        lambda turns, me, other: fit_code(params, turns, me, other),
+        lambda code: run_pool({"strategy": "none"}, code, scratch),
+        lambda code: start_torchrun(code, scratch),
+        2 * params["warmup"] + 2 * params["steps"] + 2,
+        scratch,
+        pool_first,
+    )
 
 
 def _command(argv: list[str]) -> str:

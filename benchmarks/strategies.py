@@ -39,6 +39,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -209,14 +210,37 @@ def _signal_ranks(turns: Path, side: str, sig: signal.Signals) -> None:
 def run_pair(
     entry: dict[str, Any], params: dict[str, int], scratch: Path, pool_first: bool
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One round of ``entry``'s training, pool against torchrun (see :func:`interleave`)."""
+    return interleave(
+        lambda turns, me, other: train_code(params, turns, me, other),
+        lambda code: run_pool(entry, code, scratch),
+        lambda code: start_torchrun(entry, code, scratch),
+        2 * params["warmup"] + 2 * params["steps"] + 2,
+        scratch,
+        pool_first,
+    )
+
+
+def interleave(
+    code: Callable[[Path, str, str], str],
+    run_in_pool: Callable[[str], list[dict[str, Any]]],
+    start_in_torchrun: Callable[[str], tuple[subprocess.Popen[bytes], Path]],
+    turns_in_a_run: int,
+    scratch: Path,
+    pool_first: bool,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One round: both sides run at once and take turns step by step; returns (pool, torchrun).
 
-    Each side's rank 0 waits on its own pipe for the turn and hands it over through the other's, so
-    no two steps ever overlap and every step of one side sits between two of the other's: drift on a
-    shared machine over seconds and minutes reaches both sides alike. While one side steps, the
-    other's ranks are stopped (SIGSTOP), so their background threads cost the stepping side nothing;
-    the process that owns the pool and torchrun's agent keep running throughout. The side with the
-    first turn also starts first: the other starts once its ranks are in the training cell.
+    ``code(turns, me, other)`` is the side's training code, taking its turns in ``turns``; the pool
+    runs it as a cell, torchrun as a script whose ranks leave ``rank-<k>.json`` in the returned
+    directory. Each side's rank 0 waits on its own pipe for the turn and hands it over through the
+    other's, so no two steps ever overlap and every step of one side sits between two of the other's:
+    drift on a shared machine over seconds and minutes reaches both sides alike. While one side
+    steps, the other's ranks are stopped (SIGSTOP), so their background threads cost the stepping
+    side nothing; the process that owns the pool and torchrun's agent keep running throughout. The
+    side with the first turn also starts first: the other starts once its ranks are in the training
+    cell. If torchrun fails, the pool's ranks are woken and given all ``turns_in_a_run`` turns so its
+    cell ends; if the pool fails, torchrun is killed.
     """
     turns = Path(tempfile.mkdtemp(dir=scratch))
     fds = _turn_pipes(turns, ("pool", "torchrun"), "pool" if pool_first else "torchrun")
@@ -227,13 +251,13 @@ def run_pair(
     def start_and_watch() -> None:  # starts torchrun and reads its stderr; if it fails, wakes the pool
         if pool_first and not _wait_for_ranks(turns, "pool", gone=abandoned):
             return
-        proc, out = start_torchrun(entry, train_code(params, turns, "torchrun", "pool"), scratch)
+        proc, out = start_in_torchrun(code(turns, "torchrun", "pool"))
         torchrun.append((proc, out))
         started.set()
         err.append(proc.communicate()[1])
         if proc.returncode != 0:
             _signal_ranks(turns, "pool", signal.SIGCONT)
-            os.write(fds["pool"], b"x" * (2 * params["warmup"] + 2 * params["steps"] + 2))
+            os.write(fds["pool"], b"x" * turns_in_a_run)
 
     watcher = threading.Thread(target=start_and_watch, daemon=True)
     watcher.start()
@@ -242,7 +266,7 @@ def run_pair(
             if not started.wait(PATIENCE):
                 raise RuntimeError("torchrun did not start")
             _wait_for_ranks(turns, "torchrun", gone=torchrun[0][0])
-        mine = run_pool(entry, train_code(params, turns, "pool", "torchrun"), scratch)
+        mine = run_in_pool(code(turns, "pool", "torchrun"))
         watcher.join(PATIENCE)
     finally:
         abandoned.set()  # a torchrun side not started yet never will be
