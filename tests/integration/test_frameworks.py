@@ -106,6 +106,11 @@ def _value(nb: Any, expression: str) -> Any:
     return ast.literal_eval(run.data("execute_result")[0]["text/plain"])
 
 
+def _lines(run: Any, marker: str) -> list[str]:
+    """The cell's stdout lines that contain ``marker``, sorted (ranks print in any order)."""
+    return sorted(line for line in run.stream().splitlines() if marker in line)
+
+
 def _replicas_identical(nb: Any, name: str) -> bool:
     run = nb.execute(
         f"%dist_pull {name} --all\nimport torch\nall(torch.equal(v, {name}[0]) for v in {name}.values())"
@@ -171,7 +176,7 @@ def test_a_torchrun_script_runs_unchanged_and_matches_torchrun(nb: Any, tmp_path
 
     run = nb.execute("%%distributed\n" + TORCHRUN_SCRIPT)
     assert run.ok, run.outputs
-    assert sorted(line for line in run.stream().splitlines() if "launched" in line) == [
+    assert _lines(run, "launched") == [
         "[rank 0] rank 0 of 2 launched by torchrun: True",
         "[rank 1] rank 1 of 2 launched by torchrun: True",
     ]
@@ -372,7 +377,7 @@ def test_fabric_runs_on_the_pool(nb: Any) -> None:
         "print('fabric', fabric.world_size, fabric.global_rank, len(loader), full_loss(module) < before)"
     )
     assert run.ok, run.outputs
-    lines = sorted(line for line in run.stream().splitlines() if "fabric" in line)
+    lines = _lines(run, "fabric")
     assert lines == ["[rank 0] fabric 2 0 8 True", "[rank 1] fabric 2 1 8 True"]
     assert _replicas_identical(nb, "fabric_weights")
     assert sorted(_history(nb, "fabric_loss")) == sorted((r, s) for r in (0, 1) for s in range(24))
@@ -401,7 +406,7 @@ def test_hugging_face_trainer(nb: Any, tmp_path: Path) -> None:
         "print('hf', hf.args.world_size, hf.state.global_step)"
     )
     assert run.ok, run.outputs
-    assert sorted(line for line in run.stream().splitlines() if "] hf " in line) == [
+    assert _lines(run, "] hf ") == [
         "[rank 0] hf 2 12",
         "[rank 1] hf 2 12",
     ]
@@ -436,9 +441,7 @@ def test_hugging_face_trainer_with_deepspeed_zero(nb: Any, tmp_path: Path, stage
         timeout=540,
     )
     assert run.ok, run.outputs
-    assert sorted(line for line in run.stream().splitlines() if "] zero " in line) == [
-        f"[rank {r}] zero {stage} 2 6 DeepSpeedEngine" for r in (0, 1)
-    ]
+    assert _lines(run, "] zero ") == [f"[rank {r}] zero {stage} 2 6 DeepSpeedEngine" for r in (0, 1)]
 
 
 def test_accelerate(nb: Any) -> None:
@@ -460,7 +463,7 @@ def test_accelerate(nb: Any) -> None:
         "      acc.gather(torch.tensor([acc.process_index])).tolist())"
     )
     assert run.ok, run.outputs
-    assert sorted(line for line in run.stream().splitlines() if "] acc " in line) == [
+    assert _lines(run, "] acc ") == [
         "[rank 0] acc 2 0 [0, 1]",
         "[rank 1] acc 2 1 [0, 1]",
     ]
