@@ -208,7 +208,8 @@ class Runner:
         self.sock.send(*RELEASE_REPLY({"req_id": req_id, "ok": not error, "error": error, "closed": closed}))
 
     def regroup(self, msg: Message) -> None:
-        """Replace the default process group with a new one on a fresh store (after a release)."""
+        """Replace the default process group with a new one on a fresh store (after a release, or
+        after a cell destroyed it)."""
         from jupyter_shard.rank.shard import current
 
         started = time.perf_counter()
