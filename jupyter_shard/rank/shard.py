@@ -7,14 +7,16 @@ parameters and gives dataloaders a DistributedSampler; ``log`` sends scalars to 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import itertools
 import json
 import os
 import random
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
@@ -58,8 +60,11 @@ class Shard:
         self._micro = 0
         self._logged = 0
         self._stale = False  # the prepared model's wrapper holds a process group since replaced
+        self._built_rng: torch.Tensor | None = None  # generator state of the last init_module
         # (step, wall time, values) per ``log`` call; drained by the I/O thread
         self._metrics: deque[tuple[float, float, dict[str, float]]] = deque()
+        # records holding device scalars still on their way to the host (see ``log``)
+        self._in_flight: deque[tuple[float, float, dict[str, Any]]] = deque()
 
     def __repr__(self) -> str:
         return (
@@ -109,6 +114,20 @@ class Shard:
             raise ValueError(f"--config {config}: expected a JSON object of {self.strategy} options")
         return loaded
 
+    @contextlib.contextmanager
+    def init_module(self) -> Iterator[None]:
+        """Build a model in this block so that no rank ever holds all of it (sharding strategies).
+
+        ``fsdp`` builds on the meta device and ``shard.prepare`` allocates only this rank's shard,
+        initialised as a plain build from the same generator state would be (each module's
+        ``reset_parameters()``); ``deepspeed`` at ZeRO stage 3 partitions each layer as it is built
+        (``deepspeed.zero.Init``). Other strategies need the whole model on every rank and build it
+        straight on the rank's device.
+        """
+        with self.impl.init_module() as state:
+            yield
+        self._built_rng = state
+
     def prepare(
         self,
         model: nn.Module,
@@ -125,6 +144,7 @@ class Shard:
         """
         self._impl = self._build_strategy({"accumulate": accumulate, "clip_grad_norm": clip_grad_norm})
         self._template = _meta_copy(model)
+        self._impl.built_rng, self._built_rng = self._built_rng, None
         wrapped, new_optimizer = self._impl.prepare(model, optimizer)
         self._model, self._optimizer = wrapped, new_optimizer
         self._stale = False
@@ -188,17 +208,24 @@ class Shard:
 
         ``step`` defaults to a count of ``log`` calls. Cheap enough to call every step (about a
         microsecond): the record is queued here (one atomic append, no lock) and the I/O thread
-        sends the queue in batches.
+        sends the queue in batches. A GPU tensor is not read here (that would wait for the device
+        every step): it is copied to the host without blocking, and the I/O thread reads it once
+        the copy is done.
         """
+        on_device = False
         for name, value in scalars.items():
             kind = type(value)
             if kind is torch.Tensor and value.numel() == 1:  # type: ignore[union-attr]
-                scalars[name] = value.item()  # type: ignore[union-attr]
+                if value.device.type == "cpu":  # type: ignore[union-attr]
+                    scalars[name] = value.item()  # type: ignore[union-attr]
+                else:
+                    scalars[name] = _HostCopy(value)  # type: ignore[assignment, arg-type]
+                    on_device = True
             elif kind is not float:
                 scalars[name] = _scalar(name, value)
         self._logged += 1
         record = (self._logged if step is None else step, time.time(), scalars)
-        self._metrics.append(record)  # type: ignore[arg-type]
+        (self._in_flight if on_device else self._metrics).append(record)  # type: ignore[arg-type]
 
     def flush_metrics(self) -> None:
         """Send queued records (on the I/O thread) as float64 columns, a message per set of names.
@@ -208,6 +235,8 @@ class Shard:
         """
         queue = self._metrics
         batch = [queue.popleft() for _ in range(len(queue))]
+        if self._in_flight:
+            batch = sorted(batch + self._arrived(), key=itemgetter(1))
         if not batch:
             return
         keysets = set(map(tuple, map(itemgetter(2), batch)))
@@ -222,6 +251,18 @@ class Shard:
             columns.extend(array("d", map(itemgetter(name), values)) for name in names)
             body: MetricsBody = {"rank": self.rank, "names": list(names), "count": len(records)}
             self._send(*METRICS(body), [c.tobytes() for c in columns])
+
+    def _arrived(self) -> list[tuple[float, float, dict[str, float]]]:
+        """Records whose device scalars have reached the host, oldest first; the rest wait."""
+        done = []
+        while self._in_flight and all(
+            v.ready() for v in self._in_flight[0][2].values() if isinstance(v, _HostCopy)
+        ):
+            step, when, values = self._in_flight.popleft()
+            done.append(
+                (step, when, {k: v.value() if isinstance(v, _HostCopy) else v for k, v in values.items()})
+            )
+        return done
 
     def memory(self) -> dict[str, int]:
         """Bytes: ``rss``; ``parameters``/``gradients``/``optimizer`` as this rank holds them; CUDA on GPU."""
@@ -298,11 +339,38 @@ class Shard:
 
 
 def _meta_copy(model: nn.Module) -> nn.Module | None:
-    """The model's architecture without its data, to rebuild a plain module from a full state dict."""
+    """The model's architecture without its data, to rebuild a plain module from a full state dict.
+
+    Its tensors are meta tensors of the full shapes from the start (a partitioned ZeRO-3 parameter
+    keeps its full shape in ``ds_shape``), so the copy never allocates the model's memory.
+    """
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        meta = torch.empty(getattr(t, "ds_shape", t.shape), dtype=t.dtype, device="meta")
+        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
     try:
-        return copy.deepcopy(model).to("meta")
+        return copy.deepcopy(model, memo)
     except Exception:
         return None
+
+
+class _HostCopy:
+    """A one-element device tensor on its way to the host: copied without blocking, read when there."""
+
+    __slots__ = ("_event", "_host")
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self._host = value.detach().to("cpu", non_blocking=True)
+        self._event: Any = None
+        if value.device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def ready(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def value(self) -> float:
+        return float(self._host.item())
 
 
 def _scalar(name: str, value: object) -> float:

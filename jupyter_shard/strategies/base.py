@@ -55,6 +55,8 @@ class StrategyBase:
                 f"unknown {self.name} option(s) {', '.join(sorted(unknown))}; allowed: {allowed}"
             )
         self.options = options
+        #: the CPU generator state when ``shard.init_module`` began (a model built there is filled from it)
+        self.built_rng: torch.Tensor | None = None
         self._ctx: StrategyContext | None = None
         self.scaler: torch.amp.GradScaler | None = None
 
@@ -75,6 +77,14 @@ class StrategyBase:
 
     # -- preparing -----------------------------------------------------------------------------
 
+    def init_module(self) -> contextlib.AbstractContextManager[torch.Tensor | None]:
+        """Where ``shard.init_module`` builds: straight on the rank's device (no copy there later).
+
+        Sharding strategies build so that no rank holds the whole model; the context's value is the
+        generator state the parameters are drawn from, where ``prepare`` draws them.
+        """
+        return _on_device(self.ctx.device)
+
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
@@ -86,6 +96,14 @@ class StrategyBase:
         return wrapped, new_optimizer
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        meta = [name for name, p in model.named_parameters() if p.is_meta]
+        if meta:
+            raise ValueError(
+                f"{self.name}: parameters {', '.join(meta[:3])}{' …' if len(meta) > 3 else ''} are on the "
+                "meta device, and every rank needs the whole model under this strategy. Build the model "
+                "with real tensors, or use --strategy fsdp (or deepspeed --zero-stage 3) to build it "
+                "under shard.init_module()"
+            )
         return model.to(self.ctx.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -167,6 +185,12 @@ class StrategyBase:
     def memory(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state."""
         return local_bytes(model, optimizer)
+
+
+@contextlib.contextmanager
+def _on_device(device: torch.device) -> Iterator[torch.Tensor | None]:
+    with device:
+        yield None
 
 
 class NoStrategy(StrategyBase):

@@ -47,7 +47,7 @@ class DDPStrategy(StrategyBase):
         hook = options.pop("comm_hook", None)
         if options.pop("sync_batchnorm", False):
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        model = model.to(self.ctx.device)
+        model = super().wrap(model)
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, **options)
         if hook is not None:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from jupyter_shard.strategies.base import StrategyBase
-from jupyter_shard.strategies.deepspeed_config import build_config
+from jupyter_shard.strategies.deepspeed_config import build_config, fit_stage3_buffers
 
 _TORCH_ONLY = {"foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"}
 EXTENSIONS_DIR = Path.home() / ".cache" / "jupyter_shard" / "torch_extensions"
@@ -70,17 +70,31 @@ class DeepSpeedStrategy(StrategyBase):
         super().__init__(**options)
         self.config: dict[str, Any] = {}
 
-    def prepare(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
-    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    def _configure(self) -> dict[str, Any]:
         extra = self.ctx.extra
-        self.config = build_config(
+        return build_config(
             self.ctx,
             zero_stage=extra.get("zero_stage"),
             offload=str(extra.get("offload") or "none"),
             config_path=extra.get("config"),
             options=self.options,
         )
+
+    def init_module(self) -> contextlib.AbstractContextManager[torch.Tensor | None]:
+        """ZeRO-3: ``deepspeed.zero.Init`` partitions each layer as its constructor returns, so no
+        rank holds the whole model; below stage 3 every rank keeps all of it, built on its device."""
+        self.config = self._configure()
+        if self.stage != 3:
+            return super().init_module()
+        ds = import_deepspeed(self.ctx.device)
+        ds.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+        init: contextlib.AbstractContextManager[Any] = ds.zero.Init(config_dict_or_path=self.config)
+        return _yielding_none(init)
+
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        self.config = self._configure()
         if optimizer is not None and "optimizer" in self.config:
             warnings.warn(
                 "the optimizer section of the DeepSpeed config is used; the optimizer passed to "
@@ -97,12 +111,18 @@ class DeepSpeedStrategy(StrategyBase):
         )
         if checkpointed:
             _checkpoint_modules(model, {str(name) for name in checkpointed})
-        model = model.to(self.ctx.device)
-        if self.stage == 3 and _offloads_parameters_to_nvme(self.config):
-            # Partitioned here with the config's dtype: the engine's own conversion on a CPU device
-            # picks bf16 for the NVMe swap buffers whatever the config says (DeepSpeed 0.19), and the
-            # fp32 forward then fails with "self and mat2 must have the same dtype".
-            ds.zero.Init(module=model, config_dict_or_path=self.config)
+        if self.stage == 3:
+            if not _partitioned(model):
+                # Partitioned parameter by parameter, each full copy freed as it goes: the whole model
+                # never reaches the device, and the rank never holds it twice. (Also the dtype: the
+                # engine's own conversion on a CPU device picks bf16 for NVMe swap buffers whatever
+                # the config says, DeepSpeed 0.19.)
+                ds.zero.Init(module=model, config_dict_or_path=self.config)
+            fit_stage3_buffers(
+                self.config, max(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+            )
+        else:
+            model = super().wrap(model)
         client_optimizer = _engine_optimizer(optimizer, model, self.config) if optimizer else None
         engine, engine_optimizer, _, _ = ds.initialize(
             model=model,
@@ -236,6 +256,17 @@ class DeepSpeedStrategy(StrategyBase):
         }
 
 
+@contextlib.contextmanager
+def _yielding_none(inner: contextlib.AbstractContextManager[Any]) -> Any:
+    with inner:
+        yield None
+
+
+def _partitioned(model: nn.Module) -> bool:
+    """Built under ``zero.Init`` (``shard.init_module`` at stage 3): parameters carry ``ds_id``."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
 def _checkpoint_modules(model: nn.Module, class_names: set[str]) -> None:
     """Recompute the activations of modules of these classes in backward instead of keeping them.
 
@@ -317,11 +348,6 @@ def _autocast_forward(engine: nn.Module, device_type: str, dtype: torch.dtype) -
 def _full_shape(p: torch.Tensor) -> torch.Size:
     shape: torch.Size = getattr(p, "ds_shape", p.shape)
     return shape
-
-
-def _offloads_parameters_to_nvme(config: dict[str, Any]) -> bool:
-    offload = config.get("zero_optimization", {}).get("offload_param") or {}
-    return str(offload.get("device", "none")) == "nvme"
 
 
 def _engine_optimizer(

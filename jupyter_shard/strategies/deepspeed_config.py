@@ -118,3 +118,22 @@ def _precision(precision: str, config: dict[str, Any], agree: Any) -> None:
     if wanted == "fp16":
         section.setdefault("loss_scale", 0)  # 0: dynamic loss scaling
         section.setdefault("initial_scale_power", 16)
+
+
+def fit_stage3_buffers(config: dict[str, Any], largest: int) -> None:
+    """Size ZeRO-3's buffers by the model's largest parameter (``largest`` elements), where the
+    config leaves them unset.
+
+    DeepSpeed's defaults are sized for large GPUs whatever the model: a 5e8-element reduce bucket
+    (2 GB in fp32, allocated whole) and up to 1e9 gathered parameters alive at once (the whole of
+    most models). Measured on a 1.5 GB model with 2 CPU ranks, they took a training step's peak to
+    4.6× the model on each rank. Sized like this (as the Hugging Face integration's ``"auto"``
+    values size them by the hidden size), a step holds the partitions plus a few layers.
+    """
+    zero: dict[str, Any] = config.setdefault("zero_optimization", {})
+    if int(zero.get("stage", 0)) != 3:
+        return
+    zero.setdefault("reduce_bucket_size", largest)
+    zero.setdefault("stage3_prefetch_bucket_size", largest)
+    zero.setdefault("stage3_max_live_parameters", 3 * largest)
+    zero.setdefault("stage3_max_reuse_distance", 3 * largest)

@@ -61,6 +61,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from jupyter_shard.strategies.base import PRECISIONS, StrategyBase, StrategyContext, atomic_torch_save
+from jupyter_shard.strategies.sharded_init import built_on_meta, materialise, meta_build, release_storage
 
 SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 EXTRA_FILE = "extra.pt"
@@ -132,8 +133,18 @@ class FSDPStrategy(StrategyBase):
         wrapped = self.wrap(model)
         return wrapped, _rebuild(optimizer, names, wrapped) if optimizer is not None else None
 
+    def init_module(self) -> contextlib.AbstractContextManager[torch.Tensor | None]:
+        """On the meta device: ``prepare`` allocates and fills only this rank's shard."""
+        return meta_build()
+
     def wrap(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.ctx.device)
+        """``fully_shard`` unit by unit, children first; nothing whole is moved to the device.
+
+        A model built normally gives each unit's full parameters up as soon as the unit is sharded
+        (the caller's optimizer may still refer to them), so the rank never holds two copies. A model
+        built under ``init_module`` is sharded on the meta device, then its shard is materialised.
+        """
+        on_meta = built_on_meta(model)
         if self.checkpoint_classes:
             apply_activation_checkpointing(
                 model,
@@ -151,13 +162,23 @@ class FSDPStrategy(StrategyBase):
             mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None),
             offload_policy=offload if self.cpu_offload else OffloadPolicy(),
         )
-        for module in self._wrap_targets(model):
+        for module in [*self._wrap_targets(model), model]:
+            whole = [p for p in module.parameters() if not isinstance(p, DTensor)]
             shard(module)
-        shard(model)
+            if not on_meta:
+                release_storage(whole)
+        if on_meta:
+            params_on = torch.device("cpu") if self.cpu_offload else self.ctx.device
+            materialise(model, self.ctx.device, self.built_rng, params_on)
         return model
 
     def _wrap_targets(self, model: nn.Module) -> list[nn.Module]:
-        """Submodules that get their own ``fully_shard`` (children before parents), root excluded."""
+        """Submodules that get their own ``fully_shard`` (children before parents), root excluded.
+
+        ``auto_wrap`` names classes or a parameter count; without it, :func:`default_units`.
+        """
+        if not self.wrap_classes and self.min_params is None:
+            return default_units(model)
         named = [(n, m) for n, m in model.named_modules() if n and not n.endswith(_WRAPPED[:-1])]
         targets: list[nn.Module] = []
         claimed: set[int] = set()
@@ -293,6 +314,55 @@ def _rebuild(
     # AdamW's defaults hold ``decoupled_weight_decay``, which its constructor does not take
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     return type(optimizer)(groups, **defaults)
+
+
+SPLIT_ABOVE = 1 << 20  # parameters: a smaller model stays one unit (one all-gather per step is cheaper)
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """One FSDP unit per repeated block, and one per other large module; children before parents.
+
+    The block class is the coarsest class with two or more instances that together hold at least
+    a third of the parameters (a transformer's layer, not its ``Linear``); the rest of the model's
+    modules get a unit of their own when they hold at least as many parameters as an average block
+    (an embedding, an output head), so that no unit - the root included - is much bigger than a
+    block. A model under :data:`SPLIT_ABOVE` parameters stays one unit.
+    """
+    total = sum(p.numel() for p in model.parameters())
+    if total < SPLIT_ABOVE:
+        return []
+    named = [(n, m) for n, m in model.named_modules() if n and not n.endswith(_WRAPPED[:-1])]
+    blocks: list[nn.Module] = []
+    for _, instances in _outermost_by_class(named).items():
+        covered = sum(p.numel() for m in instances for p in m.parameters())
+        if len(instances) >= 2 and 3 * covered >= total and (not blocks or len(instances) < len(blocks)):
+            blocks = instances
+    chosen = {id(m) for m in blocks}
+    claimed = {id(p) for m in blocks for p in m.parameters()}
+    threshold = len(claimed) // len(blocks) if blocks else total // 8
+    targets: list[nn.Module] = []
+    for _, module in reversed(named):
+        if id(module) in chosen:
+            targets.append(module)
+            continue
+        free = [p for p in module.parameters() if id(p) not in claimed]
+        if free and sum(p.numel() for p in free) >= threshold:
+            targets.append(module)
+            claimed.update(id(p) for p in free)
+    return targets
+
+
+def _outermost_by_class(named: list[tuple[str, nn.Module]]) -> dict[str, list[nn.Module]]:
+    """Instances of each module class (by name) that are not inside another instance of that class."""
+    found: dict[str, list[tuple[str, nn.Module]]] = {}
+    for name, module in named:
+        if not any(True for _ in module.parameters()):
+            continue
+        kind = _class_name(module)
+        seen = found.setdefault(kind, [])
+        if not any(name.startswith(outer + ".") for outer, _ in seen):
+            seen.append((name, module))
+    return {kind: [m for _, m in pairs] for kind, pairs in found.items()}
 
 
 def _clean(name: str) -> str:

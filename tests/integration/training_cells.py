@@ -37,3 +37,54 @@ for x, y in batches[:5]:
     mean = loss.detach().float().clone(); torch.distributed.all_reduce(mean); losses.append(mean.item() / 2)
 rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
 """
+
+# A model of `depth` blocks (Linear + LayerNorm, `width` wide) and a cell that builds it (under
+# `shard.init_module()` or not), prepares it with SGD and trains one step, recording this rank's
+# peak resident memory above the cell's start after each phase (Linux's VmHWM, reset at the start)
+# and the mean loss over ranks. `big` is the record.
+BIG_MODEL = """
+import contextlib, gc, resource, torch
+from torch import nn
+torch.set_num_threads(1)
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.linear, self.norm = nn.Linear(width, width), nn.LayerNorm(width)
+    def forward(self, x):
+        return self.norm(torch.relu(self.linear(x)))
+
+def _kib(key):
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(key))
+
+def _reset_peak():
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+
+def train_big(width, depth, sharded):
+    gc.collect()
+    _reset_peak()
+    base, peaks = _kib("VmRSS:"), {}
+    torch.manual_seed(0)
+    with shard.init_module() if sharded else contextlib.nullcontext():
+        model = nn.Sequential(*[Block(width) for _ in range(depth)])
+    peaks["build"] = _kib("VmHWM:") - base
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = shard.prepare(model, opt)
+    peaks["prepare"] = _kib("VmHWM:") - base
+    x = torch.randn(4, width, generator=torch.Generator().manual_seed(shard.rank))
+    loss = model(x).pow(2).mean()
+    shard.backward(loss)
+    shard.step()
+    peaks["step"] = _kib("VmHWM:") - base
+    total = loss.detach().clone()
+    torch.distributed.all_reduce(total)
+    return {
+        "model_bytes": 4 * depth * (width * width + 3 * width),
+        "peaks": peaks,
+        "loss": total.item() / shard.world_size,
+        "held": shard.memory(),
+        "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+"""
