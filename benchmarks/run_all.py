@@ -59,6 +59,7 @@ BENCHMARKS = (
     Benchmark("streaming", "Streaming output and metrics", optional=True),
     Benchmark("memory", "Memory per rank against torchrun", optional=True),
     Benchmark("frameworks", "A Lightning Trainer against the same script under torchrun", quick=("--quick",)),
+    Benchmark("bigmodel", "Peak memory per rank of a 1.5 GB model, sharded initialisation or not"),
 )
 NAMES = [b.name for b in BENCHMARKS]
 

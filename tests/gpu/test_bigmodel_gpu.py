@@ -1,0 +1,141 @@
+"""Sharding on GPUs: a model too big for one GPU's share but fine sharded, FSDP CPU offload with
+clipping, 16-mixed on every strategy, and ``shard.log`` of CUDA tensors without a sync per call.
+
+Skipped where no CUDA device is visible; run with ``pytest -m gpu`` on a GPU machine. The big-model
+test needs two GPUs.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jupyter_shard.spec import visible_gpus
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(visible_gpus() == 0, reason="no CUDA device visible"),
+]
+
+
+def _pool(tmp: Path, strategy: str, **options: Any) -> Any:
+    from jupyter_shard import LaunchSpec, Pool
+    from jupyter_shard.kernel.output import ConsoleSink
+
+    spec = LaunchSpec.create(nproc=visible_gpus(), device="cuda", strategy=strategy, **options)
+    return Pool(spec=spec, log_dir=tmp, sink=ConsoleSink(io.StringIO(), io.StringIO()))
+
+
+# A model whose fp32 parameters, gradients and Adam state (16 bytes a parameter) would need
+# `share` of one GPU's memory: more than one GPU holds, while each rank's shard fits.
+TOO_BIG = """
+import torch
+from torch import nn
+free, total = torch.cuda.mem_get_info(shard.device)
+width = 8192
+depth = max(2, int({share} * total / (16 * width * width)))
+torch.manual_seed(0)
+with shard.init_module():
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(depth)])
+model, opt = shard.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+x = torch.randn(8, width, device=shard.device)
+loss = model(x).pow(2).mean()
+shard.backward(loss); shard.step()
+result = {{
+    "model_bytes": 4 * depth * width * width,
+    "total": total,
+    "peak": torch.cuda.max_memory_allocated(shard.device),
+    "loss": loss.item(),
+}}
+"""
+
+
+@pytest.mark.skipif(visible_gpus() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize(
+    ("strategy", "extra"), [("fsdp", {}), ("deepspeed", {"zero_stage": 3})], ids=["fsdp", "zero3"]
+)
+def test_a_model_too_big_for_one_gpu_trains_sharded(
+    tmp_path: Path, strategy: str, extra: dict[str, Any]
+) -> None:
+    if strategy == "deepspeed":
+        pytest.importorskip("deepspeed")
+    share = 1.05  # ZeRO-3 in fp32 keeps 20 bytes a parameter: 0.66 of a GPU per rank on two
+    with _pool(tmp_path, strategy, **extra) as pool:
+        pool.run(TOO_BIG.format(share=share), timeout=840)
+        result = pool.pull("result")
+    assert 16 * result["model_bytes"] > result["total"]  # unsharded training state would not fit
+    assert result["peak"] < 0.9 * result["total"]
+    assert result["loss"] == result["loss"]  # finite, not NaN
+
+
+CLIPPED = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+with shard.init_module():
+    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])
+model, opt = shard.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+x = torch.randn(16, 2048, device=shard.device)
+for _ in range(3):
+    loss = model(x).pow(2).mean()
+    shard.backward(loss); shard.step()
+grad_devices = sorted({str(p.to_local().device.type) for p in model.parameters()})
+"""
+
+
+def test_fsdp_cpu_offload_with_gradient_clipping(tmp_path: Path) -> None:
+    with _pool(tmp_path, "fsdp", offload="cpu", clip_grad_norm=1.0) as pool:
+        pool.run(CLIPPED, timeout=600)
+        assert pool.pull("grad_devices") == ["cpu"]  # parameters (and their gradients) offloaded
+
+
+MIXED = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+model, opt = shard.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+x = torch.randn(32, 1024, device=shard.device)
+losses = []
+for _ in range(5):
+    loss = model(x).float().pow(2).mean()
+    shard.backward(loss); shard.step()
+    losses.append(loss.item())
+"""
+
+
+@pytest.mark.parametrize(
+    ("strategy", "extra"),
+    [("ddp", {}), ("fsdp", {}), ("deepspeed", {"zero_stage": 3})],
+    ids=["ddp", "fsdp", "zero3"],
+)
+def test_16_mixed_trains_on_every_strategy(tmp_path: Path, strategy: str, extra: dict[str, Any]) -> None:
+    if strategy == "deepspeed":
+        pytest.importorskip("deepspeed")
+    with _pool(tmp_path, strategy, precision="16-mixed", **extra) as pool:
+        pool.run(MIXED, timeout=600)
+        losses = pool.pull("losses")
+    assert all(v == v and v < float("inf") for v in losses)
+    assert losses[-1] < losses[0]
+
+
+LOGGED = """
+import torch
+for step in range(200):
+    shard.log(step=step, loss=torch.tensor(float(step), device=shard.device))
+torch.cuda.synchronize()
+"""
+
+
+def test_log_of_cuda_tensors_reaches_the_history(tmp_path: Path) -> None:
+    with _pool(tmp_path, "ddp") as pool:
+        pool.run(LOGGED)
+        pool.run("shard.barrier()")  # the I/O thread has sent what arrived meanwhile
+        for rank in range(visible_gpus()):
+            steps, values = pool.history.series(rank, "loss")
+            assert list(steps) == [float(s) for s in range(200)]
+            assert list(values) == list(steps)
