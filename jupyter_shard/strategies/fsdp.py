@@ -27,6 +27,7 @@ import contextlib
 import inspect
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -58,6 +59,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from jupyter_shard.strategies.base import PRECISIONS, StrategyBase, StrategyContext, atomic_torch_save
@@ -105,6 +107,11 @@ class FSDPStrategy(StrategyBase):
         if ctx.extra.get("offload") == "nvme":
             raise ValueError("fsdp offloads to cpu only; --offload nvme needs --strategy deepspeed")
         self.cpu_offload = bool(self.options.get("cpu_offload", ctx.extra.get("offload") == "cpu"))
+        if self.scaler is not None:
+            # Each rank sees only its shard of the gradients: an inf in one shard must skip the step
+            # (and back the scale off) on every rank. torch's scaler for sharded models all-reduces
+            # what it found whatever the gradients' device (offloaded ones live on the CPU).
+            self.scaler = _ShardedScaler(device=ctx.device.type)
 
     # -- preparing -----------------------------------------------------------------------------
 
@@ -257,6 +264,16 @@ class FSDPStrategy(StrategyBase):
             raise failure
         if error[0] is not None:
             raise RuntimeError(f"fsdp save failed on rank 0 to {what}: {error[0]}")
+
+
+class _ShardedScaler(ShardedGradScaler):
+    """torch's scaler for sharded gradients, without the warning each unscale gives on DTensors
+    (its found-inf flag is a one-element tensor, which DTensor treats as replicated: as meant)."""
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Found a non-scalar tensor with numel=1", UserWarning)
+            super().unscale_(optimizer)
 
 
 @contextlib.contextmanager

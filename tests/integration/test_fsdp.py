@@ -296,3 +296,27 @@ def test_bf16_mixed_uses_the_fsdp_policy_without_autocast(pool: Pool, config: Pa
     assert pool.pull("out_dtype") == "torch.bfloat16", "MixedPrecisionPolicy computes in bf16"
     assert pool.pull("master") == {"torch.float32"}, "sharded master weights stay float32"
     assert pool.pull("seen") == [False], "no autocast on top of the policy"
+
+
+def test_fp16_loss_scaling_skips_the_step_on_every_rank_when_one_shard_overflows(
+    pool: Pool, config: Path
+) -> None:
+    """Each rank sees only its shard of the gradients: an inf on rank 1 alone must skip the step
+    (and halve the scale) on rank 0 too, or the ranks' weights part ways."""
+    use(pool, config, precision="16-mixed", sharding="FULL_SHARD")
+    pool.run(
+        "model, opt, losses = train(steps=3)\n"
+        "before = [p.to_local().detach().clone() for p in model.parameters()]\n"
+        "scale = shard.impl.scaler.get_scale()\n"
+        "shard.backward(nn.functional.mse_loss(model(xs).float(), ys))\n"
+        "held = [p.grad.to_local() for p in model.parameters() if p.grad.to_local().numel()]\n"
+        "if shard.rank == 1:\n"
+        "    held[0][0] = float('inf')\n"
+        "shard.step()\n"
+        "unchanged = all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))\n"
+        "backed_off = shard.impl.scaler.get_scale() == scale / 2\n"
+        "finite = all(l == l for l in losses)"
+    )
+    assert pool.pull_all("unchanged") == {0: True, 1: True}
+    assert pool.pull_all("backed_off") == {0: True, 1: True}
+    assert pool.pull("finite")
