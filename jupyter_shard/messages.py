@@ -54,7 +54,11 @@ class PushBody(TypedDict):
     names: list[str]
 
 
-class PullBody(TypedDict):
+class _PullOptions(TypedDict, total=False):
+    device: bool  # keep tensors on the rank's device (default: they come back on the CPU)
+
+
+class PullBody(_PullOptions):
     name: str
     gather: bool  # the plain model behind the one shard.prepare returned (a collective)
 
@@ -243,19 +247,21 @@ PULL = Kind("pull", "to_rank", PullBody, reply=PULL_REPLY)
 STACKS = Kind("stacks", "to_rank", Empty, io=True, reply=STACKS_REPLY)
 STATUS = Kind("status", "to_rank", Empty, io=True, reply=STATUS_REPLY)
 SIGNAL = Kind("signal", "to_rank", SignalBody, io=True)
+# to a rank of an NCCL pool blocked in a collective: abort its group from the I/O thread
+ABORT = Kind("abort", "to_rank", Empty, io=True)
 SHUTDOWN = Kind("shutdown", "to_rank", Empty)
 RELEASE = Kind("release", "to_rank", ReleaseBody, reply=RELEASE_REPLY)
 REGROUP = Kind("regroup", "to_rank", RegroupBody, reply=REGROUP_REPLY)
 
 MsgType = Literal[
-    "execute", "push", "pull", "stacks", "status", "signal", "shutdown", "release", "regroup",
+    "execute", "push", "pull", "stacks", "status", "signal", "abort", "shutdown", "release", "regroup",
     "ready", "startup_failed", "stream", "display", "result", "done", "metrics", "heartbeat",
     "push_reply", "pull_reply", "stacks_reply", "status_reply", "release_reply", "regroup_reply",
 ]  # fmt: skip
 MESSAGES: Mapping[str, Kind[Any]] = {
     str(k): k
     for k in (
-        *(EXECUTE, PUSH, PULL, STACKS, STATUS, SIGNAL, SHUTDOWN, RELEASE, REGROUP),
+        *(EXECUTE, PUSH, PULL, STACKS, STATUS, SIGNAL, ABORT, SHUTDOWN, RELEASE, REGROUP),
         *(READY, STARTUP_FAILED, STREAM, DISPLAY, RESULT, DONE, METRICS, HEARTBEAT),
         *(PUSH_REPLY, PULL_REPLY, STACKS_REPLY, STATUS_REPLY, RELEASE_REPLY, REGROUP_REPLY),
     )

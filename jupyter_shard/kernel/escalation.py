@@ -2,10 +2,14 @@
 
 A rank running Python stops on SIGINT. A rank blocked in a gloo collective sees no signal; for it the
 ranks that are idle close their process group (a *release*), so the collective fails at once and
-every rank keeps its state; the group is rebuilt (a *regroup*) before the next cell. A rank that does
-neither within the grace periods has its stack taken and is killed; then the next cell restarts the
-pool. Every step is said to the user as it happens. What happened is returned as :class:`Stopped`
-for the cell's result (:mod:`.cell` writes it down).
+every rank keeps its state; the group is rebuilt (a *regroup*) before the next cell. On an NCCL pool
+(CUDA ranks) closing a peer's group frees nobody: there the blocked ranks are also asked to *abort*
+their own group from their I/O thread (their main thread is stuck in an NCCL wait or a CUDA sync),
+at the same moment as the release; a rank that let SIGINT pass for the grace period counts as
+blocked, since its heartbeat cannot name a CUDA sync. A rank that does none of this within the
+grace periods has its stack taken and is killed; then the next cell restarts the pool. Every step is
+said to the user as it happens. What happened is returned as :class:`Stopped` for the cell's result
+(:mod:`.cell` writes it down).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from pathlib import Path
 
 from jupyter_shard.kernel.connection import Connection
 from jupyter_shard.kernel.ranks import RankState, RankTable
-from jupyter_shard.messages import REGROUP, RELEASE, RegroupBody, ReleaseBody
+from jupyter_shard.messages import ABORT, REGROUP, RELEASE, RegroupBody, ReleaseBody
 from jupyter_shard.spec import format_ranks
 
 __all__ = ["INTERRUPT_GRACE", "Escalation", "Stopped"]
@@ -32,7 +36,8 @@ class Stopped:
     """How stopping a cell's ranks went."""
 
     blocked: dict[int, str] = field(default_factory=dict)  # rank -> the collective it waited in
-    released: list[int] = field(default_factory=list)  # ranks that closed their group to release others
+    # ranks that closed their group to release others (on NCCL, also the blocked ranks that aborted theirs)
+    released: list[int] = field(default_factory=list)
     released_from: list[int] = field(default_factory=list)  # blocked ranks that came free that way
     killed: dict[int, str] = field(default_factory=dict)  # rank -> its stack before the kill
     waited: float = 0.0
@@ -145,11 +150,13 @@ class Escalation:
         self.restart_reason = f"rank {format_ranks(stuck)} was killed"
 
     def _release(self, blocked: dict[int, str], running: list[int], released: list[int]) -> list[int]:
-        """Ask the idle ranks not asked before to close their process group; the ranks asked."""
-        idle = [r for r in self.ranks.live() if r.rank not in running and r.rank not in released]
+        """Ask the idle ranks not asked before to close their process group (and, on an NCCL pool,
+        the blocked ranks to abort theirs); the ranks asked."""
         waiting = [k for k in running if k in blocked]
+        aborted = self._abort([k for k in waiting if k not in released], blocked)
+        idle = [r for r in self.ranks.live() if r.rank not in running and r.rank not in released]
         if not idle or not waiting:
-            return []
+            return aborted
         names = format_ranks([r.rank for r in idle])
         calls = ", ".join(sorted({blocked[k] or "a collective or native code" for k in waiting}))
         self.notice(
@@ -171,7 +178,20 @@ class Escalation:
             elif not reply.body["ok"]:
                 self.notice(f"rank {r.rank} could not close its process group: {reply.body['error']}")
         self.regroup_needed = True
-        return [r.rank for r in idle]
+        return aborted + [r.rank for r in idle]
+
+    def _abort(self, waiting: list[int], blocked: dict[int, str]) -> list[int]:
+        """On an NCCL pool, ask the ``waiting`` ranks to abort their process group from their I/O
+        thread (nothing else frees a rank stuck in an NCCL wait or a CUDA sync); the ranks asked."""
+        targets = [r for r in self.ranks.live() if r.rank in waiting]
+        if not targets or not any(r.device.startswith("cuda") for r in self.ranks.live()):
+            return []
+        calls = ", ".join(sorted({blocked.get(r.rank) or "a collective or a CUDA sync" for r in targets}))
+        names = format_ranks([r.rank for r in targets])
+        self.notice(f"rank {names} is blocked in {calls} on NCCL: aborting its process group to free it")
+        self.conn.send(targets, *ABORT({}))
+        self.regroup_needed = True
+        return [r.rank for r in targets]
 
     def regroup(self, pool_dir: Path, on_agent_store: bool, world_size: int, timeout: float) -> bool:
         """A new default process group on every rank, after ranks closed theirs in a release.

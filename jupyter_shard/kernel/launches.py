@@ -2,13 +2,15 @@
 
 The pool's orders are a :class:`~jupyter_shard.env.RankEnv`; around them go what any rank process
 needs (loopback interfaces for gloo and NCCL, unbuffered output, this package on the path, a share
-of the CPU threads).
+of the CPU threads, and :data:`NCCL_KEEP_RANKS_ALIVE`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 from jupyter_shard._curve import CurveKeys
 from jupyter_shard._net import loopback_interface
@@ -16,6 +18,39 @@ from jupyter_shard.env import CHECK_PROTOCOL_VAR, RankEnv, without_pool_variable
 from jupyter_shard.launchers import RankLaunch
 from jupyter_shard.protocol import MAX_FRAME
 from jupyter_shard.spec import LaunchSpec
+
+NCCL_KEEP_RANKS_ALIVE: Mapping[str, str] = MappingProxyType(
+    {
+        # 0: the watchdog only records a collective that passed the process group's timeout (the
+        # group's get_error() says TIMEOUT); the collective goes on and completes when the slow rank
+        # arrives. torch's default, 3, and torchrun's 1 end the whole rank process instead (and 2
+        # aborts the communicators): a checkpoint written by rank 0 while the others wait in
+        # barrier() would kill them, even between cells. The pool's own heartbeats say at once who
+        # waits where, and its escalation aborts a group that is really stuck (torch documents
+        # _abort_process_group for use with this variable at 0).
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+        # 0: the heartbeat monitor thread never ends the process. With 1 (the default) it does so when
+        # the watchdog makes no progress for TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (8 min), which a
+        # device-side assert or a long CUDA sync can cause, and after any timeout dump.
+        "TORCH_NCCL_ENABLE_MONITORING": "0",
+        # 0: no flight-recorder dump on a timeout. With 1 (the default) a timeout on any rank makes
+        # every rank's monitor dump to files in /tmp and then leave its loop, after which (with
+        # monitoring on) it ends the process; the pool's %dist_stacks and heartbeats cover the need.
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+        # 1000: after finding a failed or timed-out collective the watchdog sleeps four times this
+        # (default 15000 ms: a minute) to let dumps finish, holding the lock every new collective
+        # takes; with no dump to wait for, 4 s.
+        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000",
+        # 0: a CUDA error seen by the watchdog (a device-side assert in the cell) ends the watchdog
+        # thread with a log line instead of terminating the rank from it; the cell's own error says
+        # what happened, and the rank stays up to answer %dist_status and %dist_stacks until
+        # %dist_restart replaces it (a CUDA error of that kind lasts for the life of the process).
+        "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+    }
+)
+"""NCCL settings that keep a rank alive through a slow collective or a CUDA error; the names and
+defaults are torch's (``torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp``). A value already in the
+kernel's environment wins. They matter only to ranks with an NCCL group; CPU ranks ignore them."""
 
 
 def rank_launch(
@@ -69,7 +104,8 @@ def rank_launch(
     )
     env.update(orders.to_env())
     per_host = spec.nproc  # ranks sharing this rank's machine
-    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # as torchrun sets it
+    for name, value in NCCL_KEEP_RANKS_ALIVE.items():
+        env.setdefault(name, value)
     # Rich (Lightning's default progress bar) redraws live only on a terminal; a cell shows its
     # redraws as one live line per rank, as it does tqdm's.
     env.setdefault("TTY_COMPATIBLE", "1")

@@ -9,6 +9,12 @@
 Each socket signs with its own :class:`Wire`, so each has its own growing ``seq``. ``done`` carries
 how many messages the I/O thread had been given (``io_count``), and the kernel waits for those
 before it finishes the cell: output is never reported after the cell it belongs to.
+
+The I/O thread must outlive anything the main thread's device does: after a device-side assert
+every CUDA call raises, the heartbeat's memory probe and a metrics flush among them. Each part of
+its loop (a flusher, the heartbeat, a send, a request handler) is therefore guarded on its own: a
+failure is reported once (:meth:`Channel.report`: the traceback to the rank's log, one line to the
+kernel) and the loop goes on, so the rank keeps answering instead of looking stuck.
 """
 
 from __future__ import annotations
@@ -21,14 +27,15 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import zmq
 
 from jupyter_shard._curve import secure_client
-from jupyter_shard.messages import Outgoing
-from jupyter_shard.protocol import KERNEL, MAX_FRAME, Message, ProtocolError, Wire
+from jupyter_shard.messages import STREAM, Outgoing
+from jupyter_shard.protocol import KERNEL, MAX_FRAME, TEXT_ERRORS, Message, ProtocolError, Wire
 
 FLUSH_INTERVAL = 0.05
 HEARTBEAT_INTERVAL = 1.0
@@ -116,6 +123,7 @@ class Channel:
         self.io_handlers: dict[str, Handler] = {}  # built by ``messages.handler_table("rank.io", ...)``
         self.flushers: list[Callable[[], None]] = []
         self.heartbeat: Callable[[], Outgoing] | None = None  # the periodic heartbeat message
+        self._reported: set[str] = set()  # the parts whose failure has been reported
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="jupyter_shard-io", daemon=True)
 
@@ -124,9 +132,13 @@ class Channel:
 
     def flush(self) -> int:
         """Queue all buffered output; returns how many messages have been queued so far (``done``'s
-        ``io_count``: the kernel counts what it receives)."""
-        for flush in self.flushers:
-            flush()
+        ``io_count``: the kernel counts what it receives). A flusher that fails is reported, and
+        the others still run, so a cell's ``done`` always goes out."""
+        for flush in list(self.flushers):
+            try:
+                flush()
+            except Exception as exc:
+                self.report(f"flushing {getattr(flush, '__qualname__', 'output')}", exc)
         return self._count
 
     def send(self, msg_type: str, body: Mapping[str, Any], buffers: list[bytes] | None = None) -> None:
@@ -145,6 +157,27 @@ class Channel:
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"x")
 
+    def report(self, what: str, exc: BaseException) -> None:
+        """Say once per ``what`` that it failed: the traceback to the rank's log, a line to the kernel.
+
+        Safe from any thread; what reports must not itself depend on the part that failed, so the
+        line is queued as a message of its own rather than written to ``sys.stderr``.
+        """
+        if what in self._reported:
+            return
+        self._reported.add(what)
+        line = f"jupyter_shard: {what} failed on this rank ({type(exc).__name__}: {exc}); "
+        line += "its I/O thread goes on, and says this once"
+        if "CUDA error" in str(exc):  # torch's words for a CUDA runtime error
+            line += ". A CUDA error such as a device-side assert stays for the life of the process: "
+            line += "%dist_restart gives fresh ranks"
+        with contextlib.suppress(Exception):
+            traceback.print_exception(exc, file=sys.__stderr__)
+            print(line, file=sys.__stderr__, flush=True)
+        with contextlib.suppress(Exception):
+            data = (line + "\n").encode("utf-8", TEXT_ERRORS)
+            self.enqueue(*STREAM({"cell_id": "", "name": "stderr"}), [data])
+
     def close(self, timeout: float = 2.0) -> None:
         """Send what is queued, then stop the I/O thread."""
         self.flush()
@@ -158,19 +191,30 @@ class Channel:
         poller.register(self._wake_r, zmq.POLLIN)
         next_beat = 0.0
         while True:
-            events = dict(poller.poll(int(FLUSH_INTERVAL * 1000)))
-            if self._wake_r in events:
-                os.read(self._wake_r, 65536)
-            for flush in self.flushers:
-                flush()
-            if self.heartbeat is not None and time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + HEARTBEAT_INTERVAL
-                self.enqueue(*self.heartbeat(), [])
-            self._drain_outbox()
-            if self._sock in events:
-                self._receive()
+            try:
+                events = dict(poller.poll(int(FLUSH_INTERVAL * 1000)))
+                if self._wake_r in events:
+                    os.read(self._wake_r, 65536)
+                self.flush()
+                if self.heartbeat is not None and time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + HEARTBEAT_INTERVAL
+                    self._beat(self.heartbeat)
+                self._drain_outbox()
+                if self._sock in events:
+                    self._receive()
+            except Exception as exc:  # the loop itself (the socket): never a busy loop of failures
+                self.report("the I/O loop", exc)
+                time.sleep(FLUSH_INTERVAL)
             if self._stopped.is_set() and self._outbox.empty():
                 return
+
+    def _beat(self, heartbeat: Callable[[], Outgoing]) -> None:
+        try:
+            msg_type, body = heartbeat()
+        except Exception as exc:
+            self.report("the heartbeat", exc)
+            return
+        self.enqueue(msg_type, body, [])
 
     def _drain_outbox(self) -> None:
         while True:
@@ -178,7 +222,12 @@ class Channel:
                 msg_type, body, buffers = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            self._sock.send_multipart(self.wire.to_socket(msg_type, body, buffers), copy=False)
+            try:
+                frames = self.wire.to_socket(msg_type, body, buffers)
+            except Exception as exc:  # a body that does not serialise: that message is lost
+                self.report(f"sending a {msg_type!r} message", exc)
+                continue
+            self._sock.send_multipart(frames, copy=False)
 
     def _receive(self) -> None:
         while True:
@@ -192,8 +241,11 @@ class Channel:
             handler = self.io_handlers.get(msg.type)
             if handler is None:
                 print(f"jupyter_shard: the I/O thread ignored a {msg.type!r} message", file=sys.__stderr__)
-            else:
+                continue
+            try:
                 handler(msg)
+            except Exception as exc:
+                self.report(f"answering a {msg.type!r} request", exc)
 
 
 def watch_lifeline(fd: int, parent_pid: int) -> None:

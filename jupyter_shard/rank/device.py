@@ -1,14 +1,32 @@
-"""Which torch device and process-group backend a rank uses: one rule for pool ranks and exported scripts.
+"""Which torch device and process-group backend a rank uses, and how values leave it.
 
-A CUDA rank takes the GPU numbered by its local rank and talks NCCL; a CPU rank talks gloo. A rank
-whose GPU is not visible fails at start-up with a line that says how many are.
+One rule for pool ranks and exported scripts: a CUDA rank takes the GPU numbered by its local rank;
+a CPU rank talks gloo. A CUDA rank's group is device-mapped, ``"cpu:gloo,cuda:nccl"``: NCCL for CUDA
+tensors and gloo for CPU tensors, because CPU tensors take part in collectives on GPU ranks too
+(FSDP's CPU-offloaded gradients in ``clip_grad_norm_``, a grad scaler's state, object collectives),
+and an NCCL-only group rejects them. A rank whose GPU is not visible fails at start-up with a line
+that says how many are.
+
+A value pulled into the notebook leaves the rank on the CPU (:func:`dumps_on_host`): unpickling a
+CUDA tensor in the kernel would create a CUDA context there (about 0.5 GiB per GPU, and an error
+where the kernel cannot see that GPU).
 """
 
 from __future__ import annotations
 
-import torch
+import functools
+import io
+import warnings
+from typing import Any
 
-__all__ = ["select_device"]
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+__all__ = ["CUDA_BACKEND", "device_backends", "dumps_on_host", "host_copy", "select_device"]
+
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+_HOST_TYPES = ("cpu", "meta")  # tensors that unpickle anywhere without a device
 
 
 def select_device(rank: int, local_rank: int, device: str, hint: str = "") -> tuple[torch.device, str]:
@@ -22,4 +40,49 @@ def select_device(rank: int, local_rank: int, device: str, hint: str = "") -> tu
             + (f"; {hint}" if hint else "")
         )
     torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cuda", local_rank), CUDA_BACKEND
+
+
+def device_backends(backend: str) -> dict[str, str]:
+    """Device type -> backend, as torch reads a backend string (``"nccl"`` covers CUDA only,
+    ``"gloo"`` CPU and CUDA, ``"cpu:gloo,cuda:nccl"`` what it names); a ``ValueError`` for a list
+    torch cannot read."""
+    return dict(_read_backend(backend))
+
+
+@functools.lru_cache(maxsize=32)
+def _read_backend(backend: str) -> tuple[tuple[str, str], ...]:
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    with warnings.catch_warnings():  # an unknown name: torch warns, and assumes CPU and CUDA
+        warnings.simplefilter("ignore")
+        pairs = BackendConfig(dist.Backend(backend)).get_device_backend_map().items()
+    return tuple((str(device), str(name)) for device, name in pairs)
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``tensor`` without its autograd history; a parameter stays a parameter and
+    ``requires_grad`` is kept, so a pulled module or optimizer state reads as it did on the rank."""
+    copy = tensor.detach().cpu()
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
+    return copy.requires_grad_(tensor.requires_grad)
+
+
+class _HostPickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is untyped
+    """cloudpickle, with every device tensor reached (in containers, modules, optimizer state, any
+    object) pickled as its :func:`host_copy`; the rank's own objects are left as they are."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.device.type not in _HOST_TYPES:
+            return host_copy(obj).__reduce_ex__(self.proto)
+        return super().reducer_override(obj)
+
+
+def dumps_on_host(value: Any, keep_device: bool = False) -> bytes:
+    """``value`` pickled for the kernel: its tensors on the CPU unless ``keep_device``."""
+    if keep_device:
+        return bytes(cloudpickle.dumps(value))
+    buffer = io.BytesIO()
+    _HostPickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(value)
+    return buffer.getvalue()

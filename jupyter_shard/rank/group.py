@@ -9,6 +9,12 @@ does not is a :class:`ValueError` saying what to change. ``destroy_process_group
 closes the group, and a later ``init_process_group`` in the same cell builds a new one on the pool's
 store (every rank counts its rebuilds, so all of them meet under the same key). A cell that ends
 without a group reports it in its ``done``; the kernel rebuilds the group before the next cell.
+
+On CUDA ranks the group is device-mapped (``"cpu:gloo,cuda:nccl"``, see :mod:`.device`) and bound
+to the rank's GPU (``device_id``), so NCCL starts, and fails, at ``init_process_group`` rather than
+in the first collective. Freeing ranks blocked in a collective differs by backend
+(:meth:`PoolGroup.release_steps`), and so does telling that a group is still usable
+(:meth:`PoolGroup.alive`).
 """
 
 from __future__ import annotations
@@ -16,22 +22,57 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
+import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import FileStore, PrefixStore
 
+from jupyter_shard.rank.device import device_backends
+
 _DEVICE_NAMES = {"cpu": "CPU", "cuda": "CUDA GPUs"}
+
+Role = Literal["idle", "blocked"]  # a rank that left the cell, or one still waiting in a collective
+Step = Literal["destroy", "abort", "close"]
+
+# torch's names for the NCCL watchdog's error handling, first set wins, and its default (3: end the
+# process); ProcessGroupNCCL.hpp in torch's include directory documents them.
+_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+_ERROR_HANDLING_DEFAULT = "3"
+
+
+def broken_by(error: str, handling: str) -> bool:
+    """Whether an NCCL group whose watchdog recorded ``error`` (an ``ErrorType`` name) can no longer
+    be used, given ``TORCH_NCCL_ASYNC_ERROR_HANDLING``. With handling 0 (the pool's) a timeout is
+    only recorded: the collective goes on and may still complete, so the group is kept; any other
+    handling aborts the communicators on a timeout (or ends the process). A communication error or
+    one signalled by a peer always leaves the communicators unusable."""
+    if error == "SUCCESS":
+        return False
+    if error == "TIMEOUT":
+        return handling.strip() != "0"
+    return True
 
 
 class PoolGroup:
     """The default process group of this rank and the store it meets on."""
 
-    def __init__(self, backend: str, device_type: str, rank: int, world_size: int, timeout: float) -> None:
+    def __init__(
+        self,
+        backend: str,
+        device_type: str,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        device_id: torch.device | None = None,
+    ) -> None:
         self.backend = backend
         self.device_type = device_type
+        self.device_id = device_id  # a CUDA rank's GPU: the group is bound to it (eager NCCL start)
         self.rank = rank
         self.world_size = world_size
         self.timeout = timedelta(seconds=timeout)
@@ -41,6 +82,7 @@ class PoolGroup:
         self._rebuilds = 0  # groups a cell built after destroying the pool's, since the last build
         self._original_init: Callable[..., None] | None = None
         self._retired: list[Any] = []  # groups a cell destroyed, freed at the next cell (see install)
+        self._abort_lock = threading.Lock()
 
     # -- built by the pool --------------------------------------------------------------------------
 
@@ -56,17 +98,79 @@ class PoolGroup:
         self.free_retired()
         if dist.is_initialized():
             with contextlib.suppress(Exception):  # a group broken by a release: drop it anyway
-                dist.destroy_process_group()
+                if "abort" in self.release_steps(self.backend, "idle"):
+                    self.abort()  # NCCL's destroy waits for pending kernels, which may never end
+                else:
+                    dist.destroy_process_group()
         self._store, self._rebuilds = store, 0
         self._init(store)
 
     def _init(self, store: Any) -> None:
         init = self._original_init or dist.init_process_group
-        init(self.backend, store=store, rank=self.rank, world_size=self.world_size, timeout=self.timeout)
+        init(self.backend, store=store, **self.init_options())
+
+    def init_options(self) -> dict[str, Any]:
+        """The pool's ``init_process_group`` arguments besides backend and store."""
+        options: dict[str, Any] = {"rank": self.rank, "world_size": self.world_size, "timeout": self.timeout}
+        if self.device_id is not None:
+            options["device_id"] = self.device_id
+        return options
+
+    def alive(self) -> bool:
+        """Whether this rank still has a usable default group: one no cell destroyed and no release
+        aborted, and on NCCL one whose watchdog has not found it broken (:func:`broken_by`)."""
+        if not dist.is_initialized():
+            return False
+        return not broken_by(self._nccl_error(), self._error_handling())
+
+    def _nccl_error(self) -> str:
+        """The NCCL backend's recorded error (``Backend.get_error``), or "SUCCESS" where there is
+        none to ask: gloo does not record one, and a torch built without NCCL has no such call."""
+        if "nccl" not in device_backends(self.backend).values():
+            return "SUCCESS"
+        try:
+            backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
+            return str(backend.get_error().name)
+        except Exception:
+            return "SUCCESS"
 
     @staticmethod
-    def alive() -> bool:
-        return bool(dist.is_initialized())
+    def _error_handling() -> str:
+        for name in _ERROR_HANDLING_VARS:
+            if os.environ.get(name):
+                return os.environ[name]
+        return _ERROR_HANDLING_DEFAULT
+
+    # -- freeing ranks blocked in a collective ----------------------------------------------------
+
+    @staticmethod
+    def release_steps(backend: str, role: Role) -> tuple[Step, ...]:
+        """What a rank does to free ranks blocked in a collective, by backend and by its ``role``.
+
+        - gloo: an idle rank destroys its group and shuts down its TCP connections to the other ranks,
+          so a peer's collective fails at once ("Connection closed by peer"); a blocked rank can do
+          nothing for itself (torch's abort does not end a local gloo collective waiting on a peer).
+        - nccl: every rank aborts its communicators (``ncclCommAbort`` stops their kernels, where
+          ``destroy_process_group`` would wait for them); a blocked rank does so from its I/O thread,
+          its main thread being stuck in a CUDA sync or an NCCL wait.
+        - ``cpu:gloo,cuda:nccl``: both: the abort for the NCCL part, and the idle ranks' connections
+          shut down for the gloo part (torch's abort leaves gloo as it is).
+        """
+        backends = set(device_backends(backend).values())
+        nccl, gloo = "nccl" in backends, "gloo" in backends
+        if role == "blocked":
+            return ("abort",) if nccl else ()
+        first: tuple[Step, ...] = ("abort",) if nccl else ("destroy",)
+        return first + (("close",) if gloo else ())
+
+    def abort(self) -> bool:
+        """Abort every process group of this rank (torch's ``_abort_process_group``), from any thread;
+        False when there was none. The kernel rebuilds the group before the next cell."""
+        with self._abort_lock:  # the I/O thread's abort and a release or regroup may meet
+            if not dist.is_initialized():
+                return False
+            dist.distributed_c10d._abort_process_group()
+            return True
 
     # -- what a cell's own calls do ---------------------------------------------------------------
 
@@ -124,11 +228,16 @@ class PoolGroup:
         if backend and not self._backend_matches(str(backend)):
             where = _DEVICE_NAMES.get(self.device_type, self.device_type)
             other = "--device cuda" if self.device_type == "cpu" else "--device cpu"
+            mine = self._own_backend()
+            uses = mine if mine == self.backend else f'{mine} (and gloo for CPU tensors: "{self.backend}")'
             return (
                 f'init_process_group(backend="{backend}"): this pool\'s ranks run on {where}, where its '
-                f'process group uses {self.backend}. Pass backend="{self.backend}" or leave backend out, '
+                f'process group uses {uses}. Pass backend="{mine}" or leave backend out, '
                 f"or start the pool with %%distributed {other}"
             )
+        device_id = self._device_id_mismatch(arguments.get("device_id"))
+        if device_id:
+            return device_id
         world_size = int(arguments.get("world_size", -1))
         if world_size not in (-1, self.world_size):
             return (
@@ -144,10 +253,42 @@ class PoolGroup:
             )
         return ""
 
+    def _own_backend(self) -> str:
+        """The backend this pool's group uses for its ranks' own device (nccl on CUDA, gloo on CPU)."""
+        return device_backends(self.backend).get(self.device_type, self.backend)
+
     def _backend_matches(self, backend: str) -> bool:
-        """``gloo``, or a ``device:backend`` list whose entry for this pool's device is its backend."""
-        wanted = backend.lower()
-        if ":" not in wanted:
-            return wanted == self.backend
-        pairs = dict(part.split(":", 1) for part in wanted.split(",") if ":" in part)
-        return pairs.get(self.device_type, self.backend) == self.backend
+        """Whether ``backend`` names one for this pool's device, and the pool's backend for every
+        device its ranks use (CPU, and CUDA on a CUDA pool): ``nccl`` or ``cpu:gloo,cuda:nccl`` on
+        CUDA, ``gloo`` on CPU."""
+        try:
+            wanted = device_backends(backend)
+        except ValueError:  # not a device:backend list torch can read
+            return False
+        mine = device_backends(self.backend)
+        used = {self.device_type, "cpu"}
+        return self.device_type in wanted and all(wanted[d] == mine.get(d) for d in used & set(wanted))
+
+    def _device_id_mismatch(self, device_id: object) -> str:
+        if device_id is None:
+            return ""
+        try:
+            given = (
+                torch.device("cuda", device_id)
+                if isinstance(device_id, int)
+                else torch.device(str(device_id))
+            )
+        except (RuntimeError, ValueError):
+            return f'init_process_group(device_id={device_id!r}): not a device; pass torch.device("cuda", k)'
+        if self.device_id is None:
+            return (
+                f"init_process_group(device_id={given}): this pool's ranks run on CPU. Leave device_id out, "
+                "or start the pool with %%distributed --device cuda"
+            )
+        if given != self.device_id:
+            return (
+                f"init_process_group(device_id={given}) on rank {self.rank}: this rank's GPU is "
+                f'{self.device_id}. Leave device_id out, or pass torch.device("cuda", '
+                'int(os.environ["LOCAL_RANK"]))'
+            )
+        return ""

@@ -32,13 +32,14 @@ if TYPE_CHECKING:
 
 
 class CellState:
-    """What the main thread is doing, readable from the I/O thread."""
+    """What the main thread is doing, and its process group, readable from the I/O thread."""
 
     def __init__(self) -> None:
         self.executing = False
         self.cell_id = ""
         self.cell_head = ""
         self.started = 0.0
+        self.group: PoolGroup | None = None  # once built; the I/O thread aborts it on an NCCL pool
 
     def begin(self, cell_id: str, code: str) -> None:
         self.cell_id = cell_id
@@ -145,7 +146,9 @@ class Runner:
         self.sock.send(*PUSH_REPLY(reply))
 
     def pull(self, msg: Message) -> None:
-        import cloudpickle
+        """A copy of a variable for the kernel, its tensors on the CPU (the kernel must not create a
+        CUDA context to read it) unless the request keeps them on the device."""
+        from jupyter_shard.rank.device import dumps_on_host
 
         name = str(msg.body["name"])
         reply: OutcomeReply = {"req_id": str(msg.body["req_id"]), "ok": False, "error": ""}
@@ -162,7 +165,7 @@ class Runner:
                 self.sock.send(*PULL_REPLY(reply))
                 return
             try:
-                data = cloudpickle.dumps(value)
+                data = dumps_on_host(value, keep_device=bool(msg.body.get("device", False)))
                 if len(data) > MAX_FRAME:
                     reply["error"] = (
                         f"{name!r} is {len(data) / 2**20:.0f} MiB pickled, over the "
@@ -188,22 +191,31 @@ class Runner:
 
         A gloo collective waiting on a peer that has left the cell neither times out early nor sees
         SIGINT; closing the peer's connections makes it raise "Connection closed by peer" at once.
+        An NCCL group is aborted instead of destroyed: destroying it would wait for its pending
+        kernels (:meth:`~jupyter_shard.rank.group.PoolGroup.release_steps` says which, by backend).
         """
         import torch.distributed as dist
 
+        steps = self.group.release_steps(self.group.backend, "idle")
         error = ""
         try:
-            if dist.is_initialized():
+            if "abort" in steps:
+                self.group.abort()
+            elif dist.is_initialized():
                 dist.destroy_process_group()
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-        # The group's sockets close only with its last reference, which torch itself may keep (seen
-        # after autograd steps); shutting down the connections to the other ranks frees them anyway.
-        pids = [int(pid) for pid in msg.body.get("peers", [])]
-        hosts = [str(h) for h in msg.body.get("peer_hosts", [])] or [""] * len(pids)
-        here = socket.gethostname()
-        # Only processes on this machine can be looked up; ranks elsewhere fall back to the kill.
-        closed = _shut_down_connections_to([p for p, h in zip(pids, hosts, strict=False) if h in ("", here)])
+        closed = 0
+        if "close" in steps:
+            # The group's sockets close only with its last reference, which torch itself may keep
+            # (seen after autograd steps); shutting down the connections to the other ranks frees them.
+            pids = [int(pid) for pid in msg.body.get("peers", [])]
+            hosts = [str(h) for h in msg.body.get("peer_hosts", [])] or [""] * len(pids)
+            here = socket.gethostname()
+            # Only processes on this machine can be looked up; ranks elsewhere fall back to the kill.
+            closed = _shut_down_connections_to(
+                [p for p, h in zip(pids, hosts, strict=False) if h in ("", here)]
+            )
         req_id = str(msg.body["req_id"])
         self.sock.send(*RELEASE_REPLY({"req_id": req_id, "ok": not error, "error": error, "closed": closed}))
 

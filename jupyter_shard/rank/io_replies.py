@@ -1,6 +1,14 @@
 """What a rank's I/O thread answers while the main thread may be busy in a cell: its stacks, its
-status (the heartbeat's body, on request), and signals from a kernel that cannot send them itself.
-These run on the I/O thread, so they answer even when a cell is blocked in a collective."""
+status (the heartbeat's body, on request), signals from a kernel that cannot send them itself, and
+the abort of an NCCL group the main thread is blocked in. These run on the I/O thread, so they
+answer even when a cell is blocked in a collective or a CUDA sync.
+
+The heartbeat's collective is read from the main thread's Python frames (torch.distributed's own
+functions). A rank blocked in a CUDA sync (``loss.item()``, an optimizer step waiting on an NCCL
+kernel) shows none, and torch offers no cheap, thread-safe way to ask whether NCCL work is pending
+(its flight recorder queries CUDA events, which can block behind the main thread's sync); the
+kernel's escalation treats a rank that lets SIGINT pass as blocked instead.
+"""
 
 from __future__ import annotations
 
@@ -34,9 +42,36 @@ def serve_io(channel: Channel, state: CellState) -> None:
             "stacks": lambda msg: _reply_stacks(channel, msg),
             "status": lambda msg: _reply_status(channel, msg, state),
             "signal": _signal_self,
+            "abort": lambda msg: _abort_group(channel, state),
         },
     )
-    channel.heartbeat = lambda: HEARTBEAT(_status_body(state))
+    channel.heartbeat = lambda: HEARTBEAT(_status_body(channel, state))
+
+
+def _abort_group(channel: Channel, state: CellState) -> None:
+    """Abort this rank's process group for the kernel, when its backend frees a blocked rank that
+    way (NCCL: :meth:`~jupyter_shard.rank.group.PoolGroup.release_steps`); on gloo it does nothing.
+
+    The abort runs on a thread of its own: ``ncclCommAbort`` can take a while, and the I/O thread
+    must go on answering (a rank whose abort hangs is killed by the kernel's next step).
+    """
+    group = state.group
+    if group is None or "abort" not in group.release_steps(group.backend, "blocked"):
+        return
+
+    def abort() -> None:
+        try:
+            if group.abort():
+                print(
+                    "jupyter_shard: aborted this rank's process group (NCCL) for the kernel, to end the "
+                    "collective or CUDA sync it was blocked in; the next cell gets a new group",
+                    file=sys.__stderr__,
+                    flush=True,
+                )
+        except Exception as exc:
+            channel.report("aborting the process group", exc)
+
+    threading.Thread(target=abort, name="jupyter_shard-abort", daemon=True).start()
 
 
 def _signal_self(msg: Message) -> None:
@@ -61,15 +96,22 @@ def _reply_stacks(channel: Channel, msg: Message) -> None:
     channel.enqueue(*STACKS_REPLY({"req_id": str(msg.body["req_id"]), "stacks": stacks}), [])
 
 
-def _status_body(state: CellState) -> HeartbeatBody:
+def _status_body(channel: Channel, state: CellState) -> HeartbeatBody:
+    """The heartbeat: it goes out even when the device's memory probe fails (without the CUDA
+    figures, the failure reported once), so a rank after a device-side assert still looks alive."""
     from jupyter_shard.rank.shard import current, memory_report
 
     helper = current()
+    try:
+        memory = memory_report(helper.device if helper else None)
+    except Exception as exc:
+        channel.report("the heartbeat's memory probe", exc)
+        memory = memory_report(None)
     return {
         "executing": state.executing,
         "cell": state.cell_head,
         "running_for": time.time() - state.started if state.executing else 0.0,
-        "memory": memory_report(helper.device if helper else None),
+        "memory": memory,
         "step": helper.global_step if helper else 0,
         "collective": current_collective() if state.executing else "",
     }
@@ -90,4 +132,4 @@ def current_collective() -> str:
 
 
 def _reply_status(channel: Channel, msg: Message, state: CellState) -> None:
-    channel.enqueue(*STATUS_REPLY({"req_id": str(msg.body["req_id"]), **_status_body(state)}), [])
+    channel.enqueue(*STATUS_REPLY({"req_id": str(msg.body["req_id"]), **_status_body(channel, state)}), [])

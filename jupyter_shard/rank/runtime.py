@@ -86,7 +86,10 @@ def _start_up(env: RankEnv, channel: Channel, shell_sock: ShellSocket, state: Ce
 
     rank, local_rank, world_size = env.rank, env.local_rank, env.world_size
     device, backend = select_device(rank, local_rank, env.device)
-    group = PoolGroup(backend, device.type, rank, world_size, env.timeout)
+    # A CUDA rank's group is bound to its GPU: NCCL starts (and fails) here, not in the first collective.
+    device_id = device if device.type == "cuda" else None
+    group = PoolGroup(backend, device.type, rank, world_size, env.timeout, device_id=device_id)
+    state.group = group
     if env.store is not None:
         group.build_on_file(env.store)
     else:  # started by torchrun: its store (c10d rendezvous), a prefix per process group

@@ -29,7 +29,7 @@ from jupyter_shard.rank.handlers import CellState, Runner
 from jupyter_shard.rank.io_replies import serve_io
 
 KERNEL_RECEIVES = {"ready", "heartbeat", "startup_failed", "stream", "display", "result", "done", "metrics"}
-RANK_IO_SERVES = {"stacks", "status", "signal"}
+RANK_IO_SERVES = {"stacks", "status", "signal", "abort"}
 
 
 def _done(**changes: Any) -> dict[str, Any]:

@@ -1,20 +1,28 @@
 """jupyter_shard.rank.group: a cell's own init_process_group / destroy_process_group against the pool's
-group, in one process (world size 1, gloo on a FileStore)."""
+group, in one process (world size 1, gloo on a FileStore); which way each backend frees a blocked
+rank and when a group counts as broken; the NCCL settings every rank starts with."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import BackendConfig
 
-from jupyter_shard.rank.group import PoolGroup
+from jupyter_shard.kernel.launches import NCCL_KEEP_RANKS_ALIVE, rank_launch
+from jupyter_shard.rank.device import CUDA_BACKEND, device_backends
+from jupyter_shard.rank.group import PoolGroup, broken_by
+from jupyter_shard.spec import LaunchSpec
 
 
 def _group(device_type: str = "cpu", world_size: int = 2, rank: int = 0) -> PoolGroup:
-    return PoolGroup("gloo" if device_type == "cpu" else "nccl", device_type, rank, world_size, 30.0)
+    if device_type == "cpu":
+        return PoolGroup("gloo", "cpu", rank, world_size, 30.0)
+    return PoolGroup(CUDA_BACKEND, "cuda", rank, world_size, 30.0, device_id=torch.device("cuda", rank))
 
 
 @pytest.mark.parametrize(
@@ -25,6 +33,9 @@ def _group(device_type: str = "cpu", world_size: int = 2, rank: int = 0) -> Pool
         ({"backend": "GLOO"}, "cpu", ""),
         ({"backend": "cpu:gloo,cuda:nccl"}, "cpu", ""),
         ({"backend": "cpu:gloo,cuda:nccl"}, "cuda", ""),
+        ({"backend": "nccl"}, "cuda", ""),  # a torchrun script's own: NCCL for its CUDA tensors
+        ({"backend": "NCCL", "device_id": torch.device("cuda", 0)}, "cuda", ""),
+        ({"backend": "cuda:nccl,cpu:gloo", "device_id": 0}, "cuda", ""),
         (
             {"backend": "nccl"},
             "cpu",
@@ -36,8 +47,34 @@ def _group(device_type: str = "cpu", world_size: int = 2, rank: int = 0) -> Pool
             {"backend": "gloo"},
             "cuda",
             'init_process_group(backend="gloo"): this pool\'s ranks run on CUDA GPUs, where its process '
-            'group uses nccl. Pass backend="nccl" or leave backend out, or start the pool with %%distributed '
-            "--device cpu",
+            'group uses nccl (and gloo for CPU tensors: "cpu:gloo,cuda:nccl"). Pass backend="nccl" or leave '
+            "backend out, or start the pool with %%distributed --device cpu",
+        ),
+        (
+            {"backend": "cuda:gloo"},
+            "cuda",
+            'init_process_group(backend="cuda:gloo"): this pool\'s ranks run on CUDA GPUs, where its process '
+            'group uses nccl (and gloo for CPU tensors: "cpu:gloo,cuda:nccl"). Pass backend="nccl" or leave '
+            "backend out, or start the pool with %%distributed --device cpu",
+        ),
+        (
+            {"backend": "cpu:gloo:nccl"},
+            "cpu",
+            'init_process_group(backend="cpu:gloo:nccl"): this pool\'s ranks run on CPU, where its process '
+            'group uses gloo. Pass backend="gloo" or leave backend out, or start the pool with %%distributed '
+            "--device cuda",
+        ),
+        (
+            {"device_id": torch.device("cuda", 1)},
+            "cuda",
+            "init_process_group(device_id=cuda:1) on rank 0: this rank's GPU is cuda:0. Leave device_id "
+            'out, or pass torch.device("cuda", int(os.environ["LOCAL_RANK"]))',
+        ),
+        (
+            {"device_id": 0},
+            "cpu",
+            "init_process_group(device_id=cuda:0): this pool's ranks run on CPU. Leave device_id out, or "
+            "start the pool with %%distributed --device cuda",
         ),
         (
             {"world_size": 4},
@@ -105,3 +142,90 @@ def test_a_rebuild_by_the_pool_replaces_a_live_group(solo: PoolGroup, tmp_path: 
     first = dist.GroupMember.WORLD
     solo.build_on_file(str(tmp_path / "store-1"))
     assert solo.alive() and dist.GroupMember.WORLD is not first
+
+
+def test_a_cuda_group_is_device_mapped_and_bound_to_the_rank_gpu() -> None:
+    cuda = _group("cuda", rank=1)
+    assert cuda.backend == "cpu:gloo,cuda:nccl"
+    assert cuda.init_options()["device_id"] == torch.device("cuda", 1)
+    assert "device_id" not in _group("cpu").init_options()  # gloo: nothing to bind
+    # torch's own reading of the backend string: NCCL for CUDA tensors, gloo for CPU tensors
+    assert device_backends(cuda.backend) == dict(BackendConfig(dist.Backend(cuda.backend)).device_backend_map)
+    assert device_backends(cuda.backend) == {"cpu": "gloo", "cuda": "nccl"}
+    assert device_backends("nccl") == {"cuda": "nccl"}
+
+
+@pytest.mark.parametrize(
+    ("backend", "idle", "blocked"),
+    [
+        ("gloo", ("destroy", "close"), ()),  # today's release: a local abort frees no gloo collective
+        ("nccl", ("abort",), ("abort",)),
+        ("cpu:gloo,cuda:nccl", ("abort", "close"), ("abort",)),
+    ],
+)
+def test_each_backend_frees_a_blocked_rank_its_own_way(
+    backend: str, idle: tuple[str, ...], blocked: tuple[str, ...]
+) -> None:
+    assert PoolGroup.release_steps(backend, "idle") == idle
+    assert PoolGroup.release_steps(backend, "blocked") == blocked
+
+
+@pytest.mark.parametrize(
+    ("error", "handling", "broken"),
+    [
+        ("SUCCESS", "0", False),
+        ("TIMEOUT", "0", False),  # only recorded: the slow collective goes on
+        ("TIMEOUT", "2", True),  # the watchdog aborted the communicators
+        ("COMM_ERROR", "0", True),
+        ("REMOTE_ERROR", "0", True),
+    ],
+)
+def test_a_group_is_broken_by_what_the_watchdog_recorded(error: str, handling: str, broken: bool) -> None:
+    assert error in torch._C._distributed_c10d.ErrorType.__members__  # torch's own names
+    assert broken_by(error, handling) is broken
+
+
+def test_an_aborted_group_is_not_alive_and_is_rebuilt(solo: PoolGroup, tmp_path: Path) -> None:
+    assert solo.alive()
+    aborted: list[bool] = []
+    worker = threading.Thread(target=lambda: aborted.append(solo.abort()))  # as the I/O thread does
+    worker.start()
+    worker.join()
+    assert aborted == [True] and not solo.alive() and not dist.is_initialized()
+    assert solo.abort() is False  # nothing left to abort
+    solo.build_on_file(str(tmp_path / "store-1"))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert solo.alive() and t.item() == 1.0
+
+
+def test_every_rank_starts_with_the_nccl_settings_that_keep_it_alive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    header = Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp"
+    if header.is_file():  # torch documents each variable it reads there
+        declared = header.read_text()
+        assert all(f'"{name}"' in declared for name in NCCL_KEEP_RANKS_ALIVE)
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")  # the user's own value wins
+
+    def env_of(rank: int) -> dict[str, str]:
+        return rank_launch(
+            LaunchSpec.create(nproc=2, device="cpu"),
+            rank,
+            address="ipc:///nowhere",
+            key=b"k" * 32,
+            lifeline_fd=3,
+            master_port=29400,
+            curve=None,
+            pool_dir=tmp_path,
+            log_dir=tmp_path,
+        ).env
+
+    for rank in (0, 1):
+        env = env_of(rank)
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"  # a slow collective never ends a rank
+        assert env["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+        assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+        assert {k: env[k] for k in NCCL_KEEP_RANKS_ALIVE if k != "TORCH_NCCL_DUMP_ON_TIMEOUT"} == {
+            k: v for k, v in NCCL_KEEP_RANKS_ALIVE.items() if k != "TORCH_NCCL_DUMP_ON_TIMEOUT"
+        }

@@ -1,0 +1,86 @@
+"""jupyter_shard.rank.device: the device and backend a rank takes, and values pickled for the kernel.
+
+Only CPU tensors exist here, so what is checked is what a pulled value keeps on the way: the copy
+:func:`host_copy` makes (detached, a parameter still a parameter, ``requires_grad`` kept) and a
+:func:`dumps_on_host` round trip of containers, modules, arrays and plain objects. That a CUDA tensor
+comes back on the CPU, with no CUDA context in the kernel, is tests/gpu/test_cuda_pool.py's.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import OrderedDict, namedtuple
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from jupyter_shard.rank.device import CUDA_BACKEND, dumps_on_host, host_copy, select_device
+
+Point = namedtuple("Point", "x y")
+
+
+def test_a_cpu_rank_talks_gloo_and_a_missing_gpu_says_how_many_are_visible() -> None:
+    assert select_device(0, 0, "cpu") == (torch.device("cpu"), "gloo")
+    n = torch.cuda.device_count()
+    with pytest.raises(RuntimeError, match=rf"rank 3 needs CUDA device {n} but {n} are visible; start fewer"):
+        select_device(3, n, "cuda", "start fewer ranks")
+    assert CUDA_BACKEND == "cpu:gloo,cuda:nccl"
+
+
+def test_host_copy_detaches_and_keeps_what_the_tensor_was() -> None:
+    weight = torch.nn.Parameter(torch.randn(3, 2))
+    copy = host_copy(weight)
+    assert type(copy) is torch.nn.Parameter and copy.requires_grad and copy.is_leaf
+    assert copy.device.type == "cpu" and torch.equal(copy, weight)
+
+    activation = weight * 2  # a non-leaf with autograd history
+    copy = host_copy(activation)
+    assert copy.grad_fn is None and copy.requires_grad and torch.equal(copy, activation)
+
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    assert not host_copy(frozen).requires_grad
+    steps = torch.arange(4)
+    assert host_copy(steps).dtype == torch.int64 and not host_copy(steps).requires_grad
+
+
+def _round_trip(value: Any) -> Any:
+    return pickle.loads(dumps_on_host(value))
+
+
+def test_containers_arrays_and_plain_values_come_back_equal() -> None:
+    value: dict[str, Any] = {
+        "loss": torch.tensor(0.25),
+        "history": [torch.ones(2), (torch.zeros(1), "step", 3)],
+        "ordered": OrderedDict(b=torch.arange(3), a=np.arange(4.0)),
+        "point": Point(torch.tensor([1.0]), None),
+        "scale": 1.5,
+    }
+    back = _round_trip(value)
+    assert back.keys() == value.keys() and list(back["ordered"]) == ["b", "a"]
+    assert torch.equal(back["loss"], value["loss"]) and back["scale"] == 1.5
+    assert torch.equal(back["history"][0], value["history"][0]) and back["history"][1][1:] == ("step", 3)
+    assert isinstance(back["ordered"], OrderedDict) and np.array_equal(back["ordered"]["a"], np.arange(4.0))
+    assert isinstance(back["point"], Point) and back["point"].y is None
+
+
+def test_a_module_comes_back_with_its_parameters_and_the_original_is_untouched() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    back = _round_trip(model)
+    assert isinstance(back, torch.nn.Sequential)
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in before.items())
+    assert all(isinstance(p, torch.nn.Parameter) for p in back.parameters())
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_shared_tensors_stay_shared_and_cloudpickle_objects_still_pickle() -> None:
+    shared = torch.ones(2)
+    back = _round_trip([shared, shared, lambda x: x + 1])  # cloudpickle: functions by value
+    assert back[0] is back[1] and back[2](1) == 2
+
+
+def test_keep_device_is_plain_cloudpickle() -> None:
+    value = {"w": torch.randn(2, 2)}
+    assert torch.equal(pickle.loads(dumps_on_host(value, keep_device=True))["w"], value["w"])
