@@ -71,7 +71,12 @@ def start(
         rank, local_rank, device, "start as many ranks per node as it has GPUs (torchrun --nproc-per-node)"
     )
     dist.init_process_group(
-        backend, init_method="env://", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout),
+        device_id=where if where.type == "cuda" else None,  # NCCL starts (and fails) here
     )
     metrics = _MetricsFile(_metrics_path(rank))
     helper = _ScriptShard(rank, local_rank, world_size, where, strategy, metrics, options)

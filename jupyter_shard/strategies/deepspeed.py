@@ -87,7 +87,7 @@ class DeepSpeedStrategy(StrategyBase):
         if self.stage != 3:
             return super().init_module()
         ds = import_deepspeed(self.ctx.device)
-        ds.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+        ds.init_distributed(dist_backend=self._backend(), auto_mpi_discovery=False)
         init: contextlib.AbstractContextManager[Any] = ds.zero.Init(config_dict_or_path=self.config)
         return _yielding_none(init)
 
@@ -103,7 +103,7 @@ class DeepSpeedStrategy(StrategyBase):
             )
             optimizer = None
         ds = import_deepspeed(self.ctx.device)
-        ds.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+        ds.init_distributed(dist_backend=self._backend(), auto_mpi_discovery=False)
         if "activation_checkpointing" in self.config:
             ds.checkpointing.configure(None, deepspeed_config=self.config)
         checkpointed = self.config.pop("checkpoint_modules", None) or self.options.get(
@@ -139,6 +139,11 @@ class DeepSpeedStrategy(StrategyBase):
         for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
             if self.config.get(name, {}).get("enabled", False):
                 _autocast_forward(engine, self.ctx.device.type, dtype)
+
+    def _backend(self) -> str:
+        """The backend DeepSpeed records for the pool's group (which exists already): its plain name,
+        not the device-mapped ``cpu:gloo,cuda:nccl`` a CUDA pool's group reports."""
+        return "nccl" if self.ctx.device.type == "cuda" else "gloo"
 
     @property
     def stage(self) -> int:
