@@ -8,7 +8,6 @@ this module starts a process or imports torch.
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -18,6 +17,14 @@ from typing import Any
 
 from jupyter_shard._plugins import entry_point_map
 from jupyter_shard.errors import SpecError
+from jupyter_shard.gpus import (
+    check_visible,
+    format_gpus,
+    gpu_option_text,
+    parse_gpu_option,
+    rank_visible_devices,
+    visible_devices,
+)
 from jupyter_shard.strategies import available_strategies
 
 __all__ = [
@@ -94,24 +101,9 @@ def _launcher_name(name: str) -> str:
 
 
 def visible_gpus() -> int:
-    """Count CUDA devices without importing torch or creating a CUDA context in the kernel."""
-    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if cvd is not None:
-        entries = []
-        for entry in (e.strip() for e in cvd.split(",")):
-            if not entry or entry.startswith("-"):
-                break  # CUDA ignores every device after an invalid one
-            entries.append(entry)
-        return len(entries) if _nvidia_devices() else 0
-    return _nvidia_devices()
-
-
-def _nvidia_devices() -> int:
-    try:
-        names = os.listdir("/dev")
-    except OSError:
-        return 0
-    return sum(1 for n in names if re.fullmatch(r"nvidia\d+", n))
+    """How many CUDA devices the kernel sees (its ``CUDA_VISIBLE_DEVICES`` honoured), without
+    importing torch or creating a CUDA context; see :func:`jupyter_shard.gpus.visible_devices`."""
+    return len(visible_devices())
 
 
 _RANK_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -186,6 +178,9 @@ class LaunchSpec:
     clip_grad_norm: float | None = None
     env: tuple[tuple[str, str], ...] = field(default=())
     launcher_options: LauncherOptions = field(default_factory=LauncherOptions)
+    gpus: tuple[int, ...] | None = None
+    """The devices chosen with ``--gpus 0,2``, numbered as the kernel sees them; None: the first
+    ``nproc`` (a CUDA pool: ``--gpus 0,1`` is ``--gpus 2``) or none (a CPU pool)."""
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -206,6 +201,16 @@ class LaunchSpec:
             raise SpecError(f"--clip-grad-norm {self.clip_grad_norm:g} is not valid; give a norm above 0")
         if self.device is Device.AUTO:
             raise SpecError("resolve device 'auto' with LaunchSpec.create before building a spec")
+        if self.gpus is not None and (
+            self.device is not Device.CUDA
+            or len(self.gpus) != self.nproc
+            or len(set(self.gpus)) != len(self.gpus)
+            or min(self.gpus, default=-1) < 0
+        ):
+            raise SpecError(
+                f"GPUs {self.gpus} do not fit {self.nproc} {self.device.value} rank(s); "
+                "give one distinct device per CUDA rank (--gpus 0,2)"
+            )
         self.launcher_options.check(self.nodes)
 
     @property
@@ -218,11 +223,25 @@ class LaunchSpec:
         """Whether ranks dial back over TCP (a launcher other than ``local``)."""
         return self.launcher != "local"
 
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """The GPUs of this machine the local ranks use, numbered as the kernel sees them (rank k
+        gets the k-th); empty for CPU ranks and for ranks that a node agent places."""
+        if self.device is not Device.CUDA or self.multi_node:
+            return ()
+        return self.gpus if self.gpus is not None else tuple(range(self.nproc))
+
+    def rank_visible_devices(self, kernel_value: str | None) -> str | None:
+        """``CUDA_VISIBLE_DEVICES`` for the local ranks: the chosen devices' physical ids, mapped
+        through the kernel's own ``kernel_value``, so rank k's ``cuda:k`` is the k-th chosen device;
+        None where the ranks keep what they inherit (CPU ranks, ranks a node agent places)."""
+        return rank_visible_devices(self.devices, kernel_value) if self.devices else None
+
     @classmethod
     def create(
         cls,
         nproc: int | None = None,
-        gpus: int | None = None,
+        gpus: int | str | Sequence[int] | None = None,
         device: str | Device = Device.AUTO,
         strategy: str | Strategy = Strategy.NONE,
         zero_stage: int | None = None,
@@ -239,10 +258,12 @@ class LaunchSpec:
     ) -> LaunchSpec:
         """Resolve user options (``auto`` device, default rank count) into a checked spec.
 
-        ``nproc`` and ``gpus`` count ranks per node; ``nodes`` > 1 needs the torchrun or slurm
-        launcher. On those, ranks may run elsewhere, so a GPU count is not checked against this
-        machine's devices. A launcher's own options (``--hosts``, ``--partition``...) come parsed,
-        as ``launcher_options``: :func:`jupyter_shard.launchers.resolve_spec` takes them as typed.
+        ``nproc`` and ``gpus`` count ranks per node; ``gpus`` is a count (``4``) or this machine's
+        devices, numbered as the kernel sees them (``"0,2"``, ``(0, 2)``). ``nodes`` > 1 needs the
+        torchrun or slurm launcher. On those, ranks may run elsewhere, so a GPU count is not checked
+        against this machine's devices, and a device list is refused. A launcher's own options
+        (``--hosts``, ``--partition``...) come parsed, as ``launcher_options``:
+        :func:`jupyter_shard.launchers.resolve_spec` takes them as typed.
         """
         if nodes < 1:
             raise SpecError(f"--nodes {nodes} is not valid; use 1 or more")
@@ -251,28 +272,33 @@ class LaunchSpec:
                 f"--nodes {nodes} needs --launcher torchrun or slurm; the local launcher runs on this machine"
             )
         remote = launcher != "local"
+        selection = parse_gpu_option(gpus, launcher) if gpus is not None else None
+        count = len(selection) if isinstance(selection, tuple) else selection
+        shown = gpu_option_text(selection) if selection is not None else ""
         available = visible_gpus() if gpu_count is None else gpu_count
-        if remote and gpus is not None:
-            available = max(available, gpus)  # the nodes' GPUs, not this machine's
+        if remote and count is not None:
+            available = max(available, count)  # the nodes' GPUs, not this machine's
         dev = Device(_choice(Device, str(getattr(device, "value", device)), "--device"))
         strat = _strategy_name(str(getattr(strategy, "value", strategy)))
         off = Offload(_choice(Offload, str(getattr(offload, "value", offload)), "--offload"))
         prec = Precision(_choice(Precision, str(getattr(precision, "value", precision)), "--precision"))
         if remote and dev is Device.CUDA and nproc is not None:
             available = max(available, nproc)
-        if gpus is not None:
-            if nproc is not None and nproc != gpus:
-                raise SpecError(f"--gpus {gpus} and --nproc {nproc} disagree; give only one of them")
+        if count is not None:
+            if nproc is not None and nproc != count:
+                raise SpecError(f"--gpus {shown} and --nproc {nproc} disagree; give only one of them")
             if dev is Device.CPU:
-                raise SpecError(f"--gpus {gpus} needs CUDA but --device is cpu; use --nproc {gpus}")
-            if gpus < 1:
-                raise SpecError(f"--gpus {gpus} is not valid; use 1 or more")
-            if gpus > available:
+                raise SpecError(f"--gpus {shown} needs CUDA but --device is cpu; use --nproc {count}")
+            if count < 1:
+                raise SpecError(f"--gpus {count} is not valid; use 1 or more")
+            if available and isinstance(selection, tuple):
+                check_visible(selection, available)
+            if count > available:
                 raise SpecError(
-                    f"--gpus {gpus} asked for, but {available} CUDA device(s) are visible; "
-                    f"run `--nproc {gpus} --device cpu` for CPU ranks"
+                    f"--gpus {shown} asked for, but {available} CUDA device(s) are visible; "
+                    f"run `--nproc {count} --device cpu` for CPU ranks"
                 )
-            dev, nproc = Device.CUDA, gpus
+            dev, nproc = Device.CUDA, count
         if dev is Device.AUTO:
             dev = Device.CUDA if available > 0 else Device.CPU
         if dev is Device.CUDA and available == 0:
@@ -307,6 +333,7 @@ class LaunchSpec:
             accumulate=accumulate,
             clip_grad_norm=clip_grad_norm,
             launcher_options=launcher_options or LauncherOptions(),
+            gpus=selection if isinstance(selection, tuple) and selection != tuple(range(nproc)) else None,
         )
 
     def merged(self, changes: Mapping[str, object]) -> LaunchSpec:
@@ -317,8 +344,10 @@ class LaunchSpec:
         them, as they would in a first cell: ``gpus`` or ``device`` picks the rank count anew
         (unless ``nproc`` is named too) and ``gpus`` the device; another launcher starts from its
         own defaults for ``nodes`` and its options; another strategy drops a ``zero_stage`` that
-        the cell does not name. A launcher's options change as one value (``launcher_options``):
-        :func:`jupyter_shard.launchers.merge_spec` merges them option by option.
+        the cell does not name. A device list (``--gpus 0,2``) is kept until a cell names ``gpus``,
+        ``nproc``, ``device`` or another launcher: then the devices are chosen anew. A launcher's
+        options change as one value (``launcher_options``): :func:`jupyter_shard.launchers.merge_spec`
+        merges them option by option.
         """
         unknown = sorted(set(changes) - set(_CREATE_OPTIONS))
         if unknown:
@@ -330,9 +359,11 @@ class LaunchSpec:
             kept.pop("nproc")
         if "gpus" in changes:
             kept.pop("device")
+        if changes.keys() & {"gpus", "nproc", "device"}:
+            kept.pop("gpus")
         if changes.get("launcher", self.launcher) != self.launcher:
-            for name in ("nodes", "launcher_options"):
-                kept.pop(name)
+            for name in ("nodes", "launcher_options", "gpus"):
+                kept.pop(name, None)
         if changes.get("strategy", self.strategy) != self.strategy and "zero_stage" not in changes:
             kept.pop("zero_stage")
         fresh = LaunchSpec.create(**{**kept, **changes})
@@ -354,10 +385,14 @@ class LaunchSpec:
         }
 
     def describe(self) -> str:
+        """``2 CPU ranks · ddp``, ``2 GPU ranks (GPUs 0,2) · fsdp``, ``2 nodes × 4 GPU ranks (torchrun) ·
+        ddp``: the local GPUs are listed, as the kernel numbers them."""
         kind = "GPU" if self.device is Device.CUDA else "CPU"
         ranks = f"{self.nproc} {kind} rank{'s' if self.nproc != 1 else ''}"
         if self.launcher == "local":
-            return f"{ranks} · {self.strategy}"
+            devices = self.devices
+            where = f" (GPU{'s' if len(devices) != 1 else ''} {format_gpus(devices)})" if devices else ""
+            return f"{ranks}{where} · {self.strategy}"
         nodes = f"{self.nodes} node{'s' if self.nodes != 1 else ''}"
         return f"{nodes} × {ranks} ({self.launcher}) · {self.strategy}"
 
@@ -377,5 +412,6 @@ _KEPT_FIELDS = (
     "accumulate",
     "clip_grad_norm",
     "launcher_options",
+    "gpus",
 )
-_CREATE_OPTIONS = (*_KEPT_FIELDS, "gpus", "gpu_count")
+_CREATE_OPTIONS = (*_KEPT_FIELDS, "gpu_count")

@@ -119,6 +119,11 @@ class Pool:
         return self.lifecycle.launcher
 
     @property
+    def launch_path(self) -> str:
+        """How the ranks came: ``zygote (fork server, pid N)`` or ``spawned: <why>`` (%dist_status)."""
+        return self.launcher.launch_path() if self.launcher is not None else "not started"
+
+    @property
     def curve(self) -> CurveServer | None:
         """The encryption of a multi-node pool's TCP socket (None for a local pool)."""
         return self.lifecycle.curve

@@ -6,7 +6,8 @@ What the kernel calls, and nothing else (no launcher names, no ``hasattr``):
   launcher's own :class:`~jupyter_shard.spec.LauncherOptions`) and ``parse_options(given, nodes)``;
 - on a :class:`Launcher`: ``remote`` and ``bind_address(spec)`` (where remote ranks dial back),
   ``set_signal_sender(send)`` before ``start(spec, ranks, lifeline_fd)``, then ``waiting()`` while
-  the ranks start, ``started_note()``, ``local_pids()``, ``stop()``; and the class attributes
+  the ranks start, ``started_note()``, ``launch_path()`` (how the ranks came, for
+  ``%dist_status``), ``local_pids()``, ``stop()``; and the class attributes
   ``restart_hint`` (how ``%dist_restart`` brings a lost node back) and ``meets_on_agent_store``
   (whether a rebuilt process group meets on the node agents' store rather than a FileStore in the
   pool directory);
@@ -136,6 +137,11 @@ class Launcher(ABC):
     def started_note(self) -> str:
         """A line for the user once every rank is ready (e.g. the job id), or ""."""
         return ""
+
+    def launch_path(self) -> str:
+        """How the ranks of the last :meth:`start` came to be, in one line (the first line of
+        ``%dist_status``): the local launcher says whether a zygote forked them or why not."""
+        return f"started by the {self.name} launcher"
 
     def local_pids(self) -> list[int]:
         """Processes on this machine the launcher started (recorded for stale-pool clean-up)."""

@@ -6,6 +6,11 @@ started with exec, which imported torch once), or, with ``JUPYTER_SHARD_ZYGOTE=0
 kernel cannot leak into them. Each rank leads its own session so that a whole rank - DataLoader
 workers included - can be killed by process group. Output goes straight to the rank's log file, so
 no pipe can fill up and stall a rank.
+
+The launcher says which way its ranks came (:meth:`LocalLauncher.launch_path`, the first line of
+``%dist_status``): forked by the zygote, or spawned and why the zygote was not used. A CUDA pool's
+ranks get ``CUDA_VISIBLE_DEVICES`` naming the chosen devices (``--gpus 0,2``) by their physical
+ids, so rank k's ``cuda:k`` is the k-th of them and two notebooks on one node can use disjoint GPUs.
 """
 
 from __future__ import annotations
@@ -16,12 +21,17 @@ import signal
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from typing import ClassVar
 
+from jupyter_shard.env import ZYGOTE_SWITCH
+from jupyter_shard.gpus import VISIBLE_VAR
 from jupyter_shard.launchers import zygote
 from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
 from jupyter_shard.launchers.zygote import ZygoteClient
-from jupyter_shard.spec import LaunchSpec
+from jupyter_shard.spec import LaunchSpec, format_ranks
+
+_REASON_CHARS = 240  # a zygote's failure is one line of the status; its whole text is in the rank log
 
 
 class _SessionLeader(RankHandle):
@@ -92,29 +102,63 @@ class ForkedRank(_SessionLeader):
 class LocalLauncher(Launcher):
     name: ClassVar[str] = "local"
 
+    def __init__(self) -> None:
+        self._path = ""
+        self._note = ""
+
     def start(self, spec: LaunchSpec, ranks: list[RankLaunch], lifeline_fd: int) -> list[RankHandle]:
+        visible = spec.rank_visible_devices(os.environ.get(VISIBLE_VAR))
+        if visible is not None:
+            ranks = [replace(launch, env={**launch.env, VISIBLE_VAR: visible}) for launch in ranks]
         handles: list[RankHandle] = []
-        forking = zygote.enabled() and not any(launch.argv for launch in ranks)
+        forked: list[int] = []
+        why = self._why_not_forked(ranks)
         try:
-            client = zygote.zygote_for(ranks[0].env) if forking and ranks else None
+            client = zygote.zygote_for(ranks[0].env) if ranks and not why else None
+            why = why or (zygote.failure(ranks[0].env) if ranks and client is None else "")
+            zygote_pid = client.pid if client is not None else 0
             for launch in ranks:
                 if client is not None:
                     try:
                         pid = client.fork(launch.env, launch.cwd, launch.log_path, lifeline_fd)
                         handles.append(ForkedRank(launch.rank, pid, client))
+                        forked.append(launch.rank)
                         continue
                     except zygote.ZygoteUnavailable as exc:
                         # Ranks spawned one by one say for themselves what fails (a broken import).
                         with open(launch.log_path, "a") as log:
                             print(f"jupyter_shard: spawning ranks instead: {exc}", file=log)
-                        zygote.mark_failed(client)
+                        why = self._note = _one_line(str(exc))
+                        zygote.mark_failed(client, why)
                         client = None
                 handles.append(self._spawn(launch, lifeline_fd))
         except BaseException:
             for handle in handles:
                 handle.kill_tree()
             raise
+        spawned = [launch.rank for launch in ranks if launch.rank not in forked]
+        self._path = _path(forked, spawned, zygote_pid, why) + (
+            f" · {VISIBLE_VAR}={visible}" if visible is not None else ""
+        )
         return handles
+
+    def launch_path(self) -> str:
+        """``zygote (fork server, pid 4242)`` or ``spawned: <why the zygote was not used>``, and the
+        ranks' ``CUDA_VISIBLE_DEVICES`` where the pool chose devices."""
+        return self._path
+
+    def started_note(self) -> str:
+        """Said once the ranks are ready, when the zygote failed this time (the ranks took longer)."""
+        return f"ranks were spawned, not forked from the zygote: {self._note}" if self._note else ""
+
+    @staticmethod
+    def _why_not_forked(ranks: list[RankLaunch]) -> str:
+        """Why these ranks are spawned without asking a zygote ("" if one may fork them)."""
+        if not zygote.enabled():
+            return f"{ZYGOTE_SWITCH}={os.environ.get(ZYGOTE_SWITCH)} turns the zygote off"
+        if any(launch.argv for launch in ranks):
+            return "the ranks run their own command"
+        return ""
 
     @staticmethod
     def _spawn(launch: RankLaunch, lifeline_fd: int) -> LocalRank:
@@ -131,6 +175,23 @@ class LocalLauncher(Launcher):
                 pass_fds=(lifeline_fd,),
             )
         return LocalRank(launch.rank, proc)
+
+
+def _one_line(text: str) -> str:
+    """A failure as one line: its first line and, for a traceback, its last (the exception)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    line = lines[0] + (f" … {lines[-1]}" if len(lines) > 1 else "") if lines else "no reason given"
+    return line if len(line) <= _REASON_CHARS else line[: _REASON_CHARS - 1] + "…"
+
+
+def _path(forked: list[int], spawned: list[int], zygote_pid: int, why: str) -> str:
+    """How the ranks started, in one line, for ``%dist_status``."""
+    server = f"zygote (fork server, pid {zygote_pid})"
+    if not spawned:
+        return server
+    if not forked:
+        return f"spawned: {why}"
+    return f"{server} for ranks {format_ranks(forked)}; spawned ranks {format_ranks(spawned)}: {why}"
 
 
 def kill_recorded(pid: int) -> None:

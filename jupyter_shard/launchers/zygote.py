@@ -13,6 +13,13 @@ A zygote serves one kernel: it ends - killing its children - when the kernel's l
 closes. Requests whose interpreter environment (``PYTHON*``, ``LD_*``, ``sys.executable``) differs
 from the zygote's go to a new zygote. ``JUPYTER_SHARD_ZYGOTE=0`` turns it off: ranks are then
 spawned one process each.
+
+Forking is safe only while the zygote holds no CUDA driver state: ``torch.cuda.is_initialized()``
+sees only torch's own initialisation, so after its imports the zygote also checks that it has no GPU
+device file open (``/dev/nvidia*``, WSL2's ``/dev/dxg``) and no ``libcuda`` mapped. If it has, it
+refuses to fork and says why; the launcher spawns the ranks and ``%dist_status`` shows the reason.
+Which devices a rank uses (``CUDA_VISIBLE_DEVICES``) is therefore set in the forked child, before
+anything initialises CUDA, and is not part of the interpreter environment a zygote serves.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -37,6 +45,9 @@ from jupyter_shard.errors import PoolError
 ENV_SWITCH = ZYGOTE_SWITCH
 READY_TIMEOUT = 120.0
 _MAX_MSG = 1 << 20
+_DRIVER_FILE = re.compile(r"/dev/(nvidia[\w-]*(/.*)?|dxg)")  # nvidia0, nvidiactl, nvidia-uvm, nvidia-caps/...
+_CUDA_LIBRARY = re.compile(r"/libcuda\.so[.\d]*$")
+_UNSHARED = ("CUDA_VISIBLE_DEVICES",)  # read by CUDA at its initialisation, which happens after the fork
 
 
 def enabled() -> bool:
@@ -54,16 +65,48 @@ def interpreter_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
         sorted(
             (k, v)
             for k, v in env.items()
-            if k.startswith(keep) and k != "PYTHONUNBUFFERED" and k not in PER_RANK
+            if k.startswith(keep) and k != "PYTHONUNBUFFERED" and k not in PER_RANK and k not in _UNSHARED
         )
     )
+
+
+def driver_files(fd_dir: str = "/proc/self/fd") -> list[str]:
+    """The GPU driver device files this process has open (``/dev/nvidiactl``, ``/dev/dxg``...)."""
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return []
+    found = []
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            target = os.readlink(os.path.join(fd_dir, fd))
+            if _DRIVER_FILE.fullmatch(target):
+                found.append(target)
+    return sorted(set(found))
+
+
+def cuda_libraries(maps: str) -> list[str]:
+    """The CUDA driver libraries (``libcuda.so*``) mapped, from the text of ``/proc/<pid>/maps``."""
+    paths = (line.split(maxsplit=5)[5] for line in maps.splitlines() if len(line.split(maxsplit=5)) == 6)
+    return sorted({p.strip() for p in paths if _CUDA_LIBRARY.search(p.strip())})
+
+
+def cuda_driver_state(fd_dir: str = "/proc/self/fd", maps_path: str = "/proc/self/maps") -> str:
+    """Why forking this process would hand CUDA driver state to its children ("" when it would not)."""
+    try:
+        with open(maps_path) as maps:
+            libraries = cuda_libraries(maps.read())
+    except OSError:
+        libraries = []
+    held = [f"{f} is open" for f in driver_files(fd_dir)] + [f"{lib} is loaded" for lib in libraries]
+    return "; ".join(held)
 
 
 # -- the kernel's side ---------------------------------------------------------------------------
 
 
 class ZygoteUnavailable(PoolError):
-    """The zygote ended or could not fork; the launcher spawns ranks instead."""
+    """The zygote ended, refused or could not fork; the launcher spawns ranks instead."""
 
 
 class ZygoteClient:
@@ -90,6 +133,7 @@ class ZygoteClient:
         self._exits: dict[int, int] = {}
         self._changed = threading.Condition(self._lock)
         self._error = ""
+        self.refusal = ""  # why the zygote would not fork (it holds CUDA driver state), once it said
         self._reader = threading.Thread(target=self._read, name="jupyter_shard-zygote", daemon=True)
         self._reader.start()
 
@@ -110,10 +154,12 @@ class ZygoteClient:
         try:
             socket.send_fds(self._sock, [request], [lifeline_fd])
         except OSError as exc:
-            raise ZygoteUnavailable(f"the zygote is gone ({exc}): {self.output()}") from None
+            raise ZygoteUnavailable(self.refusal or f"the zygote is gone ({exc}): {self.output()}") from None
         deadline = time.monotonic() + READY_TIMEOUT
         with self._changed:
             while token not in self._pids:
+                if self.refusal:
+                    raise ZygoteUnavailable(self.refusal)
                 if self._error or self.proc.poll() is not None:
                     raise ZygoteUnavailable(
                         f"the zygote ended ({self._error or self.proc.returncode}): {self.output()}"
@@ -161,7 +207,9 @@ class ZygoteClient:
                 return
             msg = json.loads(data)
             with self._changed:
-                if "forked" in msg:
+                if "refused" in msg:
+                    self.refusal = f"the zygote refused to fork: {msg['refused']}"
+                elif "forked" in msg:
                     self._pids[str(msg["token"])] = int(msg["forked"])
                 elif "exit" in msg:
                     self._exits[int(msg["exit"])] = int(msg["code"])
@@ -181,13 +229,19 @@ class ZygoteClient:
 
 
 _zygotes: dict[tuple[tuple[str, str], ...], ZygoteClient] = {}
-_failed: set[tuple[tuple[str, str], ...]] = set()  # environments whose zygote could not fork
+_failed: dict[tuple[tuple[str, str], ...], str] = {}  # environments whose zygote could not fork: why
 _zygotes_lock = threading.Lock()
+
+
+def failure(env: dict[str, str]) -> str:
+    """Why this environment's zygote could not fork ranks before ("" if it never failed)."""
+    with _zygotes_lock:
+        return _failed.get(interpreter_key(env), "")
 
 
 def zygote_for(env: dict[str, str]) -> ZygoteClient | None:
     """The running zygote for this interpreter environment, started when there is none; None for
-    an environment whose zygote failed before (its ranks are spawned)."""
+    an environment whose zygote failed before (its ranks are spawned: :func:`failure` says why)."""
     key = interpreter_key(env)
     with _zygotes_lock:
         if key in _failed:
@@ -206,10 +260,10 @@ def _zygote_env(env: dict[str, str]) -> dict[str, str]:
     return without_pool_variables(env)
 
 
-def mark_failed(client: ZygoteClient) -> None:
-    """Spawn ranks for this environment from now on (its zygote could not fork them)."""
+def mark_failed(client: ZygoteClient, reason: str) -> None:
+    """Spawn ranks for this environment from now on (its zygote could not fork them, for ``reason``)."""
     with _zygotes_lock:
-        _failed.add(client.key)
+        _failed[client.key] = reason
         if _zygotes.get(client.key) is client:
             del _zygotes[client.key]
     client.close()
@@ -225,7 +279,8 @@ def close_all() -> None:
 # -- the zygote process --------------------------------------------------------------------------
 
 
-def _preload() -> None:
+def _preload() -> str:
+    """Import what every rank needs; why forking now would be unsafe ("" when it is safe)."""
     import cloudpickle  # noqa: F401
     import IPython.core.interactiveshell  # noqa: F401
     import torch
@@ -236,7 +291,8 @@ def _preload() -> None:
     import jupyter_shard.rank.shard
     import jupyter_shard.rank.shell  # noqa: F401
 
-    assert not torch.cuda.is_initialized(), "the zygote must not touch CUDA"
+    held = "torch initialised CUDA" if torch.cuda.is_initialized() else cuda_driver_state()
+    return f"it holds CUDA driver state after its imports ({held})" if held else ""
 
 
 def _serve(sock: socket.socket, lifeline: int) -> None:
@@ -269,6 +325,27 @@ def _serve(sock: socket.socket, lifeline: int) -> None:
                 os.close(fd)
             children.add(pid)
             sock.send(json.dumps({"token": request["token"], "forked": pid}).encode())
+
+
+def _refuse(sock: socket.socket, lifeline: int, reason: str) -> None:
+    """Answer every request with why this zygote will not fork, until the kernel lets it go (ending
+    at once could reset the socket under a request in flight, and the reason would be lost)."""
+    refusal = json.dumps({"refused": reason}).encode()
+    sock.send(refusal)
+    while True:
+        readable, _, _ = select.select([sock.fileno(), lifeline], [], [])
+        if lifeline in readable and os.read(lifeline, 1) == b"":
+            return
+        if sock.fileno() in readable:
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 1)
+            except OSError:
+                return
+            for fd in fds:
+                os.close(fd)
+            if not data:
+                return
+            sock.send(refusal)
 
 
 def _reap(sock: socket.socket, children: set[int]) -> None:
@@ -347,7 +424,10 @@ def _fresh_state(env: dict[str, str]) -> None:
 def main() -> None:
     fd, lifeline = int(sys.argv[1]), int(sys.argv[2])
     sock = socket.socket(fileno=fd)
-    _preload()
+    refusal = _preload()
+    if refusal:  # children forked now would share the driver's state: the kernel spawns them instead
+        _refuse(sock, lifeline, refusal)
+        return
     _serve(sock, lifeline)
 
 

@@ -19,6 +19,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.display import DisplayHandle, display
 
 from jupyter_shard.errors import PoolError
+from jupyter_shard.gpus import format_gpus
 from jupyter_shard.kernel.background import BackgroundRun
 from jupyter_shard.kernel.pool import Pool
 from jupyter_shard.kernel.ranks import RankSnapshot
@@ -36,7 +37,7 @@ INTERRUPT_WAIT = 10.0  # seconds %dist_interrupt and an interrupted %dist_wait w
 def _distributed_parser() -> MagicParser:
     p = MagicParser("distributed", "%%")
     p.add_argument("--nproc", type=int)
-    p.add_argument("--gpus", type=int)
+    p.add_argument("--gpus")  # a count (4) or devices (0,2): LaunchSpec.create reads it
     p.add_argument("--device")
     p.add_argument("--strategy")
     p.add_argument("--zero-stage", type=int, dest="zero_stage")
@@ -97,8 +98,8 @@ class DistributedMagics(Magics):
 
     @cell_magic
     def distributed(self, line: str, cell: str) -> Any:
-        """Run the cell on every rank: %%distributed [--nproc N | --gpus N] [--device auto|cpu|cuda]
-        [--strategy none|ddp|fsdp|deepspeed] [--ranks SPEC] [--timeout SECONDS] ..."""
+        """Run the cell on every rank: %%distributed [--nproc N | --gpus N | --gpus 0,2]
+        [--device auto|cpu|cuda] [--strategy none|ddp|fsdp|deepspeed] [--ranks SPEC] [--timeout S] ..."""
         opts = _parse(self._parser, line or self.default_line)
         self._report_unseen_background_failure()
         try:
@@ -289,7 +290,7 @@ class DistributedMagics(Magics):
         if self.pool is None:
             print("no pool is running; start one with a %%distributed cell")
             return None
-        return StatusTable(self.pool.spec.describe(), self.pool.status())
+        return StatusTable(self.pool.spec.describe(), self.pool.status(), self.pool.launch_path)
 
     @line_magic
     def dist_stacks(self, line: str) -> None:
@@ -380,20 +381,24 @@ def _change(old: LaunchSpec, new: LaunchSpec) -> str:
     mine, theirs = dict(old.launcher_options.items()), dict(new.launcher_options.items())
     values += [(name, mine.get(name), theirs.get(name)) for name in {**mine, **theirs}]
     for name, a, b in values:
-        if name not in ("nproc", "launcher_options") and a != b:
+        if name == "gpus" and old.devices != new.devices:
+            parts.append(f"GPUs {format_gpus(old.devices) or 'none'} → {format_gpus(new.devices) or 'none'}")
+        elif name not in ("nproc", "launcher_options", "gpus") and a != b:
             shown = "collective-timeout" if name == "timeout" else name.replace("_", "-")
             parts.append(f"{shown} {getattr(a, 'value', a)} → {getattr(b, 'value', b)}")
     return ", ".join(parts) or "with new options"
 
 
 class StatusTable:
-    """``%dist_status`` output: an HTML table with a plain-text twin."""
+    """``%dist_status`` output: an HTML table with a plain-text twin, under the pool's shape and
+    how its ranks came (forked by the zygote, or spawned and why)."""
 
     COLUMNS = ("rank", "pid", "host", "device", "state", "memory", "cell", "log")
 
-    def __init__(self, title: str, rows: list[RankSnapshot]) -> None:
+    def __init__(self, title: str, rows: list[RankSnapshot], path: str = "") -> None:
         self.title = title
         self.rows = rows
+        self.path = f"ranks: {path}" if path else ""
 
     def _cells(self, row: RankSnapshot) -> list[str]:
         rss = row.memory.get("rss")
@@ -416,7 +421,7 @@ class StatusTable:
         table = [list(self.COLUMNS), *[self._cells(r) for r in self.rows]]
         widths = [max(len(r[i]) for r in table) for i in range(len(self.COLUMNS))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
-        return "\n".join([self.title, *lines])
+        return "\n".join([self.title, *([self.path] if self.path else []), *lines])
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{c}</th>" for c in self.COLUMNS)
@@ -424,7 +429,8 @@ class StatusTable:
             "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in self._cells(r)) + "</tr>"
             for r in self.rows
         )
-        return f"<div><b>{html.escape(self.title)}</b><table><tr>{head}</tr>{body}</table></div>"
+        path = f"<br><i>{html.escape(self.path)}</i>" if self.path else ""
+        return f"<div><b>{html.escape(self.title)}</b>{path}<table><tr>{head}</tr>{body}</table></div>"
 
 
 def _show_error(

@@ -4,7 +4,10 @@ Why it exists: whether DDP, a ZeRO stage, an FSDP sharding mode or offload is ri
 the model's training state compares with free memory, and the options that select each one are spread
 over the line and a ``--config`` JSON. The form shows every strategy's per-rank memory
 (:mod:`jupyter_shard.planner.estimate`), recommends the fastest that fits, explains combinations that do
-not work, and produces the line (copy, insert as a cell, use as default) and the config file.
+not work, and produces the line (copy, insert as a cell, use as default) and the config file. A plan
+that fits only when the model is built under ``shard.init_module()`` says so, in the table and in
+the recommendation (:mod:`jupyter_shard.planner.sharded_init`); on GPUs older than Ampere the form
+chooses 16-mixed rather than bf16.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import html
 import importlib.util
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,13 +29,15 @@ from jupyter_shard.planner.choice import (
     FILE_NAME,
     Choice,
     ModelInfo,
+    bf16_problem,
     check_fields,
     copy_button,
     distributed_line,
     model_info,
     strategy_config,
 )
-from jupyter_shard.planner.free_memory import FreeMemory, MemorySnapshot, probe_memory
+from jupyter_shard.planner.free_memory import Capability, FreeMemory, MemorySnapshot, probe_memory
+from jupyter_shard.planner.sharded_init import init_note
 from jupyter_shard.spec import Device, Offload, Precision, SpecError, visible_gpus
 
 if TYPE_CHECKING:
@@ -79,6 +85,7 @@ class Picker(widgets.VBox):  # type: ignore[misc]
         self.config: dict[str, Any] | None = None
         self.config_file = ""
         self.notes: list[str] = []
+        self.devices = (pool.spec.gpus or ()) if pool is not None else ()  # a running pool's --gpus 0,2
         super().__init__(children=self._build(pool))
         self._update()
 
@@ -89,6 +96,9 @@ class Picker(widgets.VBox):  # type: ignore[misc]
         device = spec.device.value if spec is not None else "auto"
         nproc = spec.nproc if spec is not None else (self.gpu_count or 2)
         gpu = device == "cuda" or (device == "auto" and self.gpu_count > 0)
+        precision = Precision.BF16_MIXED if gpu else Precision.FP32  # CPU: fp32, unless chosen
+        if gpu and bf16_problem(self._capabilities(nproc)):
+            precision = Precision.FP16_MIXED
         count = est.format_count(self.model.parameters) if self.model.parameters else ""
         style, text = {"description_width": "9em"}, widgets.Text
         self.fields: dict[str, Any] = {
@@ -106,7 +116,7 @@ class Picker(widgets.VBox):  # type: ignore[misc]
             ),
             "precision": widgets.Dropdown(
                 options=[p.value for p in (Precision.BF16_MIXED, Precision.FP16_MIXED, Precision.FP32)],
-                value=(Precision.BF16_MIXED if gpu else Precision.FP32).value,
+                value=precision.value,
                 description="Precision",
                 style=style,
             ),
@@ -165,13 +175,15 @@ class Picker(widgets.VBox):  # type: ignore[misc]
         if change is not None and any(change.owner is self.fields[n] for n in PLAN_FIELDS):
             self._following = False  # a strategy chosen by hand: stop following the recommendation
         values = {name: widget.value for name, widget in self.fields.items()}
-        choice = check_fields(values, self.gpu_count, self.model)
+        choice = check_fields(values, self.gpu_count, self.model, self._capabilities(int(values["nproc"])))
         parameters = self._parameters(str(values["count"]), choice.notes)
         self._configure(choice, str(values["config_name"]), str(values["nvme_path"]))
         text = self._config_text()
         written = self.config is not None and self._written == (self.config_file, text)
         config = self.config_file if written else None
-        self.line = distributed_line(choice.plan, choice.device, choice.nproc, choice.precision, config)
+        self.line = distributed_line(
+            choice.plan, choice.device, choice.nproc, choice.precision, config, self.devices
+        )
         if self.config is not None and not written:
             choice.notes.append(
                 f"This choice needs {self.config_file}: press “Write {self.config_file}” and the line "
@@ -183,6 +195,11 @@ class Picker(widgets.VBox):  # type: ignore[misc]
         recommended = self.advice.choice if self.advice is not None else None
         if self._following and recommended is not None and recommended.plan != choice.plan:
             self.apply_recommendation()
+
+    def _capabilities(self, nproc: int) -> tuple[Capability | None, ...]:
+        """The compute capability of each GPU the line would use."""
+        devices = self.devices if len(self.devices) == nproc else range(nproc)
+        return self.memory.capabilities_of(devices)
 
     def _parameters(self, text: str, notes: list[str]) -> int | None:
         if not text.strip():
@@ -226,6 +243,9 @@ class Picker(widgets.VBox):  # type: ignore[misc]
         self.current = est.estimate(choice.plan, parameters, choice.nproc, choice.precision)
         candidates = [e for e in self.estimates if self.deepspeed or e.plan.strategy != "deepspeed"]
         self.advice = est.recommend(candidates, free)
+        note = init_note(self.advice.choice, free) if self.advice.choice is not None else ""
+        if note and self.advice.fits:
+            self.advice = replace(self.advice, reason=f"{self.advice.reason} It {note}.")
         self.recommendation = self.advice.text
         if not self.deepspeed:
             self.recommendation += (
@@ -318,6 +338,8 @@ def _advice_html(recommendation: str, current: est.Estimate | None, free: FreeMe
     if current is not None:
         device = free.device if free is not None else Device.CUDA
         fit = "" if free is None else (" — fits" if est.fits(current, free) else " — does not fit")
+        note = init_note(current, free) if fit == " — fits" else ""
+        fit = f" — {note}" if note else fit
         lines.append(f"<b>Your choice</b>, {current.plan.label}: {est.needs(current, device)}{fit}.")
     return "<br>".join(lines)
 
@@ -334,6 +356,7 @@ def _table_html(
         rows.append(current)
     recommended = advice.choice.plan if advice is not None and advice.choice is not None else None
     head = ["", "strategy", "device", "host RAM", "NVMe", "params", "grads", "optimizer", "fits"]
+    notes: set[str] = set()
     lines = ["<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
     for e in rows:
         chosen = current is not None and e.plan == current.plan
@@ -343,6 +366,11 @@ def _table_html(
             est.format_bytes(b) if b else "–" for b in (e.device_bytes, e.host_bytes, e.disk_bytes, *parts)
         ]
         fit = "?" if free is None else ("yes" if est.fits(e, free) else "no")
+        note = init_note(e, free) if fit == "yes" else ""
+        fit += " †" if note else ""
+        notes.update([note] if note else [])
         cells = "".join(f"<td>{html.escape(c)}</td>" for c in (mark, e.plan.label, *sizes, fit))
         lines.append(f"<tr style='font-weight:{'bold' if chosen else 'normal'}'>{cells}</tr>")
-    return f"<table><caption>Per rank, before activations</caption>{''.join(lines)}</table>" if rows else ""
+    footer = "".join(f"<div>† {html.escape(n[0].upper() + n[1:])}.</div>" for n in sorted(notes))
+    caption = "<caption>Per rank, before activations</caption>"
+    return f"<table>{caption}{''.join(lines)}</table>{footer}" if rows else ""

@@ -2,8 +2,9 @@
 the ``%%distributed`` line and ``--config`` JSON that choice needs.
 
 Why it exists: the rules that make a choice runnable (ZeRO stages only with deepspeed, which offload
-each strategy supports, which options live in the line and which in a config file) are plain
-functions, testable without a widget; :mod:`jupyter_shard.notebook.picker` is the form around them.
+each strategy supports, bf16 only on GPUs that have it, which options live in the line and which in
+a config file) are plain functions, testable without a widget; :mod:`jupyter_shard.notebook.picker`
+is the form around them.
 """
 
 from __future__ import annotations
@@ -14,16 +15,19 @@ import numbers
 import re
 import shlex
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from jupyter_shard.gpus import gpu_option_text
 from jupyter_shard.planner import estimate as est
+from jupyter_shard.planner.free_memory import Capability
 from jupyter_shard.spec import Device, Offload, Precision, SpecError
 
 USAGE = "pass a model (`%dist_picker model`) or a parameter count (`%dist_picker 1.3B`)"
 DEFAULT_CONFIG = {"fsdp": "fsdp_options", "deepspeed": "ds_config"}
 FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+BF16_CAPABILITY = (8, 0)  # bf16 tensor cores and kernels: Ampere (A100, RTX 30xx) and newer
 
 
 @dataclass(frozen=True)
@@ -77,13 +81,21 @@ def _info(value: Any, name: str) -> ModelInfo:
 
 
 def distributed_line(
-    plan: est.Plan, device: Device, nproc: int, precision: Precision, config: str | None = None
+    plan: est.Plan,
+    device: Device,
+    nproc: int,
+    precision: Precision,
+    config: str | None = None,
+    devices: Sequence[int] = (),
 ) -> str:
-    """The ``%%distributed`` line for ``plan``, with only options that ``%%distributed`` takes."""
+    """The ``%%distributed`` line for ``plan``, with only options that ``%%distributed`` takes;
+    ``devices`` (a running pool's ``--gpus 0,2``) are kept when there is one per rank."""
     parts = ["%%distributed", "--strategy", plan.strategy]
     if plan.strategy == "deepspeed":
         parts += ["--zero-stage", str(plan.zero_stage)]
-    parts += ["--gpus", str(nproc)] if device is Device.CUDA else ["--nproc", str(nproc), "--device", "cpu"]
+    chosen = tuple(devices) if len(devices) == nproc and tuple(devices) != tuple(range(nproc)) else nproc
+    gpus = ["--gpus", gpu_option_text(chosen)]
+    parts += gpus if device is Device.CUDA else ["--nproc", str(nproc), "--device", "cpu"]
     if precision is not Precision.FP32:
         parts += ["--precision", precision.value]
     if plan.offload is not Offload.NONE:
@@ -127,8 +139,16 @@ class Choice:
     notes: list[str] = field(default_factory=list)
 
 
-def check_fields(fields: Mapping[str, Any], gpu_count: int, model: ModelInfo) -> Choice:
-    """Turn field values into a choice that works, with a note for every change made."""
+def check_fields(
+    fields: Mapping[str, Any],
+    gpu_count: int,
+    model: ModelInfo,
+    capabilities: Sequence[Capability | None] = (),
+) -> Choice:
+    """Turn field values into a choice that works, with a note for every change made.
+
+    ``capabilities`` are the chosen GPUs' compute capabilities (None or missing: unknown, and then
+    bf16 is left as chosen)."""
     notes: list[str] = []
     device, nproc = Device(str(fields["device"])), int(fields["nproc"])
     if device is Device.AUTO:
@@ -154,9 +174,31 @@ def check_fields(fields: Mapping[str, Any], gpu_count: int, model: ModelInfo) ->
     if sharding == "HYBRID_SHARD":
         notes.append("On one node HYBRID_SHARD shards over all ranks, like FULL_SHARD.")
     plan = est.Plan(strategy, stage, sharding, offload)
-    return Choice(
-        plan, device, nproc, Precision(fields["precision"]), _checkpoint(fields, plan, model, notes), notes
+    precision = Precision(fields["precision"])
+    if device is Device.CUDA and precision is Precision.BF16_MIXED:
+        precision = _without_bf16(capabilities[:nproc], notes)
+    return Choice(plan, device, nproc, precision, _checkpoint(fields, plan, model, notes), notes)
+
+
+def bf16_problem(capabilities: Sequence[Capability | None]) -> str:
+    """Why bf16 does not suit these GPUs ("" if it does, or if their capability is unknown)."""
+    old = [c for c in capabilities if c is not None and c < BF16_CAPABILITY]
+    if not old:
+        return ""
+    shown = " and ".join(f"{major}.{minor}" for major, minor in sorted(set(old)))
+    have = "has" if len(old) == 1 else "have"
+    return (
+        f"bf16 needs compute capability 8.0 (Ampere) or newer, and {len(old)} of the "
+        f"{len(capabilities)} GPU(s) chosen {have} {shown}"
     )
+
+
+def _without_bf16(capabilities: Sequence[Capability | None], notes: list[str]) -> Precision:
+    problem = bf16_problem(capabilities)
+    if not problem:
+        return Precision.BF16_MIXED
+    notes.append(f"{problem}: using --precision 16-mixed (fp16 with loss scaling) instead.")
+    return Precision.FP16_MIXED
 
 
 def _checkpoint(

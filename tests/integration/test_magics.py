@@ -193,7 +193,8 @@ def test_status_table_and_log_files(nb: Any) -> None:
     (table,) = run.data("execute_result")
     text = table["text/plain"]
     assert "2 CPU ranks" in text
-    rows = [ln.split() for ln in text.splitlines()[2:]]
+    assert re.fullmatch(r"ranks: zygote \(fork server, pid \d+\)", text.splitlines()[1])  # how they came
+    rows = [ln.split() for ln in text.splitlines()[3:]]
     assert [r[0] for r in rows] == ["0", "1"]
     assert all(r[3] == "cpu" and r[4] == "idle" for r in rows)
     assert all(r[5].isdigit() and r[6] == "MiB" for r in rows)
@@ -219,3 +220,13 @@ def test_shutdown_then_a_new_cell_starts_a_fresh_pool(nb: Any) -> None:
     assert "no pool is running" in run.stream()
     run = nb.execute("%%distributed --nproc 2\nshard.world_size")
     assert run.data("execute_result") == [{"text/plain": "2"}]
+
+
+def test_a_gpus_list_without_gpus_is_one_line_and_keeps_the_pool(nb: Any) -> None:
+    before = nb.execute("%%distributed\nimport os\nos.getpid()").data("execute_result")
+    run = nb.execute("%%distributed --gpus 0,2\nprint('never runs')")
+    assert run.stream("stderr") == (
+        "UsageError: --gpus 0,2 asked for, but 0 CUDA device(s) are visible; "
+        "run `--nproc 2 --device cpu` for CPU ranks\n"
+    )
+    assert nb.execute("%%distributed\nos.getpid()").data("execute_result") == before

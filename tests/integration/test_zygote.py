@@ -3,12 +3,15 @@
 The zygote is the ranks' parent (never the kernel, which is only the zygote's parent, by exec); each
 forked rank is a fresh session with its own random state; a restart forks new ranks from the same
 zygote; a different interpreter environment gets its own zygote; ``JUPYTER_SHARD_ZYGOTE=0`` spawns
-ranks instead; and ranks whose zygote is killed are reported as such.
+ranks instead; ranks whose zygote is killed are reported as such; a zygote holding CUDA driver state
+refuses to fork; and the pool says which way its ranks came (the first line of ``%dist_status``).
 """
 
 from __future__ import annotations
 
+import io
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -84,3 +87,38 @@ def test_ranks_of_a_killed_zygote_are_reported_with_it(tmp_path: Path) -> None:
         assert f"zygote pid {zygote_pid}, which ended" in str(err.value)
         pool.restart()  # a fresh zygote serves the restart
         assert int(_probe(pool)[0][1]) != zygote_pid
+
+
+def test_status_says_which_way_the_ranks_came(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Pool(nproc=2, device="cpu", log_dir=tmp_path, sink=ConsoleSink()) as pool:
+        zygote_pid = int(_probe(pool)[0][1])
+        assert pool.launch_path == f"zygote (fork server, pid {zygote_pid})"
+    assert pool.launch_path == "not started"
+    monkeypatch.setenv(zygote.ENV_SWITCH, "0")
+    with Pool(nproc=1, device="cpu", log_dir=tmp_path, sink=ConsoleSink()) as pool:
+        assert pool.launch_path == "spawned: JUPYTER_SHARD_ZYGOTE=0 turns the zygote off"
+
+
+def test_a_zygote_holding_cuda_driver_state_refuses_and_status_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import _json
+
+    # A real shared library under the CUDA driver's name, loaded as the zygote starts (sitecustomize):
+    # what a site hook or an import that initialises the driver would leave in the zygote.
+    fake = tmp_path / "lib" / "libcuda.so.1"
+    fake.parent.mkdir()
+    shutil.copy(_json.__file__, fake)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"import ctypes\nctypes.CDLL({str(fake)!r})\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    err = io.StringIO()
+    with Pool(nproc=2, device="cpu", log_dir=tmp_path, sink=ConsoleSink(io.StringIO(), err)) as pool:
+        assert {int(v[1]) for v in _probe(pool).values()} == {os.getpid()}  # spawned by the kernel
+        why = f"the zygote refused to fork: it holds CUDA driver state after its imports ({fake} is loaded)"
+        assert pool.launch_path == f"spawned: {why}"
+        assert f"ranks were spawned, not forked from the zygote: {why}" in err.getvalue()
+        assert pool.log_dir is not None and why in (pool.log_dir / "rank-0.log").read_text()
+    with Pool(nproc=1, device="cpu", log_dir=tmp_path, sink=ConsoleSink()) as pool:  # remembered
+        assert pool.launch_path == f"spawned: {why}"

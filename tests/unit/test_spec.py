@@ -44,7 +44,7 @@ def test_auto_device_with_gpus_is_cuda_with_one_rank_per_gpu() -> None:
     s = LaunchSpec.create(gpu_count=4)
     assert s.device is Device.CUDA
     assert s.nproc == 4
-    assert s.describe() == "4 GPU ranks · none"
+    assert s.describe() == "4 GPU ranks (GPUs 0-3) · none"
 
 
 def test_explicit_cpu_with_gpus_present_keeps_default_two_ranks() -> None:
@@ -55,7 +55,7 @@ def test_explicit_cpu_with_gpus_present_keeps_default_two_ranks() -> None:
 def test_gpus_option_sets_cuda_and_rank_count() -> None:
     s = LaunchSpec.create(gpus=2, gpu_count=4, strategy="ddp")
     assert (s.device, s.nproc, s.strategy) == (Device.CUDA, 2, Strategy.DDP)
-    assert s.describe() == "2 GPU ranks · ddp"
+    assert s.describe() == "2 GPU ranks (GPUs 0-1) · ddp"
 
 
 def test_gpus_equal_to_nproc_is_accepted() -> None:
@@ -617,3 +617,117 @@ def test_merged_starts_another_launcher_from_its_defaults() -> None:
 def test_merged_refuses_what_is_not_an_option() -> None:
     with pytest.raises(SpecError, match="'ranks' is not a pool option"):
         resolve_spec(gpu_count=0).merged({"ranks": "0"})
+
+
+# -- --gpus as a device list ------------------------------------------------------------------------------
+
+
+def test_gpus_list_chooses_those_devices() -> None:
+    s = LaunchSpec.create(gpus="0,2", gpu_count=4, strategy="ddp")
+    assert (s.device, s.nproc, s.gpus, s.devices) == (Device.CUDA, 2, (0, 2), (0, 2))
+    assert s.describe() == "2 GPU ranks (GPUs 0,2) · ddp"
+    one = LaunchSpec.create(gpus="3,", gpu_count=4)
+    assert (one.nproc, one.devices, one.describe()) == (1, (3,), "1 GPU rank (GPU 3) · none")
+    assert LaunchSpec.create(gpus=(1, 3), gpu_count=4) == LaunchSpec.create(gpus="1,3", gpu_count=4)
+    assert LaunchSpec.create(gpus="0-2", gpu_count=4) == LaunchSpec.create(gpus=3, gpu_count=4)  # the default
+    assert LaunchSpec.create(gpus="1,0", gpu_count=4).gpus == (1, 0)
+
+
+def test_a_count_uses_the_first_visible_devices() -> None:
+    s = LaunchSpec.create(gpus="2", gpu_count=4)
+    assert (s.gpus, s.devices) == (None, (0, 1))
+    assert LaunchSpec.create(gpu_count=0).devices == ()
+
+
+@pytest.mark.parametrize(
+    ("kernel", "gpus", "expected"),
+    [
+        (None, "0,2", "0,2"),
+        ("4,5,6,7", "0,2", "4,6"),
+        ("4,5,6,7", "2", "4,5"),
+        ("GPU-a,GPU-b", "1,", "GPU-b"),
+    ],
+)
+def test_local_ranks_see_the_chosen_devices_by_physical_id(
+    kernel: str | None, gpus: str, expected: str
+) -> None:
+    s = LaunchSpec.create(gpus=gpus, gpu_count=4)
+    assert s.rank_visible_devices(kernel) == expected
+
+
+def test_cpu_and_agent_placed_ranks_keep_their_inherited_devices() -> None:
+    assert LaunchSpec.create(nproc=2, device="cpu", gpu_count=4).rank_visible_devices("0,1") is None
+    remote = resolve_spec(launcher="torchrun", hosts="a,b", gpus=2, gpu_count=0)
+    assert (remote.devices, remote.rank_visible_devices(None)) == ((), None)
+    assert remote.describe() == "2 nodes × 2 GPU ranks (torchrun) · none"
+
+
+def test_gpus_list_naming_a_hidden_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert _err(gpus="0,5", gpu_count=4) == (
+        "--gpus 0,5: GPU 5 is not visible; this kernel sees 4 GPU(s), numbered 0-3; "
+        "choose among them (--gpus 0-1)"
+    )
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert _err(gpus="2,", gpu_count=2) == (
+        "--gpus 2,: GPU 2 is not visible; this kernel sees 2 GPU(s), numbered 0-1 "
+        "(CUDA_VISIBLE_DEVICES=2,3 numbers them from 0); choose among them (--gpus 0,)"
+    )
+
+
+def test_gpus_list_errors_name_the_list() -> None:
+    assert _err(gpus="0,2") == (
+        "--gpus 0,2 asked for, but 0 CUDA device(s) are visible; run `--nproc 2 --device cpu` for CPU ranks"
+    )
+    assert (
+        _err(gpus="0,2", nproc=3, gpu_count=4) == "--gpus 0,2 and --nproc 3 disagree; give only one of them"
+    )
+    assert _err(gpus="0,2", device="cpu", gpu_count=4) == (
+        "--gpus 0,2 needs CUDA but --device is cpu; use --nproc 2"
+    )
+    assert _err(gpus="1,1", gpu_count=4) == "--gpus 1,1 names device 1 twice; give each device once"
+    assert "--gpus 'x' is not valid; give a count (--gpus 4)" in _err(gpus="x", gpu_count=4)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_gpus_list_is_refused_by_launchers_whose_agents_place_ranks(launcher: str) -> None:
+    msg = _err(gpus="0,2", launcher=launcher, nodes=2)
+    assert msg.startswith(f"--gpus 0,2 chooses this machine's devices, but --launcher {launcher}")
+    assert "give a count (--gpus 2)" in msg
+
+
+def test_a_spec_refuses_devices_that_do_not_fit_its_ranks() -> None:
+    base = LaunchSpec.create(gpus="0,2", gpu_count=4)
+    for bad in ({"nproc": 3}, {"gpus": (0, 0)}, {"device": Device.CPU}):
+        with pytest.raises(SpecError, match="give one distinct device per CUDA rank"):
+            base.with_changes(**bad)
+
+
+def test_merged_keeps_a_device_list_until_the_devices_are_named_anew() -> None:
+    base = LaunchSpec.create(gpus="0,2", gpu_count=4, strategy="ddp")
+    assert base.merged({"strategy": "fsdp", "gpu_count": 4}).gpus == (0, 2)
+    assert base.merged({"gpus": "1,3", "gpu_count": 4}).gpus == (1, 3)
+    assert base.merged({"gpus": 3, "gpu_count": 4}).devices == (0, 1, 2)
+    again = base.merged({"nproc": 2, "gpu_count": 4})
+    assert (again.gpus, again.devices) == (None, (0, 1))
+    assert base.merged({"device": "cpu"}).devices == ()
+    assert merge_spec(base, {"launcher": "torchrun", "nodes": 2, "gpu_count": 4}).gpus is None
+
+
+def test_visible_gpus_on_wsl2_without_nvidia_device_nodes(
+    fake_dev: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from jupyter_shard import gpus
+
+    exe = tmp_path / "nvidia-smi"
+    exe.write_text("#!/bin/sh\necho GPU-5f1c3a2e-8d4b-11ee-b962-0242ac120002\n")
+    exe.chmod(0o755)
+    monkeypatch.setattr(shutil, "which", lambda name: str(exe) if name == "nvidia-smi" else None)
+    gpus._listed_gpus.cache_clear()
+    fake_dev += ["dxg"]
+    try:
+        assert visible_gpus() == 1
+    finally:
+        gpus._listed_gpus.cache_clear()

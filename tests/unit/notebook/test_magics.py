@@ -350,3 +350,46 @@ def test_a_restart_names_a_changed_launcher_option() -> None:
     old = resolve_spec(launcher="torchrun", hosts="a,b", interface="eth0", gpu_count=0)
     assert _change(old, merge_spec(old, {"interface": "eth1"})) == "interface eth0 → eth1"
     assert _change(old, merge_spec(old, {"nproc": 3})) == "2 → 3 ranks per node"
+
+
+def test_status_shows_how_the_ranks_came_above_the_table() -> None:
+    row = RankSnapshot(
+        rank=0, pid=7, host="h", device="cuda:0", state=RankState.IDLE, memory={}, cell="", log_path="/l"
+    )
+    path = "zygote (fork server, pid 4242) · CUDA_VISIBLE_DEVICES=4,6"
+    table = StatusTable("2 GPU ranks (GPUs 0,2) · ddp", [row], path)
+    text = repr(table).splitlines()
+    assert text[:2] == ["2 GPU ranks (GPUs 0,2) · ddp", f"ranks: {path}"]
+    assert text[2].split()[0] == "rank"
+    assert f"<i>ranks: {path}</i>" in table._repr_html_()
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("--gpus 0,2", "--gpus 0,2 asked for, but 0 CUDA device(s) are visible"),
+        ("--gpus 1,1", "--gpus 1,1 names device 1 twice; give each device once"),
+        ("--gpus 0-x", "--gpus '0-x' is not valid; give a count (--gpus 4) or the devices to use"),
+        ("--gpus 0,2 --launcher torchrun --nodes 2", "--gpus 0,2 chooses this machine's devices"),
+    ],
+)
+def test_gpus_lists_are_checked_before_any_pool(
+    shell: InteractiveShell, magics: DistributedMagics, line: str, message: str
+) -> None:
+    assert message in _usage_error(shell, "distributed", line)
+
+
+def test_gpus_list_reaches_the_spec(magics: DistributedMagics, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spec_mod, "visible_gpus", lambda: 4)
+    spec = magics._resolve(_parse(magics._parser, "--gpus 2,0 --strategy ddp"))
+    assert (spec.nproc, spec.gpus, spec.describe()) == (2, (2, 0), "2 GPU ranks (GPUs 2,0) · ddp")
+
+
+def test_a_restart_names_the_gpus_that_changed() -> None:
+    from jupyter_shard.notebook.magics import _change
+
+    old = LaunchSpec.create(gpus="0,1", gpu_count=4)  # the same spec as --gpus 2
+    assert _change(old, LaunchSpec.create(gpus="2,3", gpu_count=4)) == "GPUs 0-1 → 2-3"
+    assert LaunchSpec.create(gpus="2", gpu_count=4) == LaunchSpec.create(gpus="0-1", gpu_count=4)
+    cpu = LaunchSpec.create(nproc=2, device="cpu", gpu_count=4)
+    assert _change(old, cpu) == "device cuda → cpu, GPUs 0-1 → none"

@@ -242,3 +242,72 @@ def test_picker_reads_the_model_and_the_pool() -> None:
 def test_picker_bad_argument_is_a_spec_error() -> None:
     with pytest.raises(SpecError, match=r"^%dist_picker: no variable 'model' in the notebook; pass a model"):
         picker("model", {}, None, lambda line: None)
+
+
+# -- bf16 only where the GPUs have it; sharded initialisation where it is what makes a plan fit ----------
+
+V100S = MemorySnapshot(((30 * GIB, 32 * GIB),) * 4, 200 * GIB, "nvidia-smi", ((7, 0),) * 4)
+
+
+def test_gpus_older_than_ampere_get_16_mixed() -> None:
+    p = make(memory=V100S)
+    assert p.fields["precision"].value == "16-mixed"
+    assert p.line == "%%distributed --strategy ddp --gpus 4 --precision 16-mixed"
+    assert p.notes == []
+    p.fields["precision"].value = "bf16-mixed"  # chosen by hand: refused, with the reason
+    assert p.line.endswith("--precision 16-mixed")
+    assert p.notes == [
+        "bf16 needs compute capability 8.0 (Ampere) or newer, and 4 of the 4 GPU(s) chosen have 7.0: "
+        "using --precision 16-mixed (fp16 with loss scaling) instead."
+    ]
+
+
+def test_ampere_gpus_keep_bf16() -> None:
+    p = make(memory=MemorySnapshot(FOUR_GPUS.gpus, 200 * GIB, "nvidia-smi", ((8, 0),) * 4))
+    assert p.line == "%%distributed --strategy ddp --gpus 4 --precision bf16-mixed"
+
+
+def test_a_plan_that_fits_only_built_sharded_says_so_in_the_table_and_the_advice() -> None:
+    p = make(parameters=13_000_000_000)  # 48.4 GiB in fp32: 4 ranks building it need 194 GiB of 200
+    assert p.line == "%%distributed --strategy fsdp --gpus 4 --precision bf16-mixed"
+    assert "fits only when built under" not in p.recommendation
+    p.memory = MemorySnapshot(FOUR_GPUS.gpus, 150 * GIB, "nvidia-smi")
+    p.fields["count"].value = "13.0B"
+    note = (
+        "fits only when built under `with shard.init_module():` — every rank building the whole model "
+        "first needs 4 × 48.4 GiB of host RAM, 150.0 GiB free"
+    )
+    assert p.recommendation.startswith("FSDP FULL_SHARD: 13B parameters need")
+    assert f"the fastest that fits (DDP needs 193.7 GiB per rank). It {note}. {CAVEAT}" in p.recommendation
+    assert p.line == "%%distributed --strategy fsdp --gpus 4 --precision bf16-mixed"  # the line as before
+    table = p.outputs["table"].value
+    assert "<td>★▶</td><td>FSDP FULL_SHARD</td>" in table
+    assert "<td>yes †</td>" in table and "<td>no</td>" in table
+    assert f"<div>† {html.escape('F' + note[1:])}.</div>" in table
+    assert f"— {html.escape(note)}." in p.outputs["advice"].value
+    p.fields["strategy"].value = "ddp"  # a plan that holds the whole model anyway: no such note
+    assert "Your choice</b>, DDP" in p.outputs["advice"].value
+    assert "does not fit" in p.outputs["advice"].value
+
+
+def test_cpu_ranks_that_cannot_all_build_the_model() -> None:
+    p = make(parameters=1_400_000_000, memory=MemorySnapshot((), 64 * GIB), gpu_count=0)
+    p.fields["nproc"].value = 16
+    p.fields["strategy"].value = "fsdp"
+    advice = p.outputs["advice"].value
+    assert (
+        "FSDP FULL_SHARD: 1.3 GiB per rank — fits only when built under `with shard.init_module():`" in advice
+    )
+    assert "every rank building the whole model first needs 16 × 5.2 GiB of host RAM, 64.0 GiB free" in advice
+
+
+class ListPool:
+    spec = LaunchSpec.create(gpus="0,2", gpu_count=4)
+
+    def status(self) -> list[RankSnapshot]:
+        return []
+
+
+def test_a_pool_on_chosen_gpus_keeps_them_in_the_line() -> None:
+    p = Picker(ModelInfo(124_000_000), [].append, pool=ListPool(), memory=FOUR_GPUS, gpu_count=4)  # type: ignore[arg-type]
+    assert p.line == "%%distributed --strategy ddp --gpus 0,2 --precision bf16-mixed"

@@ -299,3 +299,62 @@ def test_checkpointing_names_are_checked_against_the_model() -> None:
     ddp = check_fields({**FIELDS, "checkpoint": "Block"}, 4, model)
     assert ddp.checkpoint == ()
     assert "ddp has no activation checkpointing option" in ddp.notes[0]
+
+
+# -- bf16 needs Ampere ---------------------------------------------------------------------------------
+
+V100, T4, A100, H100 = (7, 0), (7, 5), (8, 0), (9, 0)
+
+
+@pytest.mark.parametrize(
+    ("caps", "precision", "note"),
+    [
+        ((A100,) * 4, Precision.BF16_MIXED, ""),
+        ((H100, A100, H100, A100), Precision.BF16_MIXED, ""),
+        ((), Precision.BF16_MIXED, ""),  # unknown (an old driver without compute_cap): left as chosen
+        ((None, None, None, None), Precision.BF16_MIXED, ""),
+        (
+            (V100,) * 4,
+            Precision.FP16_MIXED,
+            "bf16 needs compute capability 8.0 (Ampere) or newer, and 4 of the 4 GPU(s) chosen have 7.0: "
+            "using --precision 16-mixed (fp16 with loss scaling) instead.",
+        ),
+        (
+            (A100, T4, A100, V100),
+            Precision.FP16_MIXED,
+            "bf16 needs compute capability 8.0 (Ampere) or newer, and 2 of the 4 GPU(s) chosen have "
+            "7.0 and 7.5: using --precision 16-mixed (fp16 with loss scaling) instead.",
+        ),
+    ],
+)
+def test_bf16_is_chosen_only_on_gpus_that_have_it(
+    caps: tuple[tuple[int, int] | None, ...], precision: Precision, note: str
+) -> None:
+    choice = check_fields({**FIELDS, "device": "cuda"}, 4, ModelInfo(), caps)
+    assert choice.precision is precision
+    assert choice.notes == ([note] if note else [])
+
+
+def test_only_the_chosen_gpus_count_for_bf16() -> None:
+    two = check_fields({**FIELDS, "device": "cuda", "nproc": 2}, 4, ModelInfo(), (A100, A100, T4, T4))
+    assert (two.precision, two.notes) == (Precision.BF16_MIXED, [])
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "32"])
+def test_other_precisions_and_cpu_ranks_are_left_alone(precision: str) -> None:
+    gpu = check_fields({**FIELDS, "device": "cuda", "precision": precision}, 4, ModelInfo(), (V100,) * 4)
+    assert (gpu.precision.value, gpu.notes) == (precision, [])
+    cpu = check_fields({**FIELDS, "device": "cpu"}, 4, ModelInfo(), (V100,) * 4)
+    assert (cpu.precision, cpu.notes) == (Precision.BF16_MIXED, [])  # bf16 autocast runs on CPU
+
+
+def test_a_running_pools_devices_stay_in_the_line() -> None:
+    line = distributed_line(Plan("ddp"), Device.CUDA, 2, Precision.FP16_MIXED, devices=(0, 2))
+    assert line == "%%distributed --strategy ddp --gpus 0,2 --precision 16-mixed"
+    assert distributed_line(Plan("ddp"), Device.CUDA, 1, Precision.FP32, devices=(3,)).endswith("--gpus 3,")
+    assert distributed_line(Plan("ddp"), Device.CUDA, 3, Precision.FP32, devices=(0, 2)).endswith("--gpus 3")
+    assert distributed_line(Plan("ddp"), Device.CUDA, 2, Precision.FP32, devices=(0, 1)).endswith("--gpus 2")
+    opts, extra = _distributed_parser().parse_known_args(shlex.split(line)[1:])
+    assert extra == []
+    given = {k: v for k, v in vars(opts).items() if v is not None}
+    assert LaunchSpec.create(**given, gpu_count=4).devices == (0, 2)

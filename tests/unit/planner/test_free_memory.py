@@ -141,3 +141,38 @@ def test_the_kernel_side_imports_no_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+# `nvidia-smi --query-gpu=compute_cap --format=csv,noheader` on a mixed machine (A100, V100, T4, H100)
+CAPS = "8.0\n7.0\n7.5\n9.0\n"
+
+
+def test_parse_compute_caps() -> None:
+    assert free_memory.parse_compute_caps(CAPS) == ((8, 0), (7, 0), (7, 5), (9, 0))
+    assert free_memory.parse_compute_caps(CAPS, "3,1") == ((9, 0), (7, 0))
+    assert free_memory.parse_compute_caps("8.6\n[N/A]\n") == ((8, 6), None)
+    assert free_memory.parse_compute_caps("12.0\n") == ((12, 0),)  # Blackwell: not "1" < "8"
+
+
+def test_an_old_driver_refuses_the_compute_cap_query(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_smi(tmp_path, monkeypatch, "echo 'Field \"compute_cap\" is not a valid field to query.'; exit 2")
+    assert free_memory.run_compute_caps() is None
+
+
+def test_run_compute_caps_passes_the_query(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_smi(tmp_path, monkeypatch, 'echo "$@"')
+    assert free_memory.run_compute_caps() == "--query-gpu=compute_cap --format=csv,noheader\n"
+
+
+def test_compute_caps_come_with_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    snap = probe_memory(None, smi=lambda: SMI, host=lambda: None, caps=lambda: "8.0\n7.5\n")
+    assert snap.capabilities == ((7, 5),)
+    assert snap.capabilities_of([0, 1]) == ((7, 5), None)
+
+
+def test_no_gpus_no_compute_cap_query() -> None:
+    def refuse() -> str | None:
+        raise AssertionError("nvidia-smi must not be asked for compute capabilities without GPUs")
+
+    assert probe_memory(None, smi=lambda: None, host=lambda: None, caps=refuse).capabilities == ()
