@@ -326,25 +326,24 @@ class Pool:
         self.start()
         self.values.push(ranks, values)
 
-    def pull(self, name: str, rank: int = 0, *, gather: bool = False) -> Any:
-        """A copy of the rank's variable ``name``.
-
-        ``gather=True``: ``name`` is the model returned by ``shard.prepare``; every rank takes part
-        in gathering its shards and rank 0 returns it as a plain ``nn.Module`` on the CPU.
+    def pull(self, name: str, rank: int = 0, *, gather: bool = False, device: bool = False) -> Any:
+        """A copy of the rank's variable ``name``, its tensors on the CPU (``device=True``: where
+        they were on the rank). ``gather=True``: ``name`` is the model returned by ``shard.prepare``;
+        every rank takes part in gathering its shards and rank 0 returns it as a plain ``nn.Module``.
         """
         if gather:
-            return self.pull_all(name, gather=True)[0]
-        return self.pull_all(name, ranks=[rank])[rank]
+            return self.pull_all(name, gather=True, device=device)[0]
+        return self.pull_all(name, ranks=[rank], device=device)[rank]
 
     def pull_all(
-        self, name: str, ranks: Sequence[int] | None = None, *, gather: bool = False
+        self, name: str, ranks: Sequence[int] | None = None, *, gather: bool = False, device: bool = False
     ) -> dict[int, Any]:
-        """Copies of ``name`` from every rank (or ``ranks``), by rank."""
+        """Copies of ``name`` from every rank (or ``ranks``), by rank (see :meth:`pull`)."""
         self._refuse_while_background("pull values")
         self.start()
         if gather and self.escalation.regroup_needed:  # gathering is a collective: it needs a group
             self._prepare()
-        return self.values.pull(name, None if gather else ranks, gather)
+        return self.values.pull(name, None if gather else ranks, gather, device)
 
     # -- inspecting -----------------------------------------------------------------------------
 

@@ -50,12 +50,18 @@ class Values:
             asked = None if ranks is None else tuple(sorted(set(ranks)))
             self.transcript.add(PushEntry(tuple(zip(names, buffers, strict=True)), asked))
 
-    def pull(self, name: str, ranks: Sequence[int] | None, gather: bool) -> dict[int, Any]:
-        """Copies of ``name`` from ``ranks`` (default all), by rank; ``gather``: the unsharded model."""
+    def pull(
+        self, name: str, ranks: Sequence[int] | None, gather: bool, device: bool = False
+    ) -> dict[int, Any]:
+        """Copies of ``name`` from ``ranks`` (default all), by rank; ``gather``: the unsharded model;
+        ``device``: tensors stay on the rank's device (else they leave the rank on the CPU, so the
+        kernel never creates a CUDA context)."""
         import cloudpickle
 
         targets = self.ranks.targets(ranks)
-        replies = self.conn.request(*PULL({"name": name, "gather": gather}), targets, timeout=600.0)
+        replies = self.conn.request(
+            *PULL({"name": name, "gather": gather, "device": device}), targets, timeout=600.0
+        )
         out: dict[int, Any] = {}
         for k, msg in sorted(replies.items()):
             if not msg.body["ok"]:

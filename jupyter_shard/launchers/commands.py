@@ -8,6 +8,7 @@ torch and SLURM for the same things. Everything here is pure: it builds lists an
 
 from __future__ import annotations
 
+import os
 import sys
 
 from jupyter_shard.spec import LaunchSpec
@@ -59,7 +60,10 @@ def torchrun_line(spec: LaunchSpec, target: str, wrap: str = " ") -> str:
     """``torchrun ... target`` as a person runs it on each node (HEAD: the first node's address);
     ``wrap`` goes between the rendezvous options and the rest (a shell line continuation)."""
     if spec.nodes == 1:
-        return f"torchrun --nproc-per-node {spec.nproc} {target}"
+        # a local pool on chosen GPUs (--gpus 0,2): the script runs on the same devices
+        chosen = spec.gpus and spec.rank_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        devices = f"CUDA_VISIBLE_DEVICES={chosen} " if chosen else ""
+        return f"{devices}torchrun --nproc-per-node {spec.nproc} {target}"
     return multi_node_torchrun_line(str(spec.nodes), spec.nproc, target, wrap)
 
 

@@ -259,16 +259,18 @@ class DistributedMagics(Magics):
 
     @line_magic
     def dist_pull(self, line: str) -> None:
-        """Bring a rank variable into the kernel: %dist_pull name [--rank K | --all | --gather]
+        """Bring a rank variable into the kernel: %dist_pull name [--rank K | --all | --gather] [--device]
 
         ``--gather`` gathers the model returned by ``shard.prepare`` (sharded or not) into the kernel
-        as a plain ``nn.Module``."""
+        as a plain ``nn.Module``. Tensors arrive on the CPU; ``--device`` keeps them on the rank's
+        device (on CUDA that creates a CUDA context in the kernel)."""
         parser = MagicParser("dist_pull", "%")
         parser.add_argument("name")
         group = parser.add_mutually_exclusive_group()
         group.add_argument("--rank", type=int, default=0)
         group.add_argument("--all", action="store_true")
         group.add_argument("--gather", action="store_true")
+        parser.add_argument("--device", action="store_true")
         opts = _parse(parser, line)
         pool = self._require_pool()
         if not 0 <= opts.rank < pool.world_size:
@@ -276,9 +278,11 @@ class DistributedMagics(Magics):
                 f"%dist_pull: rank {opts.rank} does not exist; the pool has ranks 0-{pool.world_size - 1}"
             )
         if opts.gather:
-            value = pool.pull(opts.name, gather=True)
+            value = pool.pull(opts.name, gather=True, device=opts.device)
+        elif opts.all:
+            value = pool.pull_all(opts.name, device=opts.device)
         else:
-            value = pool.pull_all(opts.name) if opts.all else pool.pull(opts.name, opts.rank)
+            value = pool.pull(opts.name, opts.rank, device=opts.device)
         if self.shell is not None:
             self.shell.user_ns[opts.name] = value
 

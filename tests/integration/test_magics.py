@@ -84,7 +84,9 @@ def test_push_and_pull_values(nb: Any) -> None:
     assert run.data("execute_result") == [{"text/plain": "(4, 6.0, [1, 2])"}]
     run = nb.execute("%%distributed\nt = torch.full((2,), float(shard.rank))")
     run = nb.execute("%dist_pull t --rank 1\nt")
-    assert run.data("execute_result") == [{"text/plain": "tensor([1., 1.])"}]
+    assert run.data("execute_result") == [{"text/plain": "tensor([1., 1.])"}], run.outputs
+    run = nb.execute("%dist_pull t --all --device\nt")  # as they are on the ranks' device (the CPU here)
+    assert run.data("execute_result") == [{"text/plain": "{0: tensor([0., 0.]), 1: tensor([1., 1.])}"}]
 
 
 def test_pull_gather_brings_a_plain_model(nb: Any) -> None:
