@@ -129,6 +129,11 @@ class CellGathering:
         for line in notes:
             if line not in gathering.result.notes:
                 gathering.result.notes.append(line)
+        dead = [k for k, r in gathering.result.ranks.items() if r.status == "dead"]
+        if dead and self.escalation.restart_reason is None:
+            gathering.result.notes.append(
+                f"rank {format_ranks(dead)} died: run %dist_restart for fresh ranks (rank state is lost)"
+            )
         failed = [k for k, r in gathering.result.ranks.items() if r.status not in ("ok", "pending")]
         if failed and len(failed) < len(gathering.targets) and self.escalation.restart_reason is None:
             self.out_of_step = format_ranks(failed)
@@ -257,9 +262,11 @@ class CellGathering:
                     f"process group on rank {format_ranks(stopped.released)}"
                 )
         if stopped.released_from:
+            dead = any(r.status == "dead" for r in result.ranks.values())  # then end() says what next
             result.notes.append(
                 f"closed the process group on rank {format_ranks(stopped.released)} to release the ranks "
-                "blocked in a collective; the next cell first rebuilds the group (rank state is kept)"
+                "blocked in a collective"
+                + ("" if dead else "; the next cell first rebuilds the group (rank state is kept)")
             )
         for k, stack in stopped.killed.items():
             self.check_exit(self.ranks[k], result)

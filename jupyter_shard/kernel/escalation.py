@@ -15,6 +15,7 @@ said to the user as it happens. What happened is returned as :class:`Stopped` fo
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,9 @@ class Escalation:
         released = self._release(blocked, ranks, [])
 
         def only_blocked_left(still: list[int]) -> bool:  # and someone idle could release them
+            # heartbeats since the stop began may name a collective (a peer's death often comes
+            # within a second of the cell's start, before any heartbeat said where a rank waits)
+            blocked.update({k: self.ranks[k].collective for k in still if self.ranks[k].collective})
             idle = any(r.rank not in still and r.rank not in released for r in self.ranks.live())
             return idle and all(k in blocked for k in still)
 
@@ -124,7 +128,19 @@ class Escalation:
                 self.notice(f"rank {format_ranks(others)} still running: sending SIGINT")
                 for k in others:
                     self.ranks[k].handle.send_signal(signal.SIGINT)
-            still = await_stopped(still, INTERRUPT_GRACE, lambda _: False)
+            # A rank freed in this round may be what another one waits for (3 or more ranks): ranks
+            # that become idle meanwhile release the rest, until INTERRUPT_GRACE is up.
+            deadline = time.monotonic() + INTERRUPT_GRACE
+
+            def newly_idle(running: list[int]) -> bool:  # not asked to release yet
+                return any(r.rank not in running and r.rank not in released for r in self.ranks.live())
+
+            while still:
+                still = await_stopped(still, max(0.0, deadline - time.monotonic()), newly_idle)
+                if not still or time.monotonic() >= deadline:
+                    break
+                suspects.update({k: blocked.get(k, "") for k in still})
+                released += self._release(suspects, still, released)
         waited = 2 * INTERRUPT_GRACE
         stopped = Stopped(blocked=blocked, released=released, waited=waited)
         if released:

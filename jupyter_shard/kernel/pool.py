@@ -266,7 +266,7 @@ class Pool:
             self._notice(f"restarting the pool ({reason}); rank state is lost")
             self.restart()
         self.start()
-        if self.escalation.regroup_needed:
+        if self.escalation.regroup_needed and not any(r.dead for r in self.ranks):  # dead: %dist_restart
             assert self.directory is not None and self.launcher is not None
             if not self.escalation.regroup(
                 self.directory, self.launcher.meets_on_agent_store, self.world_size, self.spec.timeout
