@@ -16,9 +16,10 @@ from tests.faults.conftest import alive, rank_pids, wait_gone
 pytestmark = pytest.mark.timeout(180)
 
 
-def _start_with_grandchildren(kernel: Any) -> list[int]:
+def _start_with_grandchildren(kernel: Any, nproc: int) -> list[int]:
+    """Ranks, what they started (a process, a DataLoader worker) and the zygote the ranks came from."""
     assert kernel.execute("%load_ext jupyter_shard").ok
-    assert kernel.execute("%%distributed --nproc 2 --device cpu\nimport torch").ok
+    assert kernel.execute(f"%%distributed --nproc {nproc} --device cpu\nimport torch").ok
     pids = rank_pids(kernel)
     run = kernel.execute(
         "%%distributed\n"
@@ -34,19 +35,27 @@ def _start_with_grandchildren(kernel: Any) -> list[int]:
     family = list(pids)
     for pid in pids:
         family += [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    assert len(family) >= 6, f"expected ranks + sleep + DataLoader worker each: {family}"
-    return family
+    assert len(family) >= 3 * nproc, f"expected ranks + sleep + DataLoader worker each: {family}"
+    zygotes = [
+        c.pid
+        for c in psutil.Process(kernel.pid).children()
+        if "jupyter_shard.launchers.zygote" in " ".join(c.cmdline())
+    ]
+    assert zygotes, "the ranks came from a zygote"
+    return family + zygotes
 
 
-def test_kernel_sigkill_takes_ranks_and_grandchildren_within_2s(kernel: Any) -> None:
-    family = _start_with_grandchildren(kernel)
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_kernel_sigkill_takes_ranks_and_grandchildren_within_2s(kernel: Any, nproc: int) -> None:
+    family = _start_with_grandchildren(kernel, nproc)
     os.kill(kernel.pid, signal.SIGKILL)
     took = wait_gone(family, within=2.0)
     assert took < 2.0
 
 
-def test_kernel_restart_removes_ranks_before_new_kernel_runs(kernel: Any) -> None:
-    family = _start_with_grandchildren(kernel)
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_kernel_restart_removes_ranks_before_new_kernel_runs(kernel: Any, nproc: int) -> None:
+    family = _start_with_grandchildren(kernel, nproc)
     kernel.km.restart_kernel(now=False)
     kernel.kc.wait_for_ready(timeout=60)
     run = kernel.execute("1 + 1")
@@ -54,8 +63,9 @@ def test_kernel_restart_removes_ranks_before_new_kernel_runs(kernel: Any) -> Non
     assert alive(family) == []
 
 
-def test_kernel_shutdown_removes_ranks(kernel: Any) -> None:
-    family = _start_with_grandchildren(kernel)
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_kernel_shutdown_removes_ranks(kernel: Any, nproc: int) -> None:
+    family = _start_with_grandchildren(kernel, nproc)
     kernel.shutdown()
     wait_gone(family, within=2.0)
 
