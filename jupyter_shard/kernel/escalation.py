@@ -188,8 +188,14 @@ class Escalation:
         for r in idle:
             reply = replies.get(r.rank)
             if reply is None:
+                # Its main thread is stuck; a rebuild of the group would wait for it until the
+                # collective timeout, so the next cell starts fresh ranks instead.
+                self.restart_reason = (
+                    self.restart_reason or f"rank {r.rank} could not close its process group"
+                )
                 self.notice(
-                    f"rank {r.rank} did not confirm closing its process group within {INTERRUPT_GRACE:g} s"
+                    f"rank {r.rank} did not confirm closing its process group within {INTERRUPT_GRACE:g} s;"
+                    " the next cell restarts the pool: rank state is lost"
                 )
             elif not reply.body["ok"]:
                 self.notice(f"rank {r.rank} could not close its process group: {reply.body['error']}")

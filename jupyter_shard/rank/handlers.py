@@ -197,6 +197,18 @@ class Runner:
         import torch.distributed as dist
 
         steps = self.group.release_steps(self.group.backend, "idle")
+        closed = 0
+        if "close" in steps:
+            # First the connections to the other ranks: the group's sockets close only with its last
+            # reference, which torch itself may keep (seen after autograd steps), and destroying a
+            # group whose collective is still pending here would wait for that collective.
+            pids = [int(pid) for pid in msg.body.get("peers", [])]
+            hosts = [str(h) for h in msg.body.get("peer_hosts", [])] or [""] * len(pids)
+            here = socket.gethostname()
+            # Only processes on this machine can be looked up; ranks elsewhere fall back to the kill.
+            closed = _shut_down_connections_to(
+                [p for p, h in zip(pids, hosts, strict=False) if h in ("", here)]
+            )
         error = ""
         try:
             if "abort" in steps:
@@ -205,17 +217,6 @@ class Runner:
                 dist.destroy_process_group()
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-        closed = 0
-        if "close" in steps:
-            # The group's sockets close only with its last reference, which torch itself may keep
-            # (seen after autograd steps); shutting down the connections to the other ranks frees them.
-            pids = [int(pid) for pid in msg.body.get("peers", [])]
-            hosts = [str(h) for h in msg.body.get("peer_hosts", [])] or [""] * len(pids)
-            here = socket.gethostname()
-            # Only processes on this machine can be looked up; ranks elsewhere fall back to the kill.
-            closed = _shut_down_connections_to(
-                [p for p, h in zip(pids, hosts, strict=False) if h in ("", here)]
-            )
         req_id = str(msg.body["req_id"])
         self.sock.send(*RELEASE_REPLY({"req_id": req_id, "ok": not error, "error": error, "closed": closed}))
 
