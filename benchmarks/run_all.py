@@ -43,10 +43,12 @@ class Benchmark:
     title: str
     quick: tuple[str, ...] = ("--quick",)  # arguments of a smoke run
     optional: bool = False  # written by someone else; skipped (and said so) while absent
+    args: tuple[str, ...] = ()  # arguments of a full run
+    script_name: str = ""  # the script, when several sections come from one script
 
     @property
     def script(self) -> Path:
-        return HERE / f"{self.name}.py"
+        return HERE / f"{self.script_name or self.name}.py"
 
 
 BENCHMARKS = (
@@ -60,6 +62,16 @@ BENCHMARKS = (
     Benchmark("memory", "Memory per rank against torchrun", optional=True),
     Benchmark("frameworks", "A Lightning Trainer against the same script under torchrun", quick=("--quick",)),
     Benchmark("bigmodel", "Peak memory per rank of a 1.5 GB model, sharded initialisation or not"),
+    *(
+        Benchmark(
+            f"soak-{n}",
+            f"Faults injected for 30 minutes at {n} ranks: time back to a working cell",
+            quick=("--minutes", "1", "--nproc", str(n)),
+            args=("--minutes", "30", "--nproc", str(n), "--seed", "19"),
+            script_name="soak",
+        )
+        for n in (3, 4)
+    ),
 )
 NAMES = [b.name for b in BENCHMARKS]
 
@@ -93,7 +105,7 @@ def run_one(bench: Benchmark, out: Path, quick: bool) -> str:
     if quick and bench.quick == ("--quick",) and "--quick" not in bench.script.read_text():
         return "it has no `--quick` option yet, so a quick run leaves it out"
     argv = [sys.executable, str(bench.script), "--results", str(out / f"{bench.name}.md")]
-    argv += list(bench.quick) if quick else []
+    argv += list(bench.quick if quick else bench.args)
     print(f"== {bench.name}: {' '.join(argv[1:])}", flush=True)
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, cwd=ROOT)

@@ -454,6 +454,47 @@ def summary(soak: Soak, minutes: float, seed: int, orphans: list[str]) -> str:
     return "\n".join(rows)
 
 
+def section(soak: Soak, table: str, minutes: float, args: argparse.Namespace, orphans: list[str]) -> str:
+    """The run as a RESULTS.md section: its table and one target line per promise (issue 19)."""
+    times = [t for kind in FAULTS for t in soak.back.get(kind, [])]
+    slow = sum(t > SLOW for t in times)
+    worst = f"max {max(times):.2f} s, {slow} over {SLOW:g} s" if times else "no fault recovered"
+    loads = " ".join(f"{v:.2f}" for v in os.getloadavg())
+    injected, survived = sum(soak.injected.values()), sum(soak.survived.values())
+    promises = [
+        (
+            f"Back to a working cell within {SLOW:g} s of every failing cell, {args.nproc} ranks",
+            worst,
+            bool(times) and slow == 0 and survived == injected,
+        ),
+        (f"No process left behind, {args.nproc} ranks", f"{len(orphans)} orphan(s)", not orphans),
+        (f"Nothing lost, {args.nproc} ranks", f"{len(soak.lost)} loss(es)", not soak.lost),
+        (f"No unexpected failure, {args.nproc} ranks", f"{len(soak.failures)}", not soak.failures),
+    ]
+    lines = [
+        f"# Soak: faults injected for {minutes:.0f} minutes at {args.nproc} CPU ranks",
+        "",
+        f"Produced by `.venv/bin/python benchmarks/soak.py --minutes {args.minutes:g} --nproc {args.nproc} "
+        f"--seed {args.seed}`; how to read it: `benchmarks/README.md`.",
+        "",
+        f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average at the end {loads}",
+        "",
+        "```",
+        table,
+        "```",
+        "",
+        "| target | measured | |",
+        "|---|---|---|",
+        *(f"| {what} | {value} | {'met' if met else 'not met'} |" for what, value, met in promises),
+        "",
+        *(
+            f"<!-- target: {what} | {value} | {'met' if met else 'not met'} -->"
+            for what, value, met in promises
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -462,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--fault-rate", type=float, default=0.25, help="share of steps that inject a fault")
+    parser.add_argument("--results", help="markdown section to write (for run_all.py); stdout only without")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     log_dir = tempfile.mkdtemp(prefix="jupyter_shard-soak-")
@@ -501,8 +543,13 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(2.0)
         orphans += [f"pid {pid} outlived the kernel's shutdown" for pid in sorted(family) if _alive(pid)]
     print()
-    print(summary(soak, (time.monotonic() - started) / 60, args.seed, orphans))
+    minutes = (time.monotonic() - started) / 60
+    table = summary(soak, minutes, args.seed, orphans)
+    print(table)
     print(f"\nrank logs: {log_dir}")
+    if args.results:
+        with open(args.results, "w") as fh:
+            fh.write(section(soak, table, minutes, args, orphans))
     return 1 if soak.failures or soak.lost or orphans else 0
 
 
