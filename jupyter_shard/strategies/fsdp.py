@@ -356,7 +356,8 @@ def default_units(model: nn.Module) -> list[nn.Module]:
             blocks = instances
     chosen = {id(m) for m in blocks}
     claimed = {id(p) for m in blocks for p in m.parameters()}
-    threshold = len(claimed) // len(blocks) if blocks else total // 8
+    in_blocks = sum(p.numel() for m in blocks for p in m.parameters())
+    threshold = in_blocks // len(blocks) if blocks else total // 8  # an average block
     targets: list[nn.Module] = []
     for _, module in reversed(named):
         if id(module) in chosen:

@@ -41,6 +41,16 @@ def test_one_unit_per_repeated_block_and_per_large_leftover_module() -> None:
     # the embedding and the head each hold about a block's worth: units of their own, not the root's
     assert model.embed in units and model.head in units
     assert not any(isinstance(m, nn.Linear) and m is not model.head for m in units)
+    assert len(units) == 6 + 2
+
+
+def test_small_modules_beside_the_blocks_stay_in_the_root_unit() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(
+            nn.Linear(1024, 16), *[nn.Linear(1024, 1024) for _ in range(4)], nn.LayerNorm(1024)
+        )
+    units = default_units(model)
+    assert units == [model[4], model[3], model[2], model[1]]  # the blocks; not the small embedding or norm
 
 
 def test_a_stack_of_equal_layers_is_split_per_layer() -> None:
