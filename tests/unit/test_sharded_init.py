@@ -47,7 +47,7 @@ def test_one_unit_per_repeated_block_and_per_large_leftover_module() -> None:
 def test_small_modules_beside_the_blocks_stay_in_the_root_unit() -> None:
     with torch.device("meta"):
         model = nn.Sequential(
-            nn.Linear(1024, 16), *[nn.Linear(1024, 1024) for _ in range(4)], nn.LayerNorm(1024)
+            nn.Embedding(10, 1024), *[nn.Linear(1024, 1024) for _ in range(4)], nn.LayerNorm(1024)
         )
     units = default_units(model)
     assert units == [model[4], model[3], model[2], model[1]]  # the blocks; not the small embedding or norm
