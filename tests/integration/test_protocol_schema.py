@@ -3,7 +3,8 @@
 The kernel and both ranks sign with a checking :class:`~jupyter_shard.protocol.Wire`
 (``JUPYTER_SHARD_CHECK_PROTOCOL``): each body signed is appended to one file and checked against
 :mod:`jupyter_shard.messages`. The pool is driven through every message type a local CPU pool can
-send (``signal`` goes only to ranks started by an agent, ``startup_failed`` only from a failing rank).
+send (``signal`` goes only to ranks started by an agent, ``abort`` only to the ranks of a CUDA pool,
+``startup_failed`` only from a failing rank).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from jupyter_shard.protocol import KERNEL
 
 pytestmark = pytest.mark.timeout(150)
 
-NOT_DRIVEN = {"signal", "startup_failed"}
+NOT_DRIVEN = {"signal", "abort", "startup_failed"}
 
 CELL = """
 from IPython.display import display
