@@ -41,7 +41,7 @@ class Kernel:
     def send(self, msg_type: str, body: dict[str, object]) -> None:
         self.router.send_multipart([RANK_IO.encode(), *self.wire.to_socket(msg_type, body)])
 
-    def receive_until(self, done: Callable[[list[Message]], bool], seconds: float = 5.0) -> list[Message]:
+    def receive_until(self, done: Callable[[list[Message]], bool], seconds: float = 15.0) -> list[Message]:
         deadline = time.monotonic() + seconds
         while not done(self.received) and time.monotonic() < deadline:
             if self.router.poll(20):
