@@ -118,6 +118,8 @@ def test_the_loop_goes_on_after_a_heartbeat_a_flusher_and_a_handler_raise(
     channel.io_handlers = {"status": status}
     channel.start()
 
+    # the ROUTER drops what it sends before the rank's socket has said anything: wait for a heartbeat
+    kernel.receive_until(lambda got: bool(kernel.of_type("heartbeat")))
     kernel.send("status", {"req_id": "first"})
     kernel.receive_until(lambda got: len(kernel.of_type("heartbeat")) >= 3)
     kernel.send("status", {"req_id": "second"})
