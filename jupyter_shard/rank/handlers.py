@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -102,7 +103,14 @@ class Runner:
             if handler is None:
                 print(f"jupyter_shard: rank {self.rank} ignored a {msg.type!r} message", file=sys.__stderr__)
                 continue
-            handler(msg)
+            try:
+                handler(msg)
+            except Exception:  # the rank stays: the kernel's request times out and says so
+                print(
+                    f"jupyter_shard: rank {self.rank} failed to handle a {msg.type!r} message:",
+                    file=sys.__stderr__,
+                )
+                traceback.print_exc(file=sys.__stderr__)
 
     def execute(self, msg: Message) -> None:
         body = msg.body
@@ -264,7 +272,10 @@ def _shut_down_connections_to(peers: list[int]) -> int:
     for conn in psutil.Process().net_connections(kind="tcp"):
         if conn.fd < 0 or not conn.raddr or conn.raddr.port not in ports:
             continue
-        sock = socket.socket(fileno=conn.fd)
+        try:  # gloo may close the fd between the listing and here (a peer shut down its end)
+            sock = socket.socket(fileno=conn.fd)
+        except OSError:
+            continue
         try:
             sock.shutdown(socket.SHUT_RDWR)
             closed += 1
