@@ -92,9 +92,10 @@ def _snapshot(runtime: Path, tmp: Path) -> Snapshot:
 
 
 @pytest.mark.timeout(600)
-def test_start_stop_cycles_leak_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """F17: 50 pools started, used for a collective and stopped leave no process, fd, socket or port,
-    pool directory, temp file (ranks inherit ``TMPDIR``) or /dev/shm entry behind."""
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_start_stop_cycles_leak_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nproc: int) -> None:
+    """F17: 50 pools of ``nproc`` ranks started, used for a collective and stopped leave no process,
+    fd, socket or port, pool directory, temp file (ranks inherit ``TMPDIR``) or /dev/shm entry behind."""
     from jupyter_shard import Pool
 
     runtime = Path(tempfile.mkdtemp(prefix="jsrt-"))
@@ -105,14 +106,14 @@ def test_start_stop_cycles_leak_nothing(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR in this process too
     logs = tmp_path / "logs"
 
-    with Pool(nproc=2, device="cpu", log_dir=logs) as pool:
+    with Pool(nproc=nproc, device="cpu", log_dir=logs) as pool:
         pool.run("x = 1")
     before = _snapshot(runtime, tmp)
     cycles = int(os.environ.get("JUPYTER_SHARD_CYCLES", "50"))
     cell = "import torch, torch.distributed as dist\ndist.all_reduce(torch.ones(1))\ndist.barrier()"
     for _ in range(cycles):
-        with Pool(nproc=2, device="cpu", log_dir=logs) as pool:
-            pool.run(cell)
+        with Pool(nproc=nproc, device="cpu", log_dir=logs) as pool:
+            assert pool.run(cell).ok
     after = _snapshot(runtime, tmp)
     assert after.children == before.children, "leaked child processes"
     assert after.fds <= before.fds, f"leaked fds: {before.fds} -> {after.fds}"

@@ -146,9 +146,10 @@ def test_flood_at_startup_goes_to_the_log_without_stalling_the_pool(
     print(f"start-up flood: first cell {first.elapsed:.2f} s, {len(shown)} stream messages, log {size} bytes")
 
 
-def test_flood_in_a_cell_is_coalesced_capped_and_fully_logged(kernel: Any) -> None:
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_flood_in_a_cell_is_coalesced_capped_and_fully_logged(kernel: Any, nproc: int) -> None:
     assert kernel.execute("%load_ext jupyter_shard").ok
-    assert kernel.execute("%%distributed --nproc 2 --device cpu\nimport sys, torch").ok
+    assert kernel.execute(f"%%distributed --nproc {nproc} --device cpu\nimport sys, torch").ok
     log = _log_path(kernel, 1)
     code = (
         "%%distributed\nimport torch.distributed as dist\n"
@@ -165,7 +166,7 @@ def test_flood_in_a_cell_is_coalesced_capped_and_fully_logged(kernel: Any) -> No
         run = kernel.execute(code, timeout=240)
         ended = time.monotonic()
     assert run.ok, run.outputs
-    assert run.data("execute_result") == [{"text/plain": "2.0"}]
+    assert run.data("execute_result") == [{"text/plain": f"{float(nproc)}"}]
     assert run.elapsed < 60, f"the flood cell took {run.elapsed:.1f} s"
 
     during = [seconds for sent, seconds in probe.latencies if sent < ended]
@@ -184,8 +185,9 @@ def test_flood_in_a_cell_is_coalesced_capped_and_fully_logged(kernel: Any) -> No
     assert (stdout + run.stream("stderr")).count(notice) == 1
 
     again = kernel.execute("%%distributed\nshard.rank")
+    back = time.monotonic() - ended
     assert again.data("execute_result") == [{"text/plain": "0"}]
-    assert again.elapsed < 10, f"the cell after the flood took {again.elapsed:.1f} s"
+    assert back < 5.0, f"back to a working cell {back:.1f} s after the flood cell ended"
     size = _assert_full_log(log, ("out", "err"))
     print(
         f"cell flood: {run.elapsed:.2f} s, {len(messages)} stream messages ({shown} bytes shown), "

@@ -26,30 +26,44 @@ from jupyter_shard.kernel.output import ConsoleSink
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.mark.parametrize("nproc", [2, 3, 4])
 def test_rank_failing_at_startup_fails_pool_start_fast(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nproc: int
 ) -> None:
     broken = tmp_path / "broken" / "torch"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("raise ImportError('this torch is broken on purpose')\n")
     monkeypatch.setenv("PYTHONPATH", str(broken.parent))
     started = time.monotonic()
-    pool = Pool(nproc=2, device="cpu", log_dir=tmp_path / "logs")
+    pool = Pool(nproc=nproc, device="cpu", log_dir=tmp_path / "logs")
     with pytest.raises(PoolError) as caught:
         pool.start()
-    took = time.monotonic() - started
+    failed_at = time.monotonic()
+    took = failed_at - started
     message = str(caught.value)
     assert "failed to start" in message
     assert "ImportError: this torch is broken on purpose" in message
     assert took < 10, f"start-up failure took {took:.1f} s to report"
     assert not pool.started
+    # once the environment is mended, the same pool object starts and runs a collective
+    monkeypatch.delenv("PYTHONPATH")
+    with pool:
+        assert pool.run("import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)").ok
+        summed = pool.pull("t").item()
+    back = time.monotonic() - failed_at
+    assert summed == float(nproc)
+    assert back < 5.0, f"a pool started and ran {back:.1f} s after the failed start"
 
 
-def test_torch_imported_in_kernel_first(kernel: Any) -> None:
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_torch_imported_in_kernel_first(kernel: Any, nproc: int) -> None:
     run = kernel.execute("import torch\nx = torch.ones(3).sum()\n%load_ext jupyter_shard")
     assert run.ok
-    run = kernel.execute("%%distributed --nproc 2 --device cpu\nshard.rank")
-    assert run.data("execute_result") == [{"text/plain": "0"}]
+    run = kernel.execute(
+        f"%%distributed --nproc {nproc} --device cpu\nimport torch, torch.distributed as dist\n"
+        "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
+    )
+    assert run.data("execute_result") == [{"text/plain": f"{float(nproc)}"}]
 
 
 def test_stale_pool_directory_is_cleaned_by_pid_and_start_time(tmp_path: Path) -> None:
