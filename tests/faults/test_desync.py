@@ -46,10 +46,13 @@ def _shown(run: Any) -> str:
     return "\n".join([run.stream(), *values])
 
 
-def _recovered_with_state(kernel: Any) -> str:
-    """The next cell rebuilds the group, keeps every rank's state and runs a collective."""
+def _recovered_with_state(kernel: Any, failed_at: float) -> str:
+    """The next cell rebuilds the group, keeps every rank's state and runs a collective, ending
+    within 5 s of the failing cell's end."""
     nxt = kernel.execute(NEXT)
+    back = time.monotonic() - failed_at
     assert nxt.ok, nxt.error_text()
+    assert back < 5.0, f"back to a working cell {back:.1f} s after the failing cell ended"
     assert "[rank 0] kept 42 sum 2.0" in nxt.stream() and "[rank 1] kept 42 sum 2.0" in nxt.stream()
     notices: str = nxt.stream("stderr")
     assert "rebuilt the process group after the desync in" in notices
@@ -64,6 +67,7 @@ def test_f3_one_rank_raises_while_the_other_waits_in_all_reduce(kernel: Any) -> 
         "if shard.rank == 0:\n    raise ValueError('bad batch on rank 0')\n"
         "dist.all_reduce(torch.ones(1))\n"
     )
+    failed_at = time.monotonic()
     assert not run.ok
     assert run.elapsed < 5.0, f"the cell took {run.elapsed:.1f} s; the --timeout was 5 s"
     text = run.error_text()
@@ -76,7 +80,7 @@ def test_f3_one_rank_raises_while_the_other_waits_in_all_reduce(kernel: Any) -> 
     )
     assert raised < waited, "the raising rank's traceback comes first"
     assert "the next cell first rebuilds the group (rank state is kept)" in text
-    notices = _recovered_with_state(kernel)
+    notices = _recovered_with_state(kernel, failed_at)
     assert "out of step" not in notices, "every rank failed: no partial-failure warning"
 
 
@@ -84,12 +88,13 @@ def test_f4_a_straggler_skips_the_collective(kernel: Any) -> None:
     _start(kernel)
     skips = "if shard.rank == 0:\n    dist.all_reduce(torch.ones(1))\n"
     run = kernel.execute(f"%%distributed --timeout 30\n{skips}")
+    failed_at = time.monotonic()
     assert not run.ok
     assert run.elapsed < 10.0, f"the cell took {run.elapsed:.1f} s, not ended early by the desync check"
     text = run.error_text()
     assert "rank 0 waited in all_reduce for rank 1, which finished the cell without joining it" in text
     assert "──── rank 0: RuntimeError: left waiting in all_reduce" in text
-    notices = _recovered_with_state(kernel)
+    notices = _recovered_with_state(kernel, failed_at)
     assert "the last cell failed on rank 0 only, so the ranks may be out of step" in notices
     assert "%dist_restart gives fresh ranks" in notices
 
@@ -107,6 +112,7 @@ def test_f6_interrupt_while_one_rank_sleeps_and_the_other_waits_in_all_reduce(
         "%%distributed\nif shard.rank == 0:\n    time.sleep(60)\ndist.all_reduce(torch.ones(1))\n"
     )
     fired.join()
+    failed_at = time.monotonic()
     assert not run.ok
     assert run.elapsed < after + 10.0, f"the cell took {run.elapsed:.1f} s"
     notices = run.stream("stderr")
@@ -118,7 +124,7 @@ def test_f6_interrupt_while_one_rank_sleeps_and_the_other_waits_in_all_reduce(
     assert "──── rank 0: KeyboardInterrupt ────" in text
     assert "──── rank 1: RuntimeError: left waiting in" in text or "──── rank 1: KeyboardInterrupt" in text
     assert "killed" not in notices
-    _recovered_with_state(kernel)
+    _recovered_with_state(kernel, failed_at)
     assert sorted(rank_pids(kernel)) == sorted(pids), "the ranks were kept, not respawned"
 
 
@@ -129,6 +135,7 @@ def test_f6_ranks_all_blocked_are_killed_within_10s_and_replaced(kernel: Any) ->
     # Each rank waits to receive from the other: nobody is idle to release them.
     run = kernel.execute("%%distributed\nt = torch.zeros(1)\ndist.recv(t, src=1 - shard.rank)\n")
     fired.join()
+    failed_at = time.monotonic()
     assert not run.ok
     assert run.elapsed < 2.5 + 10.0, f"the cell took {run.elapsed:.1f} s"
     notices = run.stream("stderr")
@@ -141,6 +148,8 @@ def test_f6_ranks_all_blocked_are_killed_within_10s_and_replaced(kernel: Any) ->
         time.sleep(0.05)
     assert alive(pids) == [], "killed ranks are reaped, no zombies"
     nxt = kernel.execute("%%distributed\n'kept' in dir()")
+    back = time.monotonic() - failed_at
+    assert back < 5.0, f"back to a working cell {back:.1f} s after the failing cell ended"
     assert "restarting the pool (rank 0-1 was killed); rank state is lost" in nxt.stream("stderr")
     assert nxt.data("execute_result") == [{"text/plain": "False"}]
 
@@ -151,6 +160,7 @@ def test_f9_a_rank_spinning_in_python_past_the_timeout_is_shown_with_its_stack(k
         "%%distributed --timeout 5\nif shard.rank == 1:\n    while True:\n        pass\n"
         "dist.all_reduce(torch.ones(1))\n"
     )
+    failed_at = time.monotonic()
     assert not run.ok
     assert 5.0 <= run.elapsed < 5.0 + 6.0, f"the cell took {run.elapsed:.1f} s"
     notices = run.stream("stderr")
@@ -159,7 +169,7 @@ def test_f9_a_rank_spinning_in_python_past_the_timeout_is_shown_with_its_stack(k
     spinning = text[text.index("──── rank 1: KeyboardInterrupt ────") :]
     assert "----> 3     while True:" in spinning or "----> 4         pass" in spinning, spinning
     assert "──── rank 0: RuntimeError: left waiting in all_reduce" in text
-    _recovered_with_state(kernel)
+    _recovered_with_state(kernel, failed_at)
 
 
 def test_status_names_the_collective_and_stacks_work_during_a_background_run(kernel: Any) -> None:
@@ -177,6 +187,7 @@ def test_status_names_the_collective_and_stacks_work_during_a_background_run(ker
     stopped = kernel.execute("%dist_interrupt")
     assert stopped.ok, stopped.error_text()
     waited = kernel.execute("%dist_wait")
+    failed_at = time.monotonic()
     assert not waited.ok
     assert "left waiting in all_reduce" in waited.error_text()
-    _recovered_with_state(kernel)
+    _recovered_with_state(kernel, failed_at)
