@@ -149,6 +149,7 @@ class HeartbeatBody(TypedDict):
     memory: dict[str, int]
     step: int
     collective: str  # the torch.distributed call the main thread is in, or ""
+    group_ranks: list[int]  # the ranks of that call's group; [] for the default group (every rank)
 
 
 class Reply(TypedDict):

@@ -121,7 +121,7 @@ class CellGathering:
         self.conn.send(targets, *EXECUTE(body))
         head = cell_head(gathering.code)
         for r in targets:
-            r.state, r.cell, r.collective = RankState.RUNNING, head, ""
+            r.state, r.cell, r.collective, r.group_ranks = RankState.RUNNING, head, "", []
         return gathering
 
     def end(self, gathering: Gathering, notes: Sequence[str]) -> None:
@@ -206,11 +206,33 @@ class CellGathering:
                 gathering, f"waited in {calls} for rank {done}, which finished the cell without joining it"
             )
             return True
+        if self._lone_collective(gathering, waiting):
+            return True
         timeout = gathering.timeout
         if timeout is not None and time.monotonic() - gathering.started > timeout:
             self.stop(gathering, f"still running after the {timeout:g} s timeout")
             return True
         return False
+
+    def _lone_collective(self, gathering: Gathering, waiting: dict[int, str]) -> bool:
+        """A cell on some ranks only (``%%rank``, ``--ranks``) whose heartbeat shows a rank in a
+        collective of a group with ranks outside the cell (the default group, say): those ranks are
+        idle and can never join it. Stop the cell and release the collective as after an interrupt;
+        the next cell rebuilds the group, rank state kept. True once stopped. A collective on a
+        subgroup of the cell's own ranks is left alone."""
+        live = [r.rank for r in self.ranks.live()]
+        needs = {k: self.ranks[k].group_ranks or live for k in waiting}
+        outside = sorted({o for k in waiting for o in needs[k] if o not in gathering.targets})
+        if not outside:
+            return False
+        calls = ", ".join(sorted(set(waiting.values())))
+        self.stop(
+            gathering,
+            f"is waiting in {calls} while rank {format_ranks(outside)} "
+            f"{'is' if len(outside) == 1 else 'are'} not running this cell; a collective needs every "
+            "rank of its group: run it in a cell on all ranks",
+        )
+        return True
 
     def check_exit(self, r: RankRecord, result: RunResult | None) -> bool:
         """Notice that ``r`` died; True if that failed its part of ``result`` (then it is recorded)."""

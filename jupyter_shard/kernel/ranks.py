@@ -87,6 +87,7 @@ class RankRecord:
         self.last_line = ""
         self.killed_by_pool = ""  # why the pool itself killed the rank, if it did
         self.collective = ""  # the torch.distributed call its running cell was in at the last heartbeat
+        self.group_ranks: list[int] = []  # that call's group; [] for the default group (every rank)
         self.node = 0  # which node it runs on (its agent's), from its ready
         self.job = ""  # the SLURM job it runs in, if any
         # its memory cgroup's oom_kill counter, to tell an OOM kill from another SIGKILL
@@ -192,6 +193,7 @@ class RankTable:
         r.memory = {str(k): int(v) for k, v in msg.body["memory"].items()}
         r.step = int(msg.body["step"])
         r.collective = str(msg.body["collective"])
+        r.group_ranks = [int(k) for k in msg.body["group_ranks"]]
         self.history.add_memory(r.rank, time.time(), r.memory)
 
     def on_startup_failed(self, r: RankRecord, msg: Message) -> None:

@@ -12,12 +12,14 @@ kernel's escalation treats a rank that lets SIGINT pass as blocked instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
 import traceback
+from types import FrameType
 
 from jupyter_shard.messages import (
     HEARTBEAT,
@@ -107,13 +109,15 @@ def _status_body(channel: Channel, state: CellState) -> HeartbeatBody:
     except Exception as exc:
         channel.report("the heartbeat's memory probe", exc)
         memory = memory_report(None)
+    collective, group_ranks = collective_and_group(state.executing)
     return {
         "executing": state.executing,
         "cell": state.cell_head,
         "running_for": time.time() - state.started if state.executing else 0.0,
         "memory": memory,
         "step": helper.global_step if helper else 0,
-        "collective": current_collective() if state.executing else "",
+        "collective": collective,
+        "group_ranks": group_ranks,
     }
 
 
@@ -122,13 +126,35 @@ _C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
 
 def current_collective() -> str:
     """The ``torch.distributed`` call the main thread is in (``all_reduce``, ``barrier``…), else ""."""
+    call = _outermost_c10d_frame()
+    return call.f_code.co_name if call is not None else ""
+
+
+def _outermost_c10d_frame() -> FrameType | None:
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    outermost = ""
+    outermost = None
     while frame is not None:  # innermost to outermost: the last c10d frame seen is the public call
         if frame.f_code.co_filename.endswith(_C10D):
-            outermost = frame.f_code.co_name
+            outermost = frame
         frame = frame.f_back
     return outermost
+
+
+def collective_and_group(executing: bool) -> tuple[str, list[int]]:
+    """The heartbeat's ``collective`` and ``group_ranks``: a cell's collective on a subgroup (of the
+    ranks that run it) can complete where one of the default group cannot."""
+    call = _outermost_c10d_frame() if executing else None
+    if call is None:
+        return "", []
+    group = call.f_locals.get("group")
+    ranks: list[int] = []
+    if group is not None:
+        import torch.distributed as dist
+
+        with contextlib.suppress(Exception):  # a group torch no longer knows: count it as the default
+            if group is not dist.GroupMember.WORLD:
+                ranks = sorted(dist.get_process_group_ranks(group))
+    return call.f_code.co_name, ranks
 
 
 def _reply_status(channel: Channel, msg: Message, state: CellState) -> None:
