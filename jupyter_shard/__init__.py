@@ -38,6 +38,7 @@ __all__ = [
     "__version__",
     "consolidate",
     "history",
+    "last_values",
     "load_ipython_extension",
     "register_strategy",
     "shard",
@@ -87,6 +88,19 @@ def history() -> History:
     if pool is None:
         raise PoolError("no pool has run in this process yet; start one with a %%distributed cell")
     return pool.history
+
+
+def last_values() -> dict[int, Any]:
+    """Every rank's value of the last ``%%distributed`` cell (its last expression), by rank: copies,
+    tensors on the CPU. ``Out[n]`` and ``_`` hold the lowest rank's alone; ranks whose cell ended in
+    a statement are left out."""
+    from jupyter_shard.errors import PoolError
+    from jupyter_shard.kernel.pool import latest_pool
+
+    pool = latest_pool()
+    if pool is None:
+        raise PoolError("no pool has run in this process yet; start one with a %%distributed cell")
+    return pool.last_values()
 
 
 def load_ipython_extension(ipython: InteractiveShell) -> None:

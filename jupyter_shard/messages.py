@@ -56,6 +56,8 @@ class PushBody(TypedDict):
 
 class _PullOptions(TypedDict, total=False):
     device: bool  # keep tensors on the rank's device (default: they come back on the CPU)
+    last: bool  # the value of the rank's last cell (its last expression) instead of a variable
+    limit: int  # refuse, rather than send, a value that pickles to more bytes than this
 
 
 class PullBody(_PullOptions):

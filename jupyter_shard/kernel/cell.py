@@ -76,6 +76,7 @@ class CellGathering:
         self.escalation = escalation
         self._sink = sink
         self.current: Gathering | None = None
+        self.last: RunResult | None = None  # the result of the last cell that ended
         self.out_of_step = ""  # the ranks the last cell failed on, when it failed on only some
         conn.on_io = self._on_io
         conn.handle(
@@ -139,7 +140,7 @@ class CellGathering:
             self.out_of_step = format_ranks(failed)
         self.escalation.say_group_closed()
         self._sink().end_cell(failed)
-        self.current = None
+        self.current, self.last = None, gathering.result
 
     def warn_out_of_step(self) -> None:
         """Before the next cell: say once that the last one failed on some ranks only."""

@@ -175,15 +175,9 @@ class Pool:
         if entry is None:
             return
         self.push(_js_strategy=(self.spec.strategy, *entry))
-        self._run_foreground(
-            "from jupyter_shard.strategies import register_strategy as _register\n"
-            "_register(_js_strategy[0], _js_strategy[1], **_js_strategy[2])\n"
-            "del _register, _js_strategy",
-            None,
-            None,
-            0,
-            record=False,
-        )
+        register = "from jupyter_shard.strategies import register_strategy as _r\n"
+        register += "_r(_js_strategy[0], _js_strategy[1], **_js_strategy[2])\ndel _r, _js_strategy"
+        self._run_foreground(register, None, None, 0, record=False)
 
     def shutdown(self) -> None:
         """Stop every rank (and its children) and release the socket, key and private directory."""
@@ -344,6 +338,12 @@ class Pool:
         if gather and self.escalation.regroup_needed:  # gathering is a collective: it needs a group
             self._prepare()
         return self.values.pull(name, None if gather else ranks, gather, device)
+
+    def last_values(self) -> dict[int, Any]:
+        """Copies of the last cell's value (its last expression) from each rank that gave one."""
+        self._refuse_while_background("pull values")
+        last = self.cells.last
+        return self.values.pull_last(last.valued_ranks()) if last and self.started else {}
 
     # -- inspecting -----------------------------------------------------------------------------
 

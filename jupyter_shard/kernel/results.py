@@ -60,6 +60,10 @@ class RunResult:
         rank = self.value_rank
         return None if rank is None else self.ranks[rank].result
 
+    def valued_ranks(self) -> list[int]:
+        """The ranks whose cell ended with a value (a last expression that is not None)."""
+        return [k for k in sorted(self.ranks) if self.ranks[k].result is not None]
+
     def failures(self) -> list[RankResult]:
         """Failed ranks, the first to fail first; when a rank died, after it its peers' collectives
         that failed because its connection closed, even if they reported first."""

@@ -14,7 +14,7 @@ from jupyter_shard.errors import PoolError
 from jupyter_shard.kernel.connection import Connection
 from jupyter_shard.kernel.ranks import RankTable
 from jupyter_shard.kernel.transcript import PushEntry, Transcript
-from jupyter_shard.messages import PULL, PUSH
+from jupyter_shard.messages import PULL, PUSH, PullBody
 from jupyter_shard.protocol import MAX_FRAME
 from jupyter_shard.spec import format_ranks
 
@@ -56,12 +56,23 @@ class Values:
         """Copies of ``name`` from ``ranks`` (default all), by rank; ``gather``: the unsharded model;
         ``device``: tensors stay on the rank's device (else they leave the rank on the CPU, so the
         kernel never creates a CUDA context)."""
+        return self._pull({"name": name, "gather": gather, "device": device}, ranks, repr(name))
+
+    def pull_last(self, ranks: Sequence[int], limit: int | None = None) -> dict[int, Any]:
+        """Copies of the value each of ``ranks`` gave its last cell (its last expression), tensors on
+        the CPU; ``limit``: a value that pickles to more bytes is refused (a :class:`PoolError`)."""
+        if not ranks:
+            return {}
+        body: PullBody = {"name": "", "gather": False, "last": True}
+        if limit is not None:
+            body["limit"] = limit
+        return self._pull(body, ranks, "the last value")
+
+    def _pull(self, body: PullBody, ranks: Sequence[int] | None, what: str) -> dict[int, Any]:
         import cloudpickle
 
         targets = self.ranks.targets(ranks)
-        replies = self.conn.request(
-            *PULL({"name": name, "gather": gather, "device": device}), targets, timeout=600.0
-        )
+        replies = self.conn.request(*PULL(body), targets, timeout=600.0)
         out: dict[int, Any] = {}
         for k, msg in sorted(replies.items()):
             if not msg.body["ok"]:
@@ -69,5 +80,5 @@ class Values:
             out[k] = cloudpickle.loads(msg.buffers[0])
         missing = sorted({r.rank for r in targets} - set(out))
         if missing:
-            raise PoolError(f"rank {format_ranks(missing)} did not answer the pull of {name!r}")
+            raise PoolError(f"rank {format_ranks(missing)} did not answer the pull of {what}")
         return out

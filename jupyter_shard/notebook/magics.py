@@ -23,12 +23,13 @@ from jupyter_shard.gpus import format_gpus
 from jupyter_shard.kernel.background import BackgroundRun
 from jupyter_shard.kernel.pool import Pool
 from jupyter_shard.kernel.ranks import RankSnapshot
-from jupyter_shard.kernel.results import DistributedError, RunResult
+from jupyter_shard.kernel.results import DistributedError
 from jupyter_shard.launchers import merge_spec, resolve_spec
 from jupyter_shard.notebook.args import MagicParser, export_magic
 from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard
 from jupyter_shard.notebook.display import NotebookSink, in_kernel
 from jupyter_shard.notebook.panel import register_comm
+from jupyter_shard.notebook.values import cell_value, shown_bundle
 from jupyter_shard.spec import LaunchSpec, SpecError, parse_ranks
 
 INTERRUPT_WAIT = 10.0  # seconds %dist_interrupt and an interrupted %dist_wait wait for a background run
@@ -73,16 +74,6 @@ def _parse(parser: MagicParser, line: str) -> argparse.Namespace:
 
 
 _RUN_OPTIONS = ("ranks", "timeout", "bg", "no_dashboard")  # options of the cell, not of the pool
-
-
-class _Value:
-    """Shows a rank's last-expression value as the cell's Out[n]."""
-
-    def __init__(self, bundle: dict[str, Any]) -> None:
-        self.bundle = bundle
-
-    def _repr_mimebundle_(self, include: object = None, exclude: object = None) -> dict[str, Any]:
-        return self.bundle
 
 
 @magics_class
@@ -137,7 +128,7 @@ class DistributedMagics(Magics):
             pool.observers.append(CellDashboard(pool, show_now=background or "shard.log" in cell))
         code, count = _code(magic, cell), self._count()
         if not background:
-            return _value(pool.run(code, ranks, timeout=timeout, exec_count=count))
+            return cell_value(pool, pool.run(code, ranks, timeout=timeout, exec_count=count), self.shell)
         pool.run_background(code, ranks, timeout=timeout, exec_count=count, on_done=_report_background)
         print(
             f"jupyter_shard: running in the background on {pool.spec.describe()}; "
@@ -204,7 +195,7 @@ class DistributedMagics(Magics):
         except KeyboardInterrupt:
             self._require_pool().interrupt()
             result = run.wait(INTERRUPT_WAIT)
-        return _value(result)
+        return cell_value(self._require_pool(), result, self.shell)
 
     @line_magic
     def dist_dashboard(self, line: str) -> None:
@@ -350,24 +341,14 @@ def _code(magic: str, cell: str) -> str:
     return cell if cell.startswith("%%") else f"# {magic}\n{cell}"
 
 
-def _value(result: RunResult) -> _Value | None:
-    """The cell's Out[n]: :attr:`RunResult.value`, labelled with its rank when that is not rank 0."""
-    value, rank = result.value, result.value_rank
-    if value is None or rank is None:
-        return None
-    if rank != 0:
-        value = {**value, "text/plain": f"[rank {rank}] {value.get('text/plain', '')}"}
-    return _Value(value)
-
-
 def _report_background(run: BackgroundRun) -> None:
     """Runs in the background cell's context when it ends: its outcome goes under that cell."""
     shell = InteractiveShell.instance() if InteractiveShell.initialized() else None
     if run.error is None:
         print(f"jupyter_shard: the background run finished in {run.elapsed:.1f} s", file=sys.stderr)
-        value = _value(run.result)
-        if value is not None:
-            display(value)
+        shown = shown_bundle(run.result)
+        if shown is not None:
+            display(shown, raw=True)
         return
     if shell is not None:
         run.reported = True

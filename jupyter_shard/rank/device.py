@@ -86,3 +86,20 @@ def dumps_on_host(value: Any, keep_device: bool = False) -> bytes:
     buffer = io.BytesIO()
     _HostPickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(value)
     return buffer.getvalue()
+
+
+def tensor_bytes(value: Any, depth: int = 3) -> int:
+    """The bytes of the tensors and arrays in ``value`` (a tensor, a module, an array, or containers
+    of them ``depth`` levels down): what pickling it would at least write, known without pickling."""
+    if isinstance(value, torch.Tensor):
+        return 0 if value.is_meta else value.nelement() * value.element_size()
+    if isinstance(value, torch.nn.Module):
+        return sum(tensor_bytes(t) for t in (*value.parameters(), *value.buffers()))
+    nbytes = getattr(value, "nbytes", None)
+    if isinstance(nbytes, int) and type(value).__module__.startswith("numpy"):
+        return nbytes
+    if depth > 0 and isinstance(value, (list, tuple, set, frozenset)):
+        return sum(tensor_bytes(v, depth - 1) for v in value)
+    if depth > 0 and isinstance(value, dict):
+        return sum(tensor_bytes(v, depth - 1) for v in value.values())
+    return 0

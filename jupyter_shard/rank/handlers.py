@@ -154,36 +154,55 @@ class Runner:
         self.sock.send(*PUSH_REPLY(reply))
 
     def pull(self, msg: Message) -> None:
-        """A copy of a variable for the kernel, its tensors on the CPU (the kernel must not create a
-        CUDA context to read it) unless the request keeps them on the device."""
-        from jupyter_shard.rank.device import dumps_on_host
+        """A copy of a variable, or of the last cell's value, for the kernel, its tensors on the CPU
+        (the kernel must not create a CUDA context to read it) unless the request keeps them on the
+        device; a value over the request's ``limit`` is refused before it is pickled where its
+        tensors alone pass it."""
+        from jupyter_shard.rank.device import dumps_on_host, tensor_bytes
 
-        name = str(msg.body["name"])
         reply: OutcomeReply = {"req_id": str(msg.body["req_id"]), "ok": False, "error": ""}
         buffers: list[bytes] = []
-        if name not in self.shell.user_ns:
-            reply["error"] = f"name {name!r} is not defined on rank {self.rank}"
-        else:
-            try:
-                value = self.shell.user_ns[name]
-                if msg.body.get("gather"):
-                    value = self._gathered(name, value)
-            except Exception as exc:
-                reply["error"] = f"rank {self.rank}: {exc}"
-                self.sock.send(*PULL_REPLY(reply))
-                return
-            try:
+        limit = int(msg.body.get("limit", MAX_FRAME))
+        try:
+            what, value = self._pulled(msg)
+        except Exception as exc:
+            reply["error"] = str(exc)
+            self.sock.send(*PULL_REPLY(reply))
+            return
+        try:
+            size = tensor_bytes(value)
+            if size <= limit:
                 data = dumps_on_host(value, keep_device=bool(msg.body.get("device", False)))
-                if len(data) > MAX_FRAME:
-                    reply["error"] = (
-                        f"{name!r} is {len(data) / 2**20:.0f} MiB pickled, over the "
-                        f"{MAX_FRAME / 2**20:.0f} MiB message limit; save it to a file instead"
-                    )
-                else:
-                    reply["ok"], buffers = True, [data]
-            except Exception as exc:
-                reply["error"] = f"{name!r} could not be pickled: {type(exc).__name__}: {exc}"
+                size = len(data)
+            if size > min(limit, MAX_FRAME):
+                reply["error"] = f"{what} is {size / 2**20:.0f} MiB pickled, over the "
+                reply["error"] += (
+                    f"{limit / 2**20:.0f} MiB limit of this copy"
+                    if limit < MAX_FRAME
+                    else f"{MAX_FRAME / 2**20:.0f} MiB message limit; save it to a file instead"
+                )
+            else:
+                reply["ok"], buffers = True, [data]
+        except Exception as exc:
+            reply["error"] = f"{what} could not be pickled: {type(exc).__name__}: {exc}"
         self.sock.send(*PULL_REPLY(reply), buffers)
+
+    def _pulled(self, msg: Message) -> tuple[str, Any]:
+        """What a pull asks for: its description and the value itself."""
+        if msg.body.get("last"):
+            if self.shell.last_value is None:
+                raise LookupError(f"rank {self.rank}'s last cell ended without a value")
+            return f"rank {self.rank}'s last value", self.shell.last_value[0]
+        name = str(msg.body["name"])
+        if name not in self.shell.user_ns:
+            raise LookupError(f"name {name!r} is not defined on rank {self.rank}")
+        value = self.shell.user_ns[name]
+        if msg.body.get("gather"):
+            try:
+                value = self._gathered(name, value)
+            except Exception as exc:
+                raise RuntimeError(f"rank {self.rank}: {exc}") from exc
+        return repr(name), value
 
     def _gathered(self, name: str, value: Any) -> Any:
         """The plain, unsharded model behind ``value`` (a collective: every rank takes part)."""

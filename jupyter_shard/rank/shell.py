@@ -26,6 +26,13 @@ class _RankDisplayHook(DisplayHook):
     def write_output_prompt(self) -> None:
         pass
 
+    def compute_format_data(self, result: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        shell = self.shell
+        assert isinstance(shell, RankShell)
+        shell.last_value = (result,)  # what the kernel copies for the cell's Out[n]
+        format_dict, md_dict = super().compute_format_data(result)  # type: ignore[no-untyped-call]
+        return format_dict, md_dict
+
     def write_format_data(self, format_dict: dict[str, Any], md_dict: dict[str, Any] | None = None) -> None:
         shell = self.shell
         assert isinstance(shell, RankShell)
@@ -112,6 +119,7 @@ class RankShell(InteractiveShell):
     channel: Channel
     cell_id: str = ""
     last_error: tuple[str, str, list[str]] | None = None
+    last_value: tuple[Any] | None = None  # (the last cell's value,), None when it ended in a statement
     _default_checkers: list[str] = []  # noqa: RUF012 (set once by create)
 
     @classmethod
@@ -269,6 +277,7 @@ class RankShell(InteractiveShell):
         """Run one cell; the error as (name, value, traceback lines), or None on success."""
         self.cell_id = cell_id
         self.last_error = None
+        self.last_value = None
         result = self._run_plain(code, cell_id, exec_count) if self._plain_ok(code) else None
         if result is None:
             if exec_count > 0:

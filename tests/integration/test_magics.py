@@ -35,11 +35,53 @@ def test_hello_all_reduce_labels_each_rank(nb: Any) -> None:
     assert lines == ["[rank 0] rank 0 of 2 sum 3.0", "[rank 1] rank 1 of 2 sum 3.0"]
 
 
-def test_state_lives_between_cells_and_last_value_comes_from_rank_0(nb: Any) -> None:
+def test_state_lives_between_cells_and_values_that_differ_are_all_shown(nb: Any) -> None:
     nb.execute("%%distributed\nvalue = 10 * (shard.rank + 1)")
     run = nb.execute("%%distributed\n(state, value)")
     assert run.ok, run.outputs
-    assert run.data("execute_result") == [{"text/plain": "('kept', 10)"}]
+    assert run.data("execute_result") == [{"text/plain": "[rank 0] ('kept', 10)\n[rank 1] ('kept', 20)"}]
+    # Out[n] and _ are rank 0's object itself, not a display
+    assert nb.execute("_[1] + 1").data("execute_result") == [{"text/plain": "11"}]
+
+
+def test_a_cell_value_is_a_real_object_in_out_and_underscore(nb: Any) -> None:
+    run = nb.execute("%%distributed\n40 + 1")
+    assert run.data("execute_result") == [{"text/plain": "41"}], "ranks agree: shown once, unlabelled"
+    count = run.reply["content"]["execution_count"]
+    after = nb.execute(f"(_ + 1, Out[{count}] * 2, type(_).__name__)")
+    assert after.data("execute_result") == [{"text/plain": "(42, 82, 'int')"}]
+    tensor = nb.execute("%%distributed\nimport torch\ntorch.arange(3.0) * (shard.rank + 1)")
+    assert tensor.data("execute_result") == [
+        {"text/plain": "[rank 0] tensor([0., 1., 2.])\n[rank 1] tensor([0., 2., 4.])"}
+    ]
+    assert nb.execute("(_ + 1).tolist()").data("execute_result") == [{"text/plain": "[1.0, 2.0, 3.0]"}]
+    every = nb.execute(
+        "import jupyter_shard\n{k: v.tolist() for k, v in jupyter_shard.last_values().items()}"
+    )
+    assert every.data("execute_result") == [{"text/plain": "{0: [0.0, 1.0, 2.0], 1: [0.0, 2.0, 4.0]}"}]
+
+
+def test_a_value_only_some_ranks_give_is_shown_labelled(nb: Any) -> None:
+    run = nb.execute("%%distributed\nNone if shard.rank == 0 else 'only rank 1'")
+    assert run.ok, run.outputs
+    assert run.data("display_data") == [{"text/plain": "[rank 1] 'only rank 1'"}]
+    assert run.data("execute_result") == [], "rank 0's value is None: Out[n] stays unset"
+    every = nb.execute("import jupyter_shard\njupyter_shard.last_values()")
+    assert every.data("execute_result") == [{"text/plain": "{1: 'only rank 1'}"}]
+
+
+def test_a_value_that_is_not_copied_says_why(nb: Any) -> None:
+    big = nb.execute("%%distributed\nimport torch\ntorch.zeros(5_000_000)")
+    assert big.data("execute_result") == [{"text/plain": "tensor([0., 0., 0.,  ..., 0., 0., 0.])"}]
+    said = nb.execute("_").data("execute_result")[0]["text/plain"]
+    assert said.startswith(
+        "<rank 0's value, shown but not copied to the kernel: rank 0's last value is 19 MiB"
+    )
+    assert "over the 16 MiB limit of this copy (last_values() copies it)" in said
+    lock = nb.execute("%%distributed\nimport threading\nthreading.Lock()")
+    assert lock.ok and "lock object" in lock.data("execute_result")[0]["text/plain"]
+    said = nb.execute("_").data("execute_result")[0]["text/plain"]
+    assert "could not be pickled: TypeError: cannot pickle '_thread.lock' object>" in said
 
 
 def test_torch_launcher_environment_is_set(nb: Any) -> None:
@@ -64,7 +106,7 @@ def test_rank_magic_and_ranks_option_select_ranks(nb: Any) -> None:
     run = nb.execute("%%distributed --ranks 0\nprint('here', shard.rank)")
     assert run.stream() == "[rank 0] here 0\n"
     run = nb.execute("%%rank 1\nshard.rank")
-    assert run.data("execute_result") == [{"text/plain": "[rank 1] 1"}]
+    assert run.data("execute_result") == [{"text/plain": "1"}]
 
 
 def test_push_and_pull_values(nb: Any) -> None:

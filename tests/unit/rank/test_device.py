@@ -84,3 +84,14 @@ def test_shared_tensors_stay_shared_and_cloudpickle_objects_still_pickle() -> No
 def test_keep_device_is_plain_cloudpickle() -> None:
     value = {"w": torch.randn(2, 2)}
     assert torch.equal(pickle.loads(dumps_on_host(value, keep_device=True))["w"], value["w"])
+
+
+def test_tensor_bytes_counts_tensors_modules_arrays_and_containers_without_pickling() -> None:
+    from jupyter_shard.rank.device import tensor_bytes
+
+    layer = torch.nn.Linear(10, 10)  # 110 float32 parameters
+    assert tensor_bytes(torch.zeros(4, dtype=torch.float64)) == 32
+    assert tensor_bytes(layer) == 440
+    assert tensor_bytes({"w": np.zeros(8, dtype=np.int16), "m": [layer, (torch.ones(2),)]}) == 16 + 440 + 8
+    assert tensor_bytes(torch.empty(1000, device="meta")) == 0
+    assert tensor_bytes("text") == 0
