@@ -269,6 +269,26 @@ def mark_failed(client: ZygoteClient, reason: str) -> None:
     client.close()
 
 
+def close_idle() -> int:
+    """End the zygotes that have no ranks alive (a pool still running keeps its own); how many."""
+    import psutil
+
+    with _zygotes_lock:
+        idle = []
+        for key, client in list(_zygotes.items()):
+            try:
+                busy = any(
+                    c.status() != psutil.STATUS_ZOMBIE for c in psutil.Process(client.proc.pid).children()
+                )
+            except psutil.Error:
+                busy = False
+            if not busy:
+                idle.append(_zygotes.pop(key))
+    for client in idle:
+        client.close()
+    return len(idle)
+
+
 def close_all() -> None:
     with _zygotes_lock:
         for client in _zygotes.values():

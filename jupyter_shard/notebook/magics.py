@@ -25,10 +25,11 @@ from jupyter_shard.kernel.pool import Pool
 from jupyter_shard.kernel.ranks import RankSnapshot
 from jupyter_shard.kernel.results import DistributedError
 from jupyter_shard.launchers import merge_spec, resolve_spec
+from jupyter_shard.launchers.zygote import close_idle
 from jupyter_shard.notebook.args import MagicParser, export_magic
 from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard
 from jupyter_shard.notebook.display import NotebookSink, in_kernel
-from jupyter_shard.notebook.panel import register_comm
+from jupyter_shard.notebook.panel import register_comm, unregister_comm
 from jupyter_shard.notebook.values import cell_value, shown_bundle
 from jupyter_shard.spec import LaunchSpec, SpecError, parse_ranks
 
@@ -432,7 +433,21 @@ def load(shell: InteractiveShell) -> None:
 
 
 def unload(shell: InteractiveShell) -> None:
-    magics = shell.magics_manager.registry.get("DistributedMagics")
-    if isinstance(magics, DistributedMagics) and magics.pool is not None:
-        magics.pool.shutdown()
+    """Undo :func:`load`: shut the pool down (saying so), unregister every magic, the error display
+    and the panel's comm target, and end the zygote, so that nothing is left running or reachable
+    only from the old magics; ``%reload_ext`` then loads a fresh extension."""
+    manager = shell.magics_manager
+    magics = manager.registry.pop("DistributedMagics", None)
+    if isinstance(magics, DistributedMagics):
+        if magics.pool is not None:
+            described = magics.pool.spec.describe()
+            magics.pool.shutdown()
+            magics.pool = None
+            print(f"jupyter_shard: unloaded; the pool ({described}) was shut down, rank state is lost")
+        for kind, names in magics.magics.items():
+            for name in names:
+                if getattr(manager.magics[kind].get(name), "__self__", None) is magics:
+                    del manager.magics[kind][name]
     shell.set_custom_exc((), None)
+    unregister_comm(shell)
+    close_idle()

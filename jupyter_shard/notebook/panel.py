@@ -32,6 +32,8 @@ class Comm(Protocol):
 
     def on_close(self, callback: Callable[[dict[str, Any]], None]) -> None: ...
 
+    def close(self) -> None: ...
+
 
 class PoolHolder(Protocol):
     """What the panel needs from :class:`~jupyter_shard.notebook.magics.DistributedMagics`: its pool."""
@@ -163,3 +165,17 @@ def register_comm(shell: Any, holder: PoolHolder) -> None:
         panel.on_msg(open_msg)
 
     get_comm_manager().register_target(COMM_TARGET, on_open)
+
+
+def unregister_comm(shell: Any) -> None:
+    """Close the open panels and stop accepting new ones (the extension is unloaded)."""
+    if getattr(shell, "kernel", None) is None:
+        return
+    from comm import get_comm_manager
+
+    for panel in list(_open):
+        panel.comm.close()
+    _open.clear()
+    manager = get_comm_manager()
+    if COMM_TARGET in manager.targets:
+        manager.unregister_target(COMM_TARGET, manager.targets[COMM_TARGET])
