@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import keyword
+import sys
 import textwrap
 from collections.abc import Iterator
 from typing import Any
@@ -76,6 +77,7 @@ _SPECIAL_STARTS = (",", ";", "/", ">>>", "...", "In [")
 
 
 _KEYWORDS = frozenset(keyword.kwlist)
+_HEADLESS_BACKENDS = ("agg", "cairo", "pdf", "pgf", "ps", "svg", "template")
 
 
 def _keyword_line(line: str) -> bool:
@@ -120,6 +122,7 @@ class RankShell(InteractiveShell):
     cell_id: str = ""
     last_error: tuple[str, str, list[str]] | None = None
     last_value: tuple[Any] | None = None  # (the last cell's value,), None when it ended in a statement
+    _inline_said: set[str] = set()  # noqa: RUF012 (one shell per rank process)
     _default_checkers: list[str] = []  # noqa: RUF012 (set once by create)
 
     @classmethod
@@ -140,6 +143,29 @@ class RankShell(InteractiveShell):
         IPython sets the prompts "so that scripts can decide if they are running interactively";
         Lightning, for one, then refuses ``strategy="ddp"`` and asks for ``ddp_notebook`` (a fork).
         """
+
+    def enable_matplotlib(self, gui: str | None = None) -> tuple[str, str]:
+        """``%matplotlib`` on a rank: figures go to the notebook as images (the inline backend), and
+        the headless backends (``agg``, ``pdf``, ``svg``…) are taken as asked. A rank has no window
+        system and no comm to the frontend of its own, so a GUI toolkit (``qt``, ``tk``…) or an
+        interactive notebook backend (``widget``, ``notebook``) is shown inline, said once."""
+        asked = (gui or "").lower()
+        if asked not in ("", "inline", *_HEADLESS_BACKENDS):
+            if asked not in self._inline_said:
+                self._inline_said.add(asked)
+                print(
+                    f"%matplotlib {gui}: figures from a rank are shown as images (inline); an "
+                    "interactive or windowed figure needs the notebook kernel itself",
+                    file=sys.stderr,
+                )
+            gui = "inline"
+        elif not asked:
+            gui = "inline"
+        shown: tuple[str, str] = super().enable_matplotlib(gui)  # type: ignore[no-untyped-call]
+        return shown
+
+    def enable_gui(self, gui: str | None = None) -> None:
+        """No event loop to integrate: :meth:`enable_matplotlib` asks only for backends without one."""
 
     @contextlib.contextmanager
     def _tee(self, channel: str) -> Iterator[None]:

@@ -274,3 +274,18 @@ def test_a_gpus_list_without_gpus_is_one_line_and_keeps_the_pool(nb: Any) -> Non
         "run `--nproc 2 --device cpu` for CPU ranks\n"
     )
     assert nb.execute("%%distributed\nos.getpid()").data("execute_result") == before
+
+
+def test_matplotlib_magics_work_on_ranks(nb: Any) -> None:
+    run = nb.execute("%%distributed\n%matplotlib inline\nimport matplotlib.pyplot as plt\nplt.plot([1, 2]);")
+    assert run.ok, run.error_text()
+    assert len([d for d in run.data("display_data") if "image/png" in d]) == 2, "a figure from each rank"
+    agg = nb.execute("%%distributed\n%matplotlib agg\nimport matplotlib\nmatplotlib.get_backend()")
+    assert agg.data("execute_result") == [{"text/plain": "'agg'"}]
+    widget = nb.execute("%%distributed\n%matplotlib widget\nplt.plot([1, 2]);")
+    assert widget.ok, widget.error_text()
+    assert "[rank 0] %matplotlib widget: figures from a rank are shown as images (inline)" in widget.stream(
+        "stderr"
+    )
+    assert len([d for d in widget.data("display_data") if "image/png" in d]) == 2
+    assert nb.execute("%%distributed\n%matplotlib inline").ok
