@@ -314,11 +314,11 @@ class Pool:
 
     # -- moving values --------------------------------------------------------------------------
 
-    def push(self, ranks: Sequence[int] | None = None, **values: Any) -> None:
-        """Copy kernel values to every rank (or ``ranks``) under the given names."""
+    def push(self, ranks: Sequence[int] | None = None, **values: Any) -> int:
+        """Copy kernel values to every rank (or ``ranks``) under the given names; bytes sent to each."""
         self._refuse_while_background("push values")
         self.start()
-        self.values.push(ranks, values)
+        return self.values.push(ranks, values)
 
     def pull(self, name: str, rank: int = 0, *, gather: bool = False, device: bool = False) -> Any:
         """A copy of the rank's variable ``name``, its tensors on the CPU (``device=True``: where

@@ -7,6 +7,7 @@ the message was authenticated. A pushed value is also kept in the pool's transcr
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,12 +30,10 @@ class Values:
         self.ranks = ranks
         self.transcript = transcript
 
-    def push(self, ranks: Sequence[int] | None, values: Mapping[str, Any]) -> None:
-        """Copy ``values`` to every rank (or ``ranks``) under their names."""
-        import cloudpickle
-
+    def push(self, ranks: Sequence[int] | None, values: Mapping[str, Any]) -> int:
+        """Copy ``values`` to every rank (or ``ranks``) under their names; the bytes sent to each."""
         names = list(values)
-        buffers = [cloudpickle.dumps(values[n]) for n in names]
+        buffers = [_pickled(n, values[n]) for n in names]
         too_big = [n for n, b in zip(names, buffers, strict=True) if len(b) > MAX_FRAME]
         if too_big:
             raise PoolError(
@@ -49,6 +48,7 @@ class Values:
         if not names[0].startswith("_js_"):  # the pool's own pushes are not the user's work
             asked = None if ranks is None else tuple(sorted(set(ranks)))
             self.transcript.add(PushEntry(tuple(zip(names, buffers, strict=True)), asked))
+        return sum(len(b) for b in buffers)
 
     def pull(
         self, name: str, ranks: Sequence[int] | None, gather: bool, device: bool = False
@@ -82,3 +82,21 @@ class Values:
         if missing:
             raise PoolError(f"rank {format_ranks(missing)} did not answer the pull of {what}")
         return out
+
+
+def _pickled(name: str, value: Any) -> bytes:
+    """``value`` pickled for the ranks, or a :class:`PoolError` naming ``name`` and what to do."""
+    import cloudpickle
+
+    if isinstance(value, io.IOBase):  # cloudpickle would send a StringIO copy of an open text file
+        raise PoolError(
+            f"{name!r} is an open file, which cannot be sent to the ranks: push its path and open "
+            "it in a %%distributed cell"
+        )
+    try:
+        return bytes(cloudpickle.dumps(value))
+    except Exception as exc:
+        raise PoolError(
+            f"{name!r} could not be pickled ({type(exc).__name__}: {exc}): create it on the ranks in "
+            "a %%distributed cell, or push what it is made from"
+        ) from None

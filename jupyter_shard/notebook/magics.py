@@ -31,7 +31,7 @@ from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard
 from jupyter_shard.notebook.display import NotebookSink, in_kernel
 from jupyter_shard.notebook.panel import register_comm, unregister_comm
 from jupyter_shard.notebook.values import cell_value, shown_bundle
-from jupyter_shard.spec import LaunchSpec, SpecError, parse_ranks
+from jupyter_shard.spec import LaunchSpec, SpecError, format_ranks, parse_ranks
 
 INTERRUPT_WAIT = 10.0  # seconds %dist_interrupt and an interrupted %dist_wait wait for a background run
 
@@ -247,7 +247,10 @@ class DistributedMagics(Magics):
         missing = [n for n in names if n not in ns]
         if missing:
             raise UsageError(f"%dist_push: {missing[0]!r} is not defined in the notebook")
-        self._require_pool().push(**{n: ns[n] for n in names})
+        pool = self._require_pool()
+        sent = pool.push(**{n: ns[n] for n in names})
+        ranks = format_ranks(list(range(pool.world_size)))
+        print(f"jupyter_shard: pushed {', '.join(names)} to rank {ranks} ({_size(sent)} each)")
 
     @line_magic
     def dist_pull(self, line: str) -> None:
@@ -334,6 +337,13 @@ class DistributedMagics(Magics):
             self.pool.shutdown()
             self.pool = None
             print("jupyter_shard: pool shut down")
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
 
 
 def _code(magic: str, cell: str) -> str:

@@ -118,6 +118,7 @@ def test_push_and_pull_values(nb: Any) -> None:
         "%dist_push pt weights cfg"
     )
     assert run.ok, run.outputs
+    assert run.stream().startswith("jupyter_shard: pushed pt, weights, cfg to rank 0-1 (")
     run = nb.execute("%%distributed\nmine = (pt.x + shard.rank, float(weights.sum()), cfg['layers'])")
     assert run.ok, run.outputs
     run = nb.execute("%dist_pull mine --all\nmine")
@@ -129,6 +130,22 @@ def test_push_and_pull_values(nb: Any) -> None:
     assert run.data("execute_result") == [{"text/plain": "tensor([1., 1.])"}], run.outputs
     run = nb.execute("%dist_pull t --all --device\nt")  # as they are on the ranks' device (the CPU here)
     assert run.data("execute_result") == [{"text/plain": "{0: tensor([0., 0.]), 1: tensor([1., 1.])}"}]
+
+
+def test_push_of_what_cannot_be_sent_names_the_variable_and_what_to_do(nb: Any) -> None:
+    assert nb.execute("import threading\nlk = threading.Lock()\nfh = open(__import__('os').devnull)").ok
+    run = nb.execute("%dist_push lk")
+    assert not run.ok
+    assert run.error_text() == (
+        "PoolError: 'lk' could not be pickled (TypeError: cannot pickle '_thread.lock' object): create it "
+        "on the ranks in a %%distributed cell, or push what it is made from"
+    )
+    run = nb.execute("%dist_push fh")
+    assert run.error_text() == (
+        "PoolError: 'fh' is an open file, which cannot be sent to the ranks: push its path and open it in "
+        "a %%distributed cell"
+    )
+    assert nb.execute("%%distributed\n'fh' in dir()").data("execute_result") == [{"text/plain": "False"}]
 
 
 def test_pull_gather_brings_a_plain_model(nb: Any) -> None:
