@@ -4,7 +4,9 @@ Ranks send output in coalesced chunks. A :class:`LineAssembler` per rank and str
 into whole lines and a "live" partial line (text after a ``\\r``, as tqdm writes). A sink shows them:
 :class:`ConsoleSink` writes to this process's stdout/stderr (scripts, tests, benchmarks); the notebook
 layer plugs in its own (:mod:`jupyter_shard.notebook.display`) through :func:`set_default_sink`, so
-nothing here imports UI code. What a sink shows per cell is capped; the rank's log keeps everything.
+nothing here imports UI code. What a sink shows per cell is capped: each rank's first lines and, when
+the cell ends, its last ones, with a count of those in between; a line longer than ``LINE_CHARS`` is
+cut. The rank's log keeps everything.
 """
 
 from __future__ import annotations
@@ -12,12 +14,16 @@ from __future__ import annotations
 import re
 import sys
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-MAX_LINES_SHOWN = 5000
+MAX_LINES_SHOWN = 5000  # per rank and cell, the last TAIL_LINES of them from the cell's end
 MAX_BYTES_SHOWN = 2 * 1024 * 1024
+TAIL_LINES = 1000
+TAIL_BYTES = 256 * 1024
+LINE_CHARS = 10_000  # a longer line is shown cut to this many characters
 
 
 # Terminal control sequences other than colours (SGR, ``ESC[...m``, which Jupyter renders): cursor
@@ -33,31 +39,111 @@ def visible_text(segment: str) -> str:
     return parts[-1] if parts else ""
 
 
+def cut_line(text: str, length: int) -> str:
+    """``text`` as shown: cut to ``LINE_CHARS`` when the line had ``length`` > ``LINE_CHARS``."""
+    if length <= LINE_CHARS:
+        return text
+    return f"{text[:LINE_CHARS]} … (a line of {length:,} characters, cut; the rank's log has all of it)"
+
+
 @dataclass
 class LineAssembler:
     partial: str = ""
+    dropped: int = 0  # characters of a long partial line not kept (the line is shown cut anyway)
 
     def feed(self, text: str) -> tuple[list[tuple[str, bool]], str | None]:
         """Complete lines as ``(visible text, was a live line)``, and the live text if any."""
         data = self.partial + text
-        *complete, self.partial = data.split("\n")
-        complete = [line.removesuffix("\r") for line in complete]  # CRLF, as from a pty (`!cmd`)
-        lines = [(visible_text(line), "\r" in line) for line in complete]
+        *complete, partial = data.split("\n")
+        lines = []
+        for line in complete:
+            line = line.removesuffix("\r")  # CRLF, as from a pty (`!cmd`)
+            shown = visible_text(line)
+            lines.append((cut_line(shown, len(shown) + self.dropped), "\r" in line))
+            self.dropped = 0
+        self._keep(partial)
         live = visible_text(self.partial) if "\r" in self.partial else None
         return lines, live
+
+    def feed_last(self, text: str, count: int) -> tuple[list[str], int]:
+        """For plain text (no carriage returns) once only a cell's last lines are shown: its last
+        ``count`` complete lines, and how many complete lines came before them. No per-line Python
+        work unless a line is too long: a flood is millions of lines."""
+        data = self.partial + text
+        complete = data.count("\n")
+        *pieces, partial = data.rsplit("\n", count + 1)
+        lines = pieces[-count:] if count else []  # a first piece past ``count`` joins earlier lines
+        shown = lines
+        if max(map(len, lines), default=0) > LINE_CHARS:
+            shown = [cut_line(line, len(line)) for line in lines]
+        if complete:
+            if self.dropped and len(lines) == complete:  # the first line continues a cut one
+                shown[0] = cut_line(lines[0], len(lines[0]) + self.dropped)
+            self.dropped = 0
+        self._keep(partial)
+        return shown, complete - len(lines)
 
     def finish(self) -> list[tuple[str, bool]]:
         if not self.partial:
             return []
         line, self.partial = self.partial, ""
-        return [(visible_text(line), "\r" in line)]
+        shown = visible_text(line)
+        dropped, self.dropped = self.dropped, 0
+        return [(cut_line(shown, len(shown) + dropped), "\r" in line)]
+
+    def _keep(self, partial: str) -> None:
+        """A long unfinished plain line keeps only what will be shown of it (a 10 MB line arrives in
+        many chunks, and joining each to all before it would copy it over and over)."""
+        if len(partial) > LINE_CHARS + 1 and "\r" not in partial:
+            self.dropped += len(partial) - LINE_CHARS - 1
+            partial = partial[: LINE_CHARS + 1]
+        self.partial = partial
 
 
 @dataclass
 class _Budget:
+    """What of one rank's output a cell shows: its first lines, then (``exhausted``) its last ones.
+
+    The last lines are kept in blocks as they came (one per chunk, a flood's chunk holds hundreds),
+    dropped a whole block at a time while the rest is enough, and trimmed exactly when shown.
+    """
+
     lines: int = 0
     size: int = 0
     exhausted: bool = False
+    skipped: int = 0  # lines between the first and the last shown
+    tail: deque[tuple[str, list[str], int]] = field(default_factory=deque)  # (stream, lines, bytes)
+    tail_lines: int = 0
+    tail_size: int = 0
+
+    def keep(self, name: str, lines: list[str]) -> None:
+        if not lines:
+            return
+        size = sum(map(len, lines))
+        self.tail.append((name, lines, size))
+        self.tail_lines += len(lines)
+        self.tail_size += size
+        while len(self.tail) > 1:
+            _, first, first_size = self.tail[0]
+            if self.tail_lines - len(first) < TAIL_LINES and self.tail_size - first_size < TAIL_BYTES:
+                break
+            self.tail.popleft()
+            self.tail_lines -= len(first)
+            self.tail_size -= first_size
+            self.skipped += len(first)
+
+    def last_lines(self) -> list[tuple[str, str]]:
+        """The last ``TAIL_LINES`` lines (``TAIL_BYTES`` at most), as (stream, line); the others are
+        counted as skipped."""
+        flat = [(name, line) for name, lines, _ in self.tail for line in lines]
+        keep, size = 0, 0
+        for _, line in reversed(flat):
+            if keep == TAIL_LINES or size + len(line) > TAIL_BYTES:
+                break
+            keep, size = keep + 1, size + len(line)
+        self.skipped += len(flat) - keep
+        self.tail.clear()
+        return flat[len(flat) - keep :]
 
 
 class RankSink(ABC):
@@ -76,10 +162,11 @@ class RankSink(ABC):
         assembler = self._assemblers.setdefault((rank, name), LineAssembler())
         budget = self._budgets.get(rank)
         if budget is not None and budget.exhausted and "\r" not in text and "\r" not in assembler.partial:
-            # Nothing more of this rank's plain lines is shown this cell: skip the per-line work
-            # (a flood is millions of lines); only live lines (carriage returns) still are.
-            cut = text.rfind("\n")  # only what follows the last newline is kept: no copy of the rest
-            assembler.partial = text[cut + 1 :] if cut >= 0 else assembler.partial + text
+            # Only this rank's last lines are shown from now on: make just those (a flood is millions
+            # of lines) and count the rest; live lines (carriage returns) still go the usual way.
+            last, skipped = assembler.feed_last(text, TAIL_LINES)
+            budget.skipped += skipped
+            budget.keep(name, last)
             return
         lines, live = assembler.feed(text)
         self._emit(rank, name, lines)
@@ -90,7 +177,23 @@ class RankSink(ABC):
         """Show what is left of the cell's output; ``failed``: ranks whose cell did not succeed."""
         for (rank, name), assembler in self._assemblers.items():
             self._emit(rank, name, assembler.finish())
+        for rank, budget in sorted(self._budgets.items()):
+            if budget.exhausted:
+                self._show_tail(rank, budget)
         self.flush_at_end()
+
+    def _show_tail(self, rank: int, budget: _Budget) -> None:
+        where = self.log_paths.get(rank, "the rank's log file")
+        last = budget.last_lines()
+        if budget.skipped:
+            lines = "line" if budget.skipped == 1 else "lines"
+            self._write_lines(rank, "stdout", [f"… {budget.skipped:,} {lines} not shown (full log: {where})"])
+        run: list[str] = []
+        for i, (name, line) in enumerate(last):
+            run.append(line)
+            if i + 1 == len(last) or last[i + 1][0] != name:
+                self._write_lines(rank, name, run)
+                run = []
 
     def flush_at_end(self) -> None:
         """The end of a cell's flush (a sink may skip what the cell left untouched)."""
@@ -106,13 +209,18 @@ class RankSink(ABC):
                 self.live_line(rank, name, text, final=True)
                 continue
             if budget.exhausted:
+                budget.keep(name, [text])
                 continue
             budget.lines += 1
             budget.size += len(text)
-            if budget.lines > MAX_LINES_SHOWN or budget.size > MAX_BYTES_SHOWN:
+            if budget.lines > MAX_LINES_SHOWN - TAIL_LINES or budget.size > MAX_BYTES_SHOWN - TAIL_BYTES:
                 budget.exhausted = True
                 where = self.log_paths.get(rank, "the rank's log file")
-                plain.append(f"… more output not shown here; the full log is in {where}")
+                plain.append(
+                    "… more output not shown while the cell runs; its last lines follow when it ends "
+                    f"(full log: {where})"
+                )
+                budget.keep(name, [text])
                 continue
             plain.append(text)
         self._write_lines(rank, name, plain)

@@ -2,7 +2,8 @@
 
 Ranks write straight to their log file (no pipe that fills at 64 KiB) and send the kernel coalesced
 chunks; the kernel shows at most ``MAX_LINES_SHOWN`` lines / ``MAX_BYTES_SHOWN`` bytes per rank and
-cell, then one notice naming the rank's log file, which keeps every byte.
+cell: the first lines, a notice naming the rank's log file (which keeps every byte), and when the cell
+ends how many lines were not shown and the last ``TAIL_LINES``.
 
 The pool has no option for start-up code, so start-up output is injected the way any code runs
 before a rank's own: a ``sitecustomize`` module on the ``PYTHONPATH`` the pool hands its ranks
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 from jupyter_client.session import Session
 
-from jupyter_shard.kernel.output import MAX_BYTES_SHOWN
+from jupyter_shard.kernel.output import MAX_BYTES_SHOWN, MAX_LINES_SHOWN, TAIL_LINES
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -128,9 +129,9 @@ def test_flood_at_startup_goes_to_the_log_without_stalling_the_pool(
     kernel = kernel_factory()
     assert kernel.execute("%load_ext jupyter_shard").ok
     since = time.monotonic()
-    first = kernel.execute("%%distributed --nproc 2 --device cpu\nshard.rank", timeout=240)
+    first = kernel.execute("%%distributed --nproc 2 --device cpu\nshard.world_size", timeout=240)
     assert first.ok, first.outputs
-    assert first.data("execute_result") == [{"text/plain": "0"}]
+    assert first.data("execute_result") == [{"text/plain": "2"}]
     assert first.elapsed < 120, f"start-up with a 20 MB flood took {first.elapsed:.1f} s"
     shown = _stream_messages(kernel, since)
     assert len(shown) < MAX_STREAM_MESSAGES
@@ -180,13 +181,21 @@ def test_flood_in_a_cell_is_coalesced_capped_and_fully_logged(kernel: Any, nproc
     stdout = run.stream("stdout")
     assert "[rank 1] " + _expected("out")[0] + "\n" in stdout
     assert "[rank 0] rank 0 is still heard\n" in stdout
-    assert _expected("out")[-1] not in stdout
-    notice = f"[rank 1] … more output not shown here; the full log is in {log}\n"
-    assert (stdout + run.stream("stderr")).count(notice) == 1
+    # the first lines, a count of those not shown, then the rank's last lines (its stderr flood's)
+    running = (
+        "[rank 1] … more output not shown while the cell runs; its last lines follow when it ends "
+        f"(full log: {log})\n"
+    )
+    assert (stdout + run.stream("stderr")).count(running) == 1
+    shown = (MAX_LINES_SHOWN - TAIL_LINES) + TAIL_LINES
+    assert f"[rank 1] … {2 * LINES - shown:,} lines not shown (full log: {log})\n" in stdout
+    assert run.stream("stderr").endswith(
+        "".join(f"[rank 1] {line}\n" for line in _expected("err")[-TAIL_LINES:])
+    ), run.stream("stderr")[-300:]
 
-    again = kernel.execute("%%distributed\nshard.rank")
+    again = kernel.execute("%%distributed\nshard.world_size")
     back = time.monotonic() - ended
-    assert again.data("execute_result") == [{"text/plain": "0"}]
+    assert again.data("execute_result") == [{"text/plain": f"{nproc}"}]
     assert back < 5.0, f"back to a working cell {back:.1f} s after the flood cell ended"
     size = _assert_full_log(log, ("out", "err"))
     print(

@@ -178,33 +178,46 @@ def test_live_line_keeps_order_with_plain_lines_in_one_chunk() -> None:
 # -- the per-cell cap ---------------------------------------------------------------------------------
 
 
-def test_cap_prints_one_notice_naming_the_log(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rank_output, "MAX_LINES_SHOWN", 3)
+def _cap(monkeypatch: pytest.MonkeyPatch, lines: int, tail: int) -> None:
+    monkeypatch.setattr(rank_output, "MAX_LINES_SHOWN", lines)
+    monkeypatch.setattr(rank_output, "TAIL_LINES", tail)
+
+
+RUNNING = "… more output not shown while the cell runs; its last lines follow when it ends (full log: {})"
+
+
+def test_cap_shows_the_first_and_the_last_lines_and_counts_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    _cap(monkeypatch, 5, 2)
     sink, out, _ = _sink()
     sink.log_paths[0] = "/tmp/logs/rank-0.log"
     sink.begin_cell()
     for i in range(10):
         sink.stream(0, "stdout", f"line {i}\n")
     sink.stream(0, "stdout", "".join(f"more {i}\n" for i in range(10)))
+    assert out.getvalue().splitlines()[-1] == "[rank 0] " + RUNNING.format("/tmp/logs/rank-0.log")
     sink.end_cell()
-    lines = out.getvalue().splitlines()
-    assert lines[:3] == ["[rank 0] line 0", "[rank 0] line 1", "[rank 0] line 2"]
-    assert len(lines) == 4
-    assert lines[3] == "[rank 0] … more output not shown here; the full log is in /tmp/logs/rank-0.log"
-    assert out.getvalue().count("more output not shown") == 1
+    assert out.getvalue().splitlines() == [
+        "[rank 0] line 0",
+        "[rank 0] line 1",
+        "[rank 0] line 2",
+        "[rank 0] " + RUNNING.format("/tmp/logs/rank-0.log"),
+        "[rank 0] … 15 lines not shown (full log: /tmp/logs/rank-0.log)",
+        "[rank 0] more 8",
+        "[rank 0] more 9",
+    ]
 
 
 def test_cap_is_per_rank_and_per_cell(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rank_output, "MAX_LINES_SHOWN", 2)
+    _cap(monkeypatch, 2, 1)
     sink, out, _ = _sink()
     sink.begin_cell()
     sink.stream(0, "stdout", "a\nb\nc\nd\n")
-    sink.stream(1, "stdout", "p\nq\n")
+    sink.stream(1, "stdout", "p\n")
     sink.end_cell()
     text = out.getvalue()
-    assert "[rank 1] p\n[rank 1] q\n" in text
-    assert text.count("more output not shown") == 1
-    assert "the full log is in the rank's log file" in text  # no log path known for rank 0
+    assert "[rank 1] p\n" in text and "rank 1] …" not in text
+    assert "[rank 0] a\n" in text and "[rank 0] d\n" in text and "[rank 0] b" not in text
+    assert "[rank 0] … 2 lines not shown (full log: the rank's log file)" in text  # no log path known
     out.truncate(0)
     out.seek(0)
     sink.begin_cell()
@@ -215,14 +228,72 @@ def test_cap_is_per_rank_and_per_cell(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cap_on_size(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rank_output, "MAX_BYTES_SHOWN", 10)
+    monkeypatch.setattr(rank_output, "TAIL_BYTES", 4)
     sink, out, _ = _sink()
     sink.log_paths[1] = "r1.log"
     sink.begin_cell()
     sink.stream(1, "stdout", "12345\n67890\nabc\n")
     sink.end_cell()
     assert out.getvalue() == (
-        "[rank 1] 12345\n[rank 1] 67890\n[rank 1] … more output not shown here; the full log is in r1.log\n"
+        f"[rank 1] 12345\n[rank 1] {RUNNING.format('r1.log')}\n"
+        "[rank 1] … 1 line not shown (full log: r1.log)\n[rank 1] abc\n"
     )
+
+
+def test_the_last_lines_keep_their_streams_and_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    _cap(monkeypatch, 2, 3)
+    sink, out, err = _sink()
+    sink.begin_cell()
+    sink.stream(0, "stdout", "".join(f"o{i}\n" for i in range(5)))
+    sink.stream(0, "stderr", "e0\n")
+    sink.stream(0, "stdout", "o5\n")
+    sink.end_cell()
+    assert out.getvalue().endswith(
+        "[rank 0] … 4 lines not shown (full log: the rank's log file)\n[rank 0] o4\n[rank 0] o5\n"
+    )
+    assert err.getvalue() == "[rank 0] e0\n"
+
+
+def test_a_flood_ends_with_its_last_line_and_the_exact_count() -> None:
+    sink, out, _ = _sink()
+    sink.begin_cell()
+    lines = [f"step {i} loss {1 / (i + 1):.6f}" for i in range(200_000)]
+    text = "".join(f"{line}\n" for line in lines)
+    for at in range(0, len(text), 65536):  # chunks cut anywhere, as the rank sends them
+        sink.stream(0, "stdout", text[at : at + 65536])
+    sink.end_cell()
+    shown = out.getvalue().splitlines()
+    head = rank_output.MAX_LINES_SHOWN - rank_output.TAIL_LINES
+    assert shown[:head] == [f"[rank 0] {line}" for line in lines[:head]]
+    assert shown[-1] == f"[rank 0] {lines[-1]}"
+    assert shown[-rank_output.TAIL_LINES :] == [
+        f"[rank 0] {line}" for line in lines[-rank_output.TAIL_LINES :]
+    ]
+    skipped = 200_000 - head - rank_output.TAIL_LINES
+    assert f"[rank 0] … {skipped:,} lines not shown (full log: the rank's log file)" in shown
+
+
+@pytest.mark.parametrize("past_the_cap", [False, True], ids=["first-lines", "last-lines"])
+@pytest.mark.parametrize("chunk", [65536, 10 * 2**20 + 1], ids=["in-chunks", "at-once"])
+def test_a_10_mb_line_is_shown_cut_with_its_length(
+    monkeypatch: pytest.MonkeyPatch, chunk: int, past_the_cap: bool
+) -> None:
+    sink, out, _ = _sink()
+    sink.begin_cell()
+    if past_the_cap:
+        _cap(monkeypatch, 3, 2)
+        sink.stream(0, "stdout", "a\nb\nc\n")
+    line = "x" * (10 * 2**20)
+    text = line + "\nafter\n"
+    for at in range(0, len(text), chunk):
+        sink.stream(0, "stdout", text[at : at + chunk])
+    sink.end_cell()
+    shown = out.getvalue().splitlines()
+    assert shown[-2] == (
+        f"[rank 0] {'x' * rank_output.LINE_CHARS} … (a line of {10 * 2**20:,} characters, cut; "
+        "the rank's log has all of it)"
+    )
+    assert shown[-1] == "[rank 0] after"
 
 
 def test_crlf_lines_are_plain_lines() -> None:
@@ -231,12 +302,14 @@ def test_crlf_lines_are_plain_lines() -> None:
 
 
 def test_crlf_lines_count_towards_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rank_output, "MAX_LINES_SHOWN", 2)
+    _cap(monkeypatch, 2, 1)
     sink = _Recorder()
     sink.begin_cell()
     sink.stream(0, "stdout", "".join(f"{i}\r\n" for i in range(5)))
     assert sink.live == []
-    assert "".join(t for _, t in sink.writes).count("\n") == 3
+    assert "".join(t for _, t in sink.writes).count("\n") == 2  # a line and the notice
+    sink.end_cell()
+    assert sink.writes[-1] == ("stdout", "[rank 0] 4\n")
 
 
 def test_progress_line_ended_by_crlf_is_still_live() -> None:
@@ -244,9 +317,9 @@ def test_progress_line_ended_by_crlf_is_still_live() -> None:
 
 
 def test_past_the_cap_the_unfinished_line_is_still_followed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past the cap plain lines are skipped unread, but the line still open at the end of a chunk is
-    kept, so a progress bar that starts on it later shows the right text."""
-    monkeypatch.setattr(rank_output, "MAX_LINES_SHOWN", 2)
+    """Past the cap only the last plain lines are kept, and the line still open at the end of a chunk
+    too, so a progress bar that starts on it later shows the right text."""
+    _cap(monkeypatch, 2, 1)
     sink = _Recorder()
     sink.begin_cell()
     sink.stream(0, "stdout", "a\nb\nc\n")  # the cap is reached here
@@ -256,4 +329,4 @@ def test_past_the_cap_the_unfinished_line_is_still_followed(monkeypatch: pytest.
     assert sink.live == [(0, "stdout", "epoch 1", False)]
     sink.stream(0, "stdout", "epoch 2\n")
     assert sink.live[-1] == (0, "stdout", "epoch 2", True)
-    assert "".join(t for _, t in sink.writes).count("\n") == 3  # two lines and the notice
+    assert "".join(t for _, t in sink.writes).count("\n") == 2  # a line and the notice
