@@ -57,7 +57,8 @@ class BackgroundRun:
         return (self.ended or time.monotonic()) - self.started
 
     def describe(self) -> str:
-        return f"the background run of cell [{self.exec_count}] ({self.elapsed:.0f} s)"
+        elapsed = f"{self.elapsed:.1f}" if self.elapsed < 10 else f"{self.elapsed:.0f}"
+        return f"the background run of cell [{self.exec_count}] (running for {elapsed} s)"
 
     def wait(self, timeout: float | None = None) -> RunResult:
         """Block until it ends; raise its :class:`DistributedError` if it failed."""

@@ -81,11 +81,12 @@ class Escalation:
                 " (destroy_process_group); the next cell gets a new one"
             )
 
-    def interrupt(self) -> None:
-        """SIGINT to every rank that runs a cell (outside a foreground run)."""
-        for r in self.ranks.live():
-            if r.state is RankState.RUNNING:
-                r.handle.send_signal(signal.SIGINT)
+    def interrupt(self) -> list[int]:
+        """SIGINT to every rank that runs a cell (outside a foreground run); the ranks signalled."""
+        running = [r for r in self.ranks.live() if r.state is RankState.RUNNING]
+        for r in running:
+            r.handle.send_signal(signal.SIGINT)
+        return [r.rank for r in running]
 
     def stop(self, pending: list[int], why: str, await_stopped: AwaitStopped) -> Stopped:
         """Escalate until the pending ranks stop, saying each step.

@@ -366,8 +366,8 @@ class Pool:
         replies = self.connection.request(*STACKS({}), live, timeout=timeout)
         return self.ranks.stacks(chosen, replies, timeout)
 
-    def interrupt(self) -> None:
-        """Interrupt whatever the ranks are running (outside a foreground :meth:`run`).
+    def interrupt(self) -> list[int]:
+        """Interrupt whatever the ranks are running (outside a foreground :meth:`run`); the ranks.
 
         A background run is stopped by the watcher thread: SIGINT, then after the grace period the
         stacks of ranks that did not stop and a kill; :meth:`BackgroundRun.wait` sees the end.
@@ -375,8 +375,8 @@ class Pool:
         run = self.background
         if run is not None and run.running:
             run.interrupt_requested = True
-            return
-        self.escalation.interrupt()
+            return list(run.gathering.targets)
+        return self.escalation.interrupt()
 
     # -- plumbing -------------------------------------------------------------------------------
 

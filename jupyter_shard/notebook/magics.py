@@ -109,8 +109,10 @@ class DistributedMagics(Magics):
     def rank(self, line: str, cell: str) -> Any:
         """Run the cell only on some ranks: %%rank 0 | 0,2 | 1-3"""
         pool = self._require_pool()
+        if not line.strip():
+            raise UsageError("%%rank needs the ranks to run on: %%rank 0, %%rank 0,2 or %%rank 1-3")
         try:
-            ranks = parse_ranks(line.strip() or "0", pool.world_size)
+            ranks = parse_ranks(line.strip(), pool.world_size)
         except SpecError as exc:
             raise UsageError(str(exc)) from None
         return self._run(f"%%rank {line}".strip(), pool, cell, ranks, None, True)
@@ -301,15 +303,21 @@ class DistributedMagics(Magics):
     def dist_interrupt(self, line: str) -> None:
         """Send KeyboardInterrupt to ranks that are running (and stop a background run)."""
         pool = self._require_pool()
-        pool.interrupt()
         run = pool.background
-        if run is not None and run.running:
+        interrupted = pool.interrupt()
+        if not interrupted:
+            print("jupyter_shard: no rank is running a cell; nothing to interrupt")
+        elif run is None or not run.running:
+            print(f"jupyter_shard: interrupted rank {format_ranks(interrupted)}")
+        else:
             try:
                 run.wait(INTERRUPT_WAIT)
             except TimeoutError:
                 print(f"jupyter_shard: {run.describe()} has not stopped yet", file=sys.stderr)
+                return
             except (DistributedError, PoolError):
-                print(f"jupyter_shard: stopped {run.describe()}", file=sys.stderr)
+                pass
+            print(f"jupyter_shard: stopped {run.describe()}", file=sys.stderr)
 
     @line_magic
     def dist_restart(self, line: str) -> None:
@@ -333,10 +341,12 @@ class DistributedMagics(Magics):
     @line_magic
     def dist_shutdown(self, line: str) -> None:
         """Stop every rank."""
-        if self.pool is not None:
-            self.pool.shutdown()
-            self.pool = None
-            print("jupyter_shard: pool shut down")
+        if self.pool is None or not self.pool.started:
+            print("jupyter_shard: no pool is running; nothing to shut down")
+            return
+        self.pool.shutdown()
+        self.pool = None
+        print("jupyter_shard: pool shut down")
 
 
 def _size(nbytes: int) -> str:

@@ -109,6 +109,16 @@ def test_rank_magic_and_ranks_option_select_ranks(nb: Any) -> None:
     assert run.data("execute_result") == [{"text/plain": "1"}]
 
 
+def test_a_bare_rank_magic_and_an_idle_interrupt_say_so(nb: Any) -> None:
+    bare = nb.execute("%%rank\nprint('where?')")
+    assert not bare.ok and "[rank" not in bare.stream()
+    assert bare.stream("stderr") == (
+        "UsageError: %%rank needs the ranks to run on: %%rank 0, %%rank 0,2 or %%rank 1-3\n"
+    )
+    idle = nb.execute("%dist_interrupt")
+    assert idle.ok and idle.stream() == "jupyter_shard: no rank is running a cell; nothing to interrupt\n"
+
+
 def test_push_and_pull_values(nb: Any) -> None:
     run = nb.execute(
         "import torch\n"
@@ -277,6 +287,8 @@ def test_changing_rank_count_restarts_and_says_so(nb: Any) -> None:
 def test_shutdown_then_a_new_cell_starts_a_fresh_pool(nb: Any) -> None:
     run = nb.execute("%dist_shutdown")
     assert "pool shut down" in run.stream()
+    again = nb.execute("%dist_shutdown")
+    assert again.stream() == "jupyter_shard: no pool is running; nothing to shut down\n"
     run = nb.execute("%dist_status")
     assert "no pool is running" in run.stream()
     run = nb.execute("%%distributed --nproc 2\nshard.world_size")
