@@ -46,6 +46,7 @@ class ExecuteBody(TypedDict):
     cell_id: str
     code: str
     exec_count: int
+    cwd: str  # the kernel's working directory, which the rank takes before the cell where it exists
 
 
 class PushBody(TypedDict):

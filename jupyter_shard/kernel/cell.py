@@ -10,6 +10,7 @@ whose outcome is written into the result here.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -118,6 +119,7 @@ class CellGathering:
             "cell_id": gathering.result.cell_id,
             "code": gathering.code,
             "exec_count": gathering.exec_count,
+            "cwd": os.getcwd(),
         }
         self.conn.send(targets, *EXECUTE(body))
         head = cell_head(gathering.code)

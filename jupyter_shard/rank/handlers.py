@@ -116,6 +116,7 @@ class Runner:
         body = msg.body
         cell_id, code = str(body["cell_id"]), str(body["code"])
         started = time.perf_counter()
+        _follow_directory(str(body.get("cwd", "")))
         self.group.free_retired()
         self.state.begin(cell_id, code)
         try:  # the handler is put back after every cell, so it is ours here
@@ -275,6 +276,14 @@ class Runner:
     def shutdown(self, msg: Message) -> None:
         self.channel.close()
         os._exit(0)
+
+
+def _follow_directory(cwd: str) -> None:
+    """Take the kernel's working directory, as a notebook cell would run in it; a directory this
+    host does not have (a rank on another machine) leaves the rank where it is."""
+    if cwd and cwd != os.getcwd():
+        with contextlib.suppress(OSError):
+            os.chdir(cwd)
 
 
 def _shut_down_connections_to(peers: list[int]) -> int:

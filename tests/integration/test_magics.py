@@ -318,3 +318,17 @@ def test_matplotlib_magics_work_on_ranks(nb: Any) -> None:
     )
     assert len([d for d in widget.data("display_data") if "image/png" in d]) == 2
     assert nb.execute("%%distributed\n%matplotlib inline").ok
+
+
+def test_ranks_follow_the_kernels_working_directory(nb: Any, tmp_path: Any) -> None:
+    before = nb.execute("import os\nos.getcwd()").data("execute_result")[0]["text/plain"]
+    try:
+        assert nb.execute(f"os.chdir({str(tmp_path)!r})").ok
+        run = nb.execute("%%distributed\nimport os\nos.getcwd()")
+        assert run.data("execute_result") == [{"text/plain": repr(str(tmp_path))}]
+        moved = nb.execute("%%distributed\nos.chdir('/')\nos.getcwd()")
+        assert moved.data("execute_result") == [{"text/plain": "'/'"}]
+        again = nb.execute("%%distributed\nos.getcwd()")
+        assert again.data("execute_result") == [{"text/plain": repr(str(tmp_path))}], "each cell"
+    finally:
+        nb.execute(f"os.chdir({before})")
