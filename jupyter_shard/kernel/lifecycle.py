@@ -154,17 +154,22 @@ class Lifecycle:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
         curve: CurveKeys | None = None
-        if launcher.remote:
-            # Ranks elsewhere dial back over TCP, on the address the user chose, and only through an
-            # encrypted channel that admits the pool's own client key.
-            curve = CurveKeys.new()
-            self.curve = CurveServer(self._ctx, curve)
-            self.curve.secure(sock)
-            sock.bind(f"tcp://{launcher.bind_address(spec)}:0")
-            self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        else:
-            self.address = f"ipc://{self.directory / 'pool.sock'}"
-            sock.bind(self.address)
+        try:
+            if launcher.remote:
+                # Ranks elsewhere dial back over TCP, on the address the user chose, and only through
+                # an encrypted channel that admits the pool's own client key.
+                curve = CurveKeys.new()
+                self.curve = CurveServer(self._ctx, curve)
+                self.curve.secure(sock)
+                sock.bind(f"tcp://{launcher.bind_address(spec)}:0")
+                self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self.address = f"ipc://{self.directory / 'pool.sock'}"
+                sock.bind(self.address)
+        except BaseException:  # an option only the launcher checks (no --interface): nothing left open
+            sock.close(linger=0)
+            self.teardown()
+            raise
         self.conn.attach(sock, Wire(key, KERNEL))
         lifeline_r, self._lifeline_w = os.pipe()
         # One MASTER_PORT for the whole pool, as torchrun gives: code that meets on it finds one place.

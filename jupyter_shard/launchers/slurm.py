@@ -186,12 +186,13 @@ class SlurmLauncher(Launcher):
         return [a.pid for a in self.agents]
 
     def stop(self) -> None:
-        subprocess.run(
-            ["scancel", f"--name={self.job_name}"],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            timeout=30,
-            check=False,
-        )
+        if self.agents and shutil.which("scancel") is not None:  # nothing was submitted otherwise
+            subprocess.run(
+                ["scancel", f"--name={self.job_name}"],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=30,
+                check=False,
+            )
         for agent in self.agents:
             agent.stop()

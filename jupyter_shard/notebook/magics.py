@@ -24,7 +24,7 @@ from jupyter_shard.kernel.background import BackgroundRun
 from jupyter_shard.kernel.pool import Pool
 from jupyter_shard.kernel.ranks import RankSnapshot
 from jupyter_shard.kernel.results import DistributedError
-from jupyter_shard.launchers import merge_spec, resolve_spec
+from jupyter_shard.launchers import get_launcher, merge_spec, resolve_spec
 from jupyter_shard.launchers.zygote import close_idle
 from jupyter_shard.notebook.args import MagicParser, export_magic
 from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard
@@ -159,25 +159,36 @@ class DistributedMagics(Magics):
         given = {k: v for k, v in vars(opts).items() if v is not None and k not in _RUN_OPTIONS}
         if "collective_timeout" in given:  # the process group's timeout, a pool-wide setting
             given["timeout"] = given.pop("collective_timeout")
-        if self.pool is None:
-            return resolve_spec(**given)
-        return merge_spec(self.pool.spec, given)
+        spec = resolve_spec(**given) if self.pool is None else merge_spec(self.pool.spec, given)
+        launcher = get_launcher(spec.launcher)
+        if launcher.remote:
+            launcher.bind_address(spec)  # what only the launcher checks, before a running pool stops
+        return spec
 
     def _pool_for(self, spec: LaunchSpec) -> Pool:
+        """The pool for ``spec``, started; a start that fails leaves no pool behind (an option only
+        the launcher can check, such as ``--launcher slurm`` without ``--interface``, is one line)."""
         pool = self.pool
         if pool is None:
             pool = self.pool = Pool(spec=spec, sink=NotebookSink() if in_kernel() else None)
-        elif spec != pool.spec:
-            if pool.started:
-                print(
-                    f"jupyter_shard: restarting pool {_change(pool.spec, spec)}; rank state is lost",
-                    file=sys.stderr,
-                    flush=True,  # before the new ranks' output, as the start line is
-                )
-            pool.restart(spec)
-        if not pool.started:
-            print(f"jupyter_shard: starting {spec.describe()} …", file=sys.stderr, flush=True)
-            pool.start()
+        try:
+            if spec != pool.spec:
+                if pool.started:
+                    print(
+                        f"jupyter_shard: restarting pool {_change(pool.spec, spec)}; rank state is lost",
+                        file=sys.stderr,
+                        flush=True,  # before the new ranks' output, as the start line is
+                    )
+                pool.restart(spec)
+            if not pool.started:
+                print(f"jupyter_shard: starting {spec.describe()} …", file=sys.stderr, flush=True)
+                pool.start()
+        except BaseException as exc:
+            pool.shutdown()
+            self.pool = None
+            if isinstance(exc, SpecError):
+                raise UsageError(str(exc)) from None
+            raise
         return pool
 
     @line_magic

@@ -17,6 +17,7 @@ BAD = [
     ("--device tpu", "--device 'tpu' is not valid; choose one of: auto, cpu, cuda"),
     ("--nproc two", "argument --nproc: invalid int value: 'two'"),
     ("--launcher k8s", "--launcher 'k8s' is not installed; available: local"),
+    ("--launcher slurm", "SLURM may place the ranks on other machines, so they dial back to this kernel"),
 ]
 
 
