@@ -192,11 +192,11 @@ def test_dist_restart_without_pool(shell: InteractiveShell, magics: DistributedM
     )
 
 
-def test_dist_shutdown_without_pool_is_quiet(
+def test_dist_shutdown_without_pool_says_there_was_nothing_to_do(
     shell: InteractiveShell, magics: DistributedMagics, capsys: pytest.CaptureFixture[str]
 ) -> None:
     shell.run_line_magic("dist_shutdown", "")
-    assert capsys.readouterr().out == ""
+    assert capsys.readouterr().out == "jupyter_shard: no pool is running; nothing to shut down\n"
     assert magics.pool is None
 
 
