@@ -213,6 +213,7 @@ class CellGathering:
             return True
         timeout = gathering.timeout
         if timeout is not None and time.monotonic() - gathering.started > timeout:
+            result.timed_out = timeout
             self.stop(gathering, f"still running after the {timeout:g} s timeout")
             return True
         return False
@@ -350,7 +351,7 @@ class CellGathering:
         if not body.get("grouped", True):
             self.escalation.group_closed(r.rank)
         ok = body["status"] == "ok"
-        r.state, r.cell = (RankState.IDLE if ok else RankState.FAILED), ""
+        r.state, r.cell = _state_after(body["status"], str(body.get("ename", ""))), ""
         run = self.current
         if run is None or body["cell_id"] != run.result.cell_id or r.rank not in run.result.ranks:
             return
@@ -363,3 +364,10 @@ class CellGathering:
         res.ename, res.evalue = str(body["ename"]), str(body["evalue"])
         res.traceback = [str(line) for line in body["traceback"]]
         res.failed_at = time.monotonic()
+
+
+def _state_after(status: str, ename: str) -> RankState:
+    """A rank's state once its cell ended: idle, failed, or interrupted (stopped, not broken)."""
+    if status == "ok":
+        return RankState.IDLE
+    return RankState.INTERRUPTED if ename == "KeyboardInterrupt" else RankState.FAILED

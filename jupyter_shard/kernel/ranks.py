@@ -36,6 +36,7 @@ class RankState(str, Enum):
     IDLE = "idle"
     RUNNING = "running"
     FAILED = "failed"
+    INTERRUPTED = "interrupted"  # its last cell was stopped (an interrupt, a --timeout); idle now
     DEAD = "dead"
 
 

@@ -43,6 +43,7 @@ class RunResult:
     cell_id: str
     ranks: dict[int, RankResult]
     notes: list[str] = field(default_factory=list)
+    timed_out: float | None = None  # the --timeout (s) that stopped the cell, if one did
 
     @property
     def ok(self) -> bool:
@@ -81,7 +82,7 @@ class DistributedError(ShardError):
         first = self.failures[0] if self.failures else None
         self.rank = first.rank if first else -1
         self.tracebacks = {f.rank: list(f.traceback) for f in self.failures}
-        self.headline = headline or _headline(self.failures)
+        self.headline = headline or _headline(self.failures, result.timed_out)
         super().__init__(self.headline)
 
     def render(self) -> list[str]:
@@ -89,9 +90,12 @@ class DistributedError(ShardError):
         lines = [self.headline]
         for note in self.result.notes:
             lines.append(note)
+        shown: dict[tuple[str, tuple[str, ...]], list[int]] = {}  # the same error and traceback: once
         for failure in self.failures:
-            lines.append(f"──── rank {failure.rank}: {_summary(failure)} ────")
-            lines.extend(failure.traceback)
+            shown.setdefault((_summary(failure), tuple(failure.traceback)), []).append(failure.rank)
+        for (summary, traceback), ranks in shown.items():
+            lines.append(f"──── rank {format_ranks(ranks)}: {summary} ────")
+            lines.extend(traceback)
         return lines
 
     def __str__(self) -> str:
@@ -104,11 +108,12 @@ def _summary(failure: RankResult) -> str:
     return f"{failure.ename}: {failure.evalue}" if failure.evalue else failure.ename
 
 
-def _headline(failures: list[RankResult]) -> str:
+def _headline(failures: list[RankResult], timed_out: float | None = None) -> str:
     if not failures:
         return "the cell failed"
     if all(f.status == "interrupted" for f in failures):
-        return f"interrupted: KeyboardInterrupt on rank {format_ranks([f.rank for f in failures])}"
+        stopped = f"timed out after {timed_out:g} s" if timed_out is not None else "interrupted"
+        return f"{stopped}: KeyboardInterrupt on rank {format_ranks([f.rank for f in failures])}"
     first = failures[0]
     others = [f.rank for f in failures[1:]]
     also = f" (also failed: rank {format_ranks(others)})" if others else ""

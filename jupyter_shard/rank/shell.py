@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import keyword
+import os
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -101,6 +102,18 @@ def _plain_python(cell: str) -> bool:
     if not cell or cell[0].isspace() or not _SPECIAL_CHARS.isdisjoint(cell):
         return False
     return not any(line.lstrip().startswith(_SPECIAL_STARTS) for line in cell.splitlines())
+
+
+_POOL_FILES = tuple(
+    os.path.join(os.path.dirname(__file__), name) for name in ("handlers.py", "runtime.py", "channel.py")
+)
+
+
+def _pool_frame(block: str) -> bool:
+    """A traceback block of the rank's own machinery (the SIGINT handler that raises the user's
+    ``KeyboardInterrupt``, the cell loop): not the user's code, so not shown."""
+    first = block.lstrip().split("\n", 1)[0]
+    return first.startswith("File ") and any(f"File {path}:" in first for path in _POOL_FILES)
 
 
 def _drive(coroutine: Any) -> Any:
@@ -297,7 +310,7 @@ class RankShell(InteractiveShell):
         return result
 
     def _showtraceback(self, etype: type[BaseException], evalue: BaseException, stb: list[str]) -> None:
-        self.last_error = (etype.__name__, str(evalue), list(stb))
+        self.last_error = (etype.__name__, str(evalue), [block for block in stb if not _pool_frame(block)])
 
     def run(self, code: str, cell_id: str, exec_count: int) -> tuple[str, str, list[str]] | None:
         """Run one cell; the error as (name, value, traceback lines), or None on success."""

@@ -332,3 +332,24 @@ def test_ranks_follow_the_kernels_working_directory(nb: Any, tmp_path: Any) -> N
         assert again.data("execute_result") == [{"text/plain": repr(str(tmp_path))}], "each cell"
     finally:
         nb.execute(f"os.chdir({before})")
+
+
+def test_errors_read_at_a_glance(nb: Any) -> None:
+    same = nb.execute("%%distributed\nraise ValueError('the same on every rank')")
+    text = same.error_text()
+    assert (
+        text.splitlines()[0]
+        == "rank 0 failed first: ValueError: the same on every rank (also failed: rank 1)"
+    )
+    assert "──── rank 0-1: ValueError: the same on every rank ────" in text
+    assert text.count("Traceback (most recent call last)") == 1, "an identical traceback is shown once"
+    differ = nb.execute("%%distributed\nraise ValueError(f'rank {shard.rank} differs')")
+    assert differ.error_text().count("Traceback (most recent call last)") == 2
+    timed = nb.execute("%%distributed --timeout 1\nimport time\ntime.sleep(30)")
+    text = timed.error_text()
+    assert text.splitlines()[0] == "timed out after 1 s: KeyboardInterrupt on rank 0-1"
+    assert "----> 3 time.sleep(30)" in text
+    assert "handlers.py" not in text and "raise KeyboardInterrupt" not in text, "the pool's own frames"
+    status = nb.execute("%dist_status").data("execute_result")[0]["text/plain"]
+    rows = [line.split() for line in status.splitlines()[3:]]
+    assert [row[4] for row in rows] == ["interrupted", "interrupted"], status
