@@ -2,25 +2,40 @@
 
 argparse prints its usage and exits on a bad option, which would end a kernel; :class:`MagicParser`
 raises one :class:`~jupyter_shard.spec.SpecError` line instead (the magics show it as a
-``UsageError``). ``%dist_export``'s line is read here too, so :mod:`jupyter_shard.export` takes
-already-parsed arguments and knows nothing of magics.
+``UsageError``). ``%%distributed``'s options are declared here once, with their help (which is
+``%%distributed?``) and the values Tab completes. ``%dist_export``'s line is read here too, so
+:mod:`jupyter_shard.export` takes already-parsed arguments and knows nothing of magics.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from IPython.core.completer import CompletionContext, SimpleCompletion, SimpleMatcherResult, context_matcher
+from IPython.core.error import UsageError
+
 from jupyter_shard.export.files import export
-from jupyter_shard.spec import SpecError
+from jupyter_shard.spec import Device, Offload, Precision, SpecError, Strategy, launcher_names
+from jupyter_shard.strategies import available_strategies
 
 if TYPE_CHECKING:
     from jupyter_shard.kernel.pool import Pool
 
-__all__ = ["ExportArgs", "MagicParser", "export_args", "export_magic"]
+__all__ = [
+    "ExportArgs",
+    "MagicParser",
+    "complete_distributed",
+    "distributed_parser",
+    "export_args",
+    "export_magic",
+    "option_values",
+    "parse_options",
+]
 
 EXPORT_USAGE = "%dist_export train.py [--sbatch job.sbatch] [--force]"
 
@@ -81,3 +96,106 @@ def export_magic(line: str, pool: Pool) -> str:
     """``%dist_export train.py [--sbatch job.sbatch] [--force]``: what was written and how to run it."""
     args = export_args(line)
     return export(pool.transcript, pool.spec, args.script, sbatch=args.sbatch, force=args.force)
+
+
+def distributed_parser() -> MagicParser:
+    p = MagicParser("distributed", "%%")
+    pool = p.add_argument_group("the pool (a change restarts it; rank state is lost)")
+    pool.add_argument(
+        "--nproc", type=int, metavar="N", help="ranks on this machine (default: one per GPU, or 2 on CPU)"
+    )
+    pool.add_argument("--gpus", metavar="N|LIST", help="N ranks on CUDA, or the devices to use: 0,2 or 4-7")
+    pool.add_argument(
+        "--device", metavar="auto|cpu|cuda", help="cuda when a GPU is visible, else cpu (default: auto)"
+    )
+    pool.add_argument("--strategy", metavar="NAME", help="none, ddp, fsdp, deepspeed or one registered")
+    pool.add_argument("--zero-stage", type=int, dest="zero_stage", metavar="0-3", help="DeepSpeed ZeRO stage")
+    pool.add_argument(
+        "--offload", metavar="none|cpu|nvme", help="where fsdp/ZeRO keep parameters and optimizer state"
+    )
+    pool.add_argument(
+        "--precision", metavar="32|bf16-mixed|16-mixed", help="mixed precision for shard.prepare"
+    )
+    pool.add_argument(
+        "--accumulate", type=int, metavar="N", help="micro-batches per optimizer step in shard.step()"
+    )
+    pool.add_argument(
+        "--clip-grad-norm", type=float, dest="clip_grad_norm", metavar="X", help="clip in shard.step()"
+    )
+    pool.add_argument("--config", metavar="PATH", help="a DeepSpeed JSON config to start from")
+    pool.add_argument(
+        "--collective-timeout",
+        type=float,
+        dest="collective_timeout",
+        metavar="S",
+        help="the process group's (60 s)",
+    )
+    where = p.add_argument_group("where the ranks run")
+    where.add_argument("--launcher", metavar="NAME", help="local (default), torchrun or slurm")
+    where.add_argument("--nodes", type=int, metavar="N", help="machines (torchrun, slurm)")
+    where.add_argument("--hosts", metavar="A,B", help="the machines, for --launcher torchrun")
+    where.add_argument(
+        "--interface", metavar="IF", help="the network interface ranks on other machines dial back to"
+    )
+    where.add_argument("--partition", metavar="P", help="SLURM partition")
+    where.add_argument("--time", dest="time_limit", metavar="T", help="SLURM time limit")
+    where.add_argument("--account", metavar="A", help="SLURM account")
+    cell = p.add_argument_group("this cell only")
+    cell.add_argument("--ranks", metavar="SPEC", help="run on some ranks: 0, 0,2 or 1-3 (as %%%%rank)")
+    cell.add_argument("--timeout", type=float, metavar="S", help="stop the cell after S seconds")
+    cell.add_argument("--bg", action="store_true", default=None, help="run in the background (%%dist_wait)")
+    cell.add_argument(
+        "--no-dashboard", action="store_true", default=None, dest="no_dashboard", help="no live dashboard"
+    )
+    return p
+
+
+def option_values() -> dict[str, list[str]]:
+    """What ``%%distributed --<option> <Tab>`` offers."""
+    return {
+        "--device": [d.value for d in Device],
+        "--strategy": [*dict.fromkeys([s.value for s in Strategy] + available_strategies())],
+        "--zero-stage": ["0", "1", "2", "3"],
+        "--offload": [o.value for o in Offload],
+        "--precision": [p.value for p in Precision],
+        "--launcher": launcher_names(),
+    }
+
+
+@context_matcher()  # type: ignore[untyped-decorator]  # IPython leaves it untyped
+def complete_distributed(context: CompletionContext) -> SimpleMatcherResult:
+    """Tab completion on a ``%%distributed`` line (an IPython matcher): the options, and the values of
+    those with a fixed set (``--strategy <Tab>``); any other line is left to IPython's own."""
+    line = context.text_until_cursor
+    if context.cursor_line != 0 or not line.startswith("%%distributed"):
+        return _matched([], "", suppress=False)
+    words = line.split()[1:]
+    typing = "" if line.endswith((" ", "\t")) or not words else words.pop()
+    values = option_values()
+    if words and words[-1] in values and not typing.startswith("-"):
+        found = [v for v in values[words[-1]] if v.startswith(typing)]
+    else:
+        options = [o for action in distributed_parser()._actions for o in action.option_strings]
+        found = [o for o in options if o.startswith(typing) and o not in words]
+    return _matched(found, typing, suppress=True)
+
+
+def _matched(found: list[str], typed: str, suppress: bool) -> SimpleMatcherResult:
+    return {
+        "completions": [SimpleCompletion(text=f, type="param") for f in found],
+        "matched_fragment": typed,  # what the completions replace
+        "suppress": suppress,
+        "ordered": True,
+        "do_not_suppress": set(),
+    }
+
+
+def parse_options(parser: MagicParser, line: str) -> argparse.Namespace:
+    try:
+        namespace = parser.parse_line(line)
+    except SpecError as exc:
+        raise UsageError(str(exc)) from None
+    timeout = getattr(namespace, "timeout", None)
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise UsageError(f"{parser.magic}: --timeout {timeout:g} is not valid; give seconds above 0")
+    return namespace

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import html
-import math
 import sys
 from typing import Any
 
@@ -26,52 +25,25 @@ from jupyter_shard.kernel.ranks import RankSnapshot
 from jupyter_shard.kernel.results import DistributedError
 from jupyter_shard.launchers import get_launcher, merge_spec, resolve_spec
 from jupyter_shard.launchers.zygote import close_idle
-from jupyter_shard.notebook.args import MagicParser, export_magic
+from jupyter_shard.notebook.args import (
+    MagicParser,
+    complete_distributed,
+    distributed_parser,
+    export_magic,
+    parse_options,
+)
 from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard
 from jupyter_shard.notebook.display import NotebookSink, in_kernel
 from jupyter_shard.notebook.panel import register_comm, unregister_comm
 from jupyter_shard.notebook.values import cell_value, shown_bundle
-from jupyter_shard.spec import LaunchSpec, SpecError, format_ranks, parse_ranks
+from jupyter_shard.spec import (
+    LaunchSpec,
+    SpecError,
+    format_ranks,
+    parse_ranks,
+)
 
 INTERRUPT_WAIT = 10.0  # seconds %dist_interrupt and an interrupted %dist_wait wait for a background run
-
-
-def _distributed_parser() -> MagicParser:
-    p = MagicParser("distributed", "%%")
-    p.add_argument("--nproc", type=int)
-    p.add_argument("--gpus")  # a count (4) or devices (0,2): LaunchSpec.create reads it
-    p.add_argument("--device")
-    p.add_argument("--strategy")
-    p.add_argument("--zero-stage", type=int, dest="zero_stage")
-    p.add_argument("--offload")
-    p.add_argument("--precision")
-    p.add_argument("--ranks")
-    p.add_argument("--timeout", type=float)
-    p.add_argument("--collective-timeout", type=float, dest="collective_timeout")
-    p.add_argument("--launcher")
-    p.add_argument("--nodes", type=int)
-    p.add_argument("--hosts")
-    p.add_argument("--interface")
-    p.add_argument("--partition")
-    p.add_argument("--time", dest="time_limit")
-    p.add_argument("--account")
-    p.add_argument("--config")
-    p.add_argument("--accumulate", type=int)
-    p.add_argument("--clip-grad-norm", type=float, dest="clip_grad_norm")
-    p.add_argument("--bg", action="store_true", default=None)
-    p.add_argument("--no-dashboard", action="store_true", default=None, dest="no_dashboard")
-    return p
-
-
-def _parse(parser: MagicParser, line: str) -> argparse.Namespace:
-    try:
-        namespace = parser.parse_line(line)
-    except SpecError as exc:
-        raise UsageError(str(exc)) from None
-    timeout = getattr(namespace, "timeout", None)
-    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
-        raise UsageError(f"{parser.magic}: --timeout {timeout:g} is not valid; give seconds above 0")
-    return namespace
 
 
 _RUN_OPTIONS = ("ranks", "timeout", "bg", "no_dashboard")  # options of the cell, not of the pool
@@ -83,7 +55,7 @@ class DistributedMagics(Magics):
         super().__init__(shell)
         self.pool: Pool | None = None
         self.default_line = ""  # options of a bare %%distributed (set from the picker)
-        self._parser = _distributed_parser()
+        self._parser = distributed_parser()
         self._dashboard: tuple[Dashboard, DisplayHandle] | None = None
 
     # -- running cells ---------------------------------------------------------------------------
@@ -92,7 +64,7 @@ class DistributedMagics(Magics):
     def distributed(self, line: str, cell: str) -> Any:
         """Run the cell on every rank: %%distributed [--nproc N | --gpus N | --gpus 0,2]
         [--device auto|cpu|cuda] [--strategy none|ddp|fsdp|deepspeed] [--ranks SPEC] [--timeout S] ..."""
-        opts = _parse(self._parser, line or self.default_line)
+        opts = parse_options(self._parser, line or self.default_line)
         self._report_unseen_background_failure()
         try:
             spec = self._resolve(opts)
@@ -196,7 +168,7 @@ class DistributedMagics(Magics):
         """Wait for the background run to end; show its value, or raise its error: %dist_wait [--timeout S]"""
         parser = MagicParser("dist_wait", "%")
         parser.add_argument("--timeout", type=float)
-        opts = _parse(parser, line)
+        opts = parse_options(parser, line)
         run = self._require_pool().background
         if run is None:
             raise UsageError("no background run to wait for; start one with %%distributed --bg")
@@ -279,7 +251,7 @@ class DistributedMagics(Magics):
         group.add_argument("--all", action="store_true")
         group.add_argument("--gather", action="store_true")
         parser.add_argument("--device", action="store_true")
-        opts = _parse(parser, line)
+        opts = parse_options(parser, line)
         pool = self._require_pool()
         if not 0 <= opts.rank < pool.world_size:
             raise UsageError(
@@ -459,6 +431,9 @@ def _show_error(
 
 def load(shell: InteractiveShell) -> None:
     shell.register_magics(DistributedMagics)
+    completer: Any = shell.Completer
+    if complete_distributed not in completer.custom_matchers:
+        completer.custom_matchers.append(complete_distributed)
     shell.set_custom_exc((DistributedError, PoolError), _show_error)
     register_comm(shell, shell.magics_manager.registry["DistributedMagics"])
 
@@ -479,6 +454,17 @@ def unload(shell: InteractiveShell) -> None:
             for name in names:
                 if getattr(manager.magics[kind].get(name), "__self__", None) is magics:
                     del manager.magics[kind][name]
+    completer: Any = shell.Completer
+    if complete_distributed in completer.custom_matchers:
+        completer.custom_matchers.remove(complete_distributed)
     shell.set_custom_exc((), None)
     unregister_comm(shell)
     close_idle()
+
+
+DistributedMagics.distributed.__doc__ = (
+    "Run the cell on every rank of the pool, starting it (or restarting it for changed options) first.\n\n"
+    + distributed_parser().format_help().replace("usage: distributed", "usage: %%distributed", 1)
+    + "\nOptions not given keep the running pool's values. Rank output comes back labelled [rank k]; "
+    "the cell's value is the lowest rank's (Out[n], _), jupyter_shard.last_values() gives every rank's."
+)

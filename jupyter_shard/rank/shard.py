@@ -34,6 +34,30 @@ Sender = Callable[[str, Mapping[str, Any], list[bytes]], None]
 
 
 class Shard:
+    """``shard`` in every rank: this rank's place in the pool, and single-process training made
+    distributed for the pool's ``--strategy``.
+
+    Where this rank is:
+        ``rank``, ``local_rank``, ``world_size``, ``device`` (this rank's ``torch.device``),
+        ``strategy``, ``is_main`` (rank 0).
+
+    Training:
+        ``with shard.init_module(): model = Big()`` builds a model too big for one device sharded
+        (fsdp: on the meta device; ZeRO-3: partitioned);
+        ``model, opt, loader = shard.prepare(model, opt, loader)`` wraps the model for the strategy,
+        rebuilds the optimizer over the wrapped parameters and gives each dataloader a
+        DistributedSampler; ``shard.backward(loss)`` and ``shard.step()`` (optimizer step and
+        ``zero_grad``, with ``--accumulate`` and ``--clip-grad-norm``).
+
+    Seeing and keeping it:
+        ``shard.log(loss=loss)`` (the dashboard and ``jupyter_shard.history()``),
+        ``shard.print0(...)`` (rank 0 only), ``shard.memory()``, ``shard.barrier()``,
+        ``shard.save(path)`` / ``shard.load(path)`` (model, optimizer, step and random state; sharded
+        under fsdp).
+
+    The other public names here (``impl``, ``full_model``, ``flush_metrics``…) are used by the pool.
+    """
+
     def __init__(
         self,
         rank: int,

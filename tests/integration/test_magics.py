@@ -353,3 +353,48 @@ def test_errors_read_at_a_glance(nb: Any) -> None:
     status = nb.execute("%dist_status").data("execute_result")[0]["text/plain"]
     rows = [line.split() for line in status.splitlines()[3:]]
     assert [row[4] for row in rows] == ["interrupted", "interrupted"], status
+
+
+def _reply(nb: Any, kind: str) -> dict[str, Any]:
+    while True:
+        msg: dict[str, Any] = nb.kc.get_shell_msg(timeout=10)
+        if msg["msg_type"] == kind:
+            return msg
+
+
+def test_help_documents_every_option_and_tab_completes_them(nb: Any) -> None:
+    code = "%%distributed --nproc 2\n1"
+    nb.kc.inspect(code, 3, detail_level=0)
+    doc = _reply(nb, "inspect_reply")["content"]["data"]["text/plain"]
+    for option in (
+        "--nproc",
+        "--gpus",
+        "--zero-stage",
+        "--offload",
+        "--precision",
+        "--ranks",
+        "--timeout",
+        "--collective-timeout",
+        "--launcher",
+        "--interface",
+        "--bg",
+        "--no-dashboard",
+    ):
+        assert option in doc, option
+    assert "..." not in doc
+    asked = {
+        "%%distributed --st": ["--strategy"],
+        "%%distributed --strategy ": ["none", "ddp", "fsdp", "deepspeed"],
+        "%%distributed --nproc 2 --device c": ["cpu", "cuda"],
+        "%%distributed --offload ": ["none", "cpu", "nvme"],
+    }
+    for line, expected in asked.items():
+        nb.kc.complete(line, len(line))
+        reply = _reply(nb, "complete_reply")["content"]
+        assert reply["matches"] == expected, (line, reply["matches"])
+        typed = line.rsplit(" ", 1)[-1]
+        assert reply["cursor_start"] == len(line) - len(typed)
+    nb.kc.complete("impo", 4)
+    assert "import" in _reply(nb, "complete_reply")["content"]["matches"], "other lines complete as before"
+    shown = nb.execute("%%distributed\nhelp(shard)").stream()
+    assert "[rank 0] class Shard" in shown and "shard.prepare(model, opt, loader)" in shown

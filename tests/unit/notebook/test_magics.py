@@ -17,7 +17,8 @@ from traitlets.config import Config
 from jupyter_shard import spec as spec_mod
 from jupyter_shard.kernel.ranks import RankSnapshot, RankState
 from jupyter_shard.notebook import magics as magics_mod
-from jupyter_shard.notebook.magics import DistributedMagics, StatusTable, _parse
+from jupyter_shard.notebook.args import parse_options as _parse
+from jupyter_shard.notebook.magics import DistributedMagics, StatusTable
 from jupyter_shard.spec import LaunchSpec
 
 
