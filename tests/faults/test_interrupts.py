@@ -33,3 +33,28 @@ def test_interrupt_python_loop_on_all_ranks_keeps_state(kernel: Any, nproc: int)
     back = time.monotonic() - failed_at
     assert after.data("execute_result") == [{"text/plain": f"(42, {float(nproc)})"}]
     assert back < 5.0, f"back to a working cell {back:.1f} s after the failing cell ended"
+
+
+def test_an_interrupted_dataloader_cell_reads_at_a_glance(kernel: Any) -> None:
+    """DataLoader workers on every rank: the same traceback on both ranks is shown once, without the
+    pool's own frames (it was 18,000 characters, rank by rank)."""
+    assert kernel.execute("%load_ext jupyter_shard").ok
+    setup = (
+        "%%distributed --nproc 2 --device cpu\nimport time, torch\n"
+        "from torch.utils.data import DataLoader, Dataset\n"
+        "class Slow(Dataset):\n    def __len__(self): return 10**6\n"
+        "    def __getitem__(self, i):\n        time.sleep(0.01); return torch.ones(4)\n"
+    )
+    assert kernel.execute(setup).ok
+    fired = interrupt_after(kernel, 3.0)
+    run = kernel.execute(
+        "%%distributed\nfor batch in DataLoader(Slow(), batch_size=8, num_workers=2):\n    pass"
+    )
+    fired.join()
+    text = run.error_text()
+    assert text.splitlines()[0] == "interrupted: KeyboardInterrupt on rank 0-1"
+    assert text.count("Traceback (most recent call last)") == 1, text
+    assert "----> 2 for batch in DataLoader" in text
+    assert len(text) < 6000, len(text)
+    after = kernel.execute("%%distributed\nshard.world_size")
+    assert after.data("execute_result") == [{"text/plain": "2"}]
