@@ -47,3 +47,19 @@ def interrupt_after(kernel: Any, seconds: float) -> threading.Thread:
     thread = threading.Thread(target=fire)
     thread.start()
     return thread
+
+
+# A cell that needs a working group and the state set before: ``kept = 41`` and torch imported.
+NEXT = "%%distributed\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('kept', kept + 1, 'sum', t.item())"
+
+
+def back_to_work(kernel: Any, nproc: int, failed_at: float, pids: list[int]) -> None:
+    """The next cell rebuilds the group with every rank's state, within 5 s of the failing cell."""
+    nxt = kernel.execute(NEXT)
+    back = time.monotonic() - failed_at
+    assert nxt.ok, nxt.error_text()
+    for rank in range(nproc):
+        assert f"[rank {rank}] kept 42 sum {float(nproc)}" in nxt.stream(), nxt.stream()
+    assert "rank state is kept" in nxt.stream("stderr")
+    assert back < 5.0, f"back to a working cell {back:.1f} s after the failing cell ended"
+    assert sorted(rank_pids(kernel)) == sorted(pids), "the ranks were kept, not respawned"

@@ -9,11 +9,9 @@ from typing import Any
 
 import pytest
 
-from tests.faults.conftest import rank_pids
+from tests.faults.conftest import NEXT, back_to_work, rank_pids
 
 pytestmark = pytest.mark.timeout(120)
-
-NEXT = "%%distributed\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('kept', kept + 1, 'sum', t.item())"
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
@@ -36,14 +34,7 @@ def test_collective_in_a_subset_cell_ends_fast_and_the_group_is_rebuilt(
     assert "Timed out" not in said and "killed" not in said
     assert "the next cell first rebuilds the group (rank state is kept)" in run.error_text()
 
-    nxt = kernel.execute(NEXT)
-    back = time.monotonic() - failed_at
-    assert nxt.ok, nxt.error_text()
-    for rank in range(nproc):
-        assert f"[rank {rank}] kept 42 sum {float(nproc)}" in nxt.stream(), nxt.stream()
-    assert "rank state is kept" in nxt.stream("stderr")
-    assert back < 5.0, f"back to a working cell {back:.1f} s after the failing cell ended"
-    assert sorted(rank_pids(kernel)) == sorted(pids), "the ranks were kept, not respawned"
+    back_to_work(kernel, nproc, failed_at, pids)
     again = kernel.execute(NEXT)
     assert again.ok and "rebuilt" not in again.stream("stderr")
 

@@ -10,30 +10,17 @@ from typing import Any
 
 import pytest
 
-from tests.faults.conftest import interrupt_after, rank_pids
+from tests.faults.conftest import back_to_work, interrupt_after, rank_pids
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("nproc", [3, 4])]
 
 SETUP = "%%distributed --nproc {nproc} --device cpu\nimport time, torch, torch.distributed as dist\nkept = 41"
-NEXT = "%%distributed\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('kept', kept + 1, 'sum', t.item())"
 
 
 def _start(kernel: Any, nproc: int) -> list[int]:
     assert kernel.execute("%load_ext jupyter_shard").ok
     assert kernel.execute(SETUP.format(nproc=nproc)).ok
     return rank_pids(kernel)
-
-
-def _back_to_work(kernel: Any, nproc: int, failed_at: float, pids: list[int]) -> None:
-    """The next cell rebuilds the group with every rank's state, within 5 s of the failing cell."""
-    nxt = kernel.execute(NEXT)
-    back = time.monotonic() - failed_at
-    assert nxt.ok, nxt.error_text()
-    for rank in range(nproc):
-        assert f"[rank {rank}] kept 42 sum {float(nproc)}" in nxt.stream(), nxt.stream()
-    assert "rank state is kept" in nxt.stream("stderr")
-    assert back < 5.0, f"back to a working cell {back:.1f} s after the failing cell ended"
-    assert sorted(rank_pids(kernel)) == sorted(pids), "the ranks were kept, not respawned"
 
 
 def test_f3_one_rank_raises_while_the_others_wait_in_all_reduce(kernel: Any, nproc: int) -> None:
@@ -50,7 +37,7 @@ def test_f3_one_rank_raises_while_the_others_wait_in_all_reduce(kernel: Any, npr
     assert text.splitlines()[0].startswith("rank 0 failed first: ValueError: bad batch on rank 0")
     assert "the next cell first rebuilds the group (rank state is kept)" in text
     assert "killed" not in run.stream("stderr")
-    _back_to_work(kernel, nproc, failed_at, pids)
+    back_to_work(kernel, nproc, failed_at, pids)
 
 
 def test_f4_a_straggler_skips_the_collective(kernel: Any, nproc: int) -> None:
@@ -63,7 +50,7 @@ def test_f4_a_straggler_skips_the_collective(kernel: Any, nproc: int) -> None:
     assert run.elapsed < 10.0, f"the cell took {run.elapsed:.1f} s, not ended early by the desync check"
     assert "which finished the cell without joining it" in run.error_text()
     assert "killed" not in run.stream("stderr")
-    _back_to_work(kernel, nproc, failed_at, pids)
+    back_to_work(kernel, nproc, failed_at, pids)
 
 
 def test_f6_interrupt_while_one_rank_sleeps_and_the_others_wait(kernel: Any, nproc: int) -> None:
@@ -77,7 +64,7 @@ def test_f6_interrupt_while_one_rank_sleeps_and_the_others_wait(kernel: Any, npr
     assert not run.ok
     assert run.elapsed < 2.5 + 10.0, f"the cell took {run.elapsed:.1f} s"
     assert "killed" not in run.stream("stderr")
-    _back_to_work(kernel, nproc, failed_at, pids)
+    back_to_work(kernel, nproc, failed_at, pids)
 
 
 def test_f9_a_rank_spinning_past_the_timeout(kernel: Any, nproc: int) -> None:
@@ -91,4 +78,4 @@ def test_f9_a_rank_spinning_past_the_timeout(kernel: Any, nproc: int) -> None:
     assert 5.0 <= run.elapsed < 5.0 + 6.0, f"the cell took {run.elapsed:.1f} s"
     assert "rank 1 still running after the 5 s timeout: sending SIGINT" in run.stream("stderr")
     assert "killed" not in run.stream("stderr")
-    _back_to_work(kernel, nproc, failed_at, pids)
+    back_to_work(kernel, nproc, failed_at, pids)
