@@ -65,23 +65,20 @@ class LineAssembler:
         live = visible_text(self.partial) if "\r" in self.partial else None
         return lines, live
 
-    def feed_last(self, text: str, count: int) -> tuple[list[str], int]:
-        """For plain text (no carriage returns) once only a cell's last lines are shown: its last
-        ``count`` complete lines, and how many complete lines came before them. No per-line Python
-        work unless a line is too long: a flood is millions of lines."""
+    def feed_last(self, text: str) -> tuple[str, int, int]:
+        """For plain text (no carriage returns) once only a cell's last lines are shown: its complete
+        lines as one block (joined by newlines), how many there are, and the characters the first
+        of them lost to :meth:`_keep` (it continued a cut line). No per-line work: a flood is
+        millions of lines, and only the last few are split out, once, when the cell ends."""
         data = self.partial + text
         complete = data.count("\n")
-        *pieces, partial = data.rsplit("\n", count + 1)
-        lines = pieces[-count:] if count else []  # a first piece past ``count`` joins earlier lines
-        shown = lines
-        if max(map(len, lines), default=0) > LINE_CHARS:
-            shown = [cut_line(line, len(line)) for line in lines]
-        if complete:
-            if self.dropped and len(lines) == complete:  # the first line continues a cut one
-                shown[0] = cut_line(lines[0], len(lines[0]) + self.dropped)
-            self.dropped = 0
-        self._keep(partial)
-        return shown, complete - len(lines)
+        if not complete:
+            self._keep(data)
+            return "", 0, 0
+        cut = data.rfind("\n")
+        extra, self.dropped = self.dropped, 0
+        self._keep(data[cut + 1 :])
+        return data[:cut], complete, extra
 
     def finish(self) -> list[tuple[str, bool]]:
         if not self.partial:
@@ -101,41 +98,59 @@ class LineAssembler:
 
 
 @dataclass
+class _Block:
+    """Complete lines of one stream as they came, joined by newlines (see :meth:`_Budget.keep`)."""
+
+    name: str
+    text: str
+    lines: int
+    extra: int = 0  # characters its first line lost before it was complete (it is shown cut)
+
+    def split(self) -> list[str]:
+        lines = self.text.split("\n")
+        if self.extra or len(self.text) > LINE_CHARS:  # some line may be too long to show whole
+            lines = [
+                cut_line(line, len(line) + (self.extra if i == 0 else 0)) for i, line in enumerate(lines)
+            ]
+        return lines
+
+
+@dataclass
 class _Budget:
     """What of one rank's output a cell shows: its first lines, then (``exhausted``) its last ones.
 
-    The last lines are kept in blocks as they came (one per chunk, a flood's chunk holds hundreds),
-    dropped a whole block at a time while the rest is enough, and trimmed exactly when shown.
+    The last lines are kept in blocks as they came (a flood's chunk holds hundreds of lines), a
+    block dropped whole once the blocks after it hold enough, and split and trimmed exactly only
+    when the cell ends.
     """
 
     lines: int = 0
     size: int = 0
     exhausted: bool = False
     skipped: int = 0  # lines between the first and the last shown
-    tail: deque[tuple[str, list[str], int]] = field(default_factory=deque)  # (stream, lines, bytes)
+    tail: deque[_Block] = field(default_factory=deque)
     tail_lines: int = 0
     tail_size: int = 0
 
-    def keep(self, name: str, lines: list[str]) -> None:
-        if not lines:
+    def keep(self, block: _Block) -> None:
+        if not block.lines:
             return
-        size = sum(map(len, lines))
-        self.tail.append((name, lines, size))
-        self.tail_lines += len(lines)
-        self.tail_size += size
+        self.tail.append(block)
+        self.tail_lines += block.lines
+        self.tail_size += len(block.text)
         while len(self.tail) > 1:
-            _, first, first_size = self.tail[0]
-            if self.tail_lines - len(first) < TAIL_LINES and self.tail_size - first_size < TAIL_BYTES:
+            first = self.tail[0]
+            if self.tail_lines - first.lines < TAIL_LINES and self.tail_size - len(first.text) < TAIL_BYTES:
                 break
             self.tail.popleft()
-            self.tail_lines -= len(first)
-            self.tail_size -= first_size
-            self.skipped += len(first)
+            self.tail_lines -= first.lines
+            self.tail_size -= len(first.text)
+            self.skipped += first.lines
 
     def last_lines(self) -> list[tuple[str, str]]:
         """The last ``TAIL_LINES`` lines (``TAIL_BYTES`` at most), as (stream, line); the others are
         counted as skipped."""
-        flat = [(name, line) for name, lines, _ in self.tail for line in lines]
+        flat = [(block.name, line) for block in self.tail for line in block.split()]
         keep, size = 0, 0
         for _, line in reversed(flat):
             if keep == TAIL_LINES or size + len(line) > TAIL_BYTES:
@@ -164,9 +179,8 @@ class RankSink(ABC):
         if budget is not None and budget.exhausted and "\r" not in text and "\r" not in assembler.partial:
             # Only this rank's last lines are shown from now on: make just those (a flood is millions
             # of lines) and count the rest; live lines (carriage returns) still go the usual way.
-            last, skipped = assembler.feed_last(text, TAIL_LINES)
-            budget.skipped += skipped
-            budget.keep(name, last)
+            block, count, extra = assembler.feed_last(text)
+            budget.keep(_Block(name, block, count, extra))
             return
         lines, live = assembler.feed(text)
         self._emit(rank, name, lines)
@@ -209,7 +223,7 @@ class RankSink(ABC):
                 self.live_line(rank, name, text, final=True)
                 continue
             if budget.exhausted:
-                budget.keep(name, [text])
+                budget.keep(_Block(name, text, 1))
                 continue
             budget.lines += 1
             budget.size += len(text)
@@ -220,7 +234,7 @@ class RankSink(ABC):
                     "… more output not shown while the cell runs; its last lines follow when it ends "
                     f"(full log: {where})"
                 )
-                budget.keep(name, [text])
+                budget.keep(_Block(name, text, 1))
                 continue
             plain.append(text)
         self._write_lines(rank, name, plain)
