@@ -51,6 +51,8 @@ def status_reply(pool: Pool | None) -> dict[str, Any]:
         state = "running"
     elif states & {RankState.DEAD, RankState.FAILED}:
         state = "failed"
+    elif RankState.INTERRUPTED in states:  # the last cell was stopped; the ranks are idle and well
+        state = "interrupted"
     elif RankState.STARTING in states:
         state = "starting"
     else:

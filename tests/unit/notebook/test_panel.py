@@ -106,6 +106,15 @@ def test_state_is_running_if_any_rank_runs_and_failed_if_one_died() -> None:
     assert reply["ranks"][1]["problem"] == "dead: exit 1"
 
 
+def test_a_stopped_cell_leaves_the_ranks_interrupted_not_failed() -> None:
+    comm, _ = _panel(FakePool([RankState.INTERRUPTED, RankState.INTERRUPTED]))
+    reply = comm.request("status")
+    assert reply["state"] == "interrupted"
+    assert [r["state"] for r in reply["ranks"]] == ["interrupted", "interrupted"]
+    comm, _ = _panel(FakePool([RankState.INTERRUPTED, RankState.FAILED]))
+    assert comm.request("status")["state"] == "failed"
+
+
 def test_no_pool() -> None:
     comm, _ = _panel(None)
     assert comm.request("status") == {
