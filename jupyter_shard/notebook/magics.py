@@ -36,6 +36,7 @@ from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard
 from jupyter_shard.notebook.display import NotebookSink, in_kernel
 from jupyter_shard.notebook.panel import register_comm, unregister_comm
 from jupyter_shard.notebook.values import cell_value, shown_bundle
+from jupyter_shard.planner.estimate import format_bytes
 from jupyter_shard.spec import (
     LaunchSpec,
     SpecError,
@@ -235,7 +236,7 @@ class DistributedMagics(Magics):
         pool = self._require_pool()
         sent = pool.push(**{n: ns[n] for n in names})
         ranks = format_ranks(list(range(pool.world_size)))
-        print(f"jupyter_shard: pushed {', '.join(names)} to rank {ranks} ({_size(sent)} each)")
+        print(f"jupyter_shard: pushed {', '.join(names)} to rank {ranks} ({format_bytes(sent)} each)")
 
     @line_magic
     def dist_pull(self, line: str) -> None:
@@ -330,13 +331,6 @@ class DistributedMagics(Magics):
         self.pool.shutdown()
         self.pool = None
         print("jupyter_shard: pool shut down")
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} bytes"
 
 
 def _code(magic: str, cell: str) -> str:
