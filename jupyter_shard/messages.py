@@ -49,16 +49,32 @@ class ExecuteBody(TypedDict):
     cwd: str  # the kernel's working directory, which the rank takes before the cell where it exists
 
 
-class PushBody(TypedDict):
-    """One pickled value per name, as buffers in the same order."""
+class SegmentRef(TypedDict):
+    """A shared-memory segment of the kernel's (:mod:`jupyter_shard.segments`)."""
+
+    pid: int
+    fd: int
+    token: str
+
+
+class _PushOptions(TypedDict, total=False):
+    segment: SegmentRef  # the out-of-band buffers are in this segment, not in the message
+    sizes: list[int]  # the out-of-band buffers' sizes, in order (required with ``segment``)
+
+
+class PushBody(_PushOptions):
+    """One in-band pickle per name, as buffers in the same order, then (without ``segment``) every
+    value's out-of-band buffers (:mod:`jupyter_shard.buffers`); ``counts``: how many each value has."""
 
     names: list[str]
+    counts: list[int]
 
 
 class _PullOptions(TypedDict, total=False):
     device: bool  # keep tensors on the rank's device (default: they come back on the CPU)
     last: bool  # the value of the rank's last cell (its last expression) instead of a variable
     limit: int  # refuse, rather than send, a value that pickles to more bytes than this
+    segments: dict[str, SegmentRef]  # by rank: an empty segment to write the buffers into
 
 
 class PullBody(_PullOptions):
@@ -164,6 +180,16 @@ class OutcomeReply(Reply):
     error: str
 
 
+class _PullReplyOptions(TypedDict, total=False):
+    sizes: list[int]  # the out-of-band buffers' sizes, in order
+    in_segment: bool  # they were written into the request's segment, else they follow the pickle
+    seconds: float  # how long getting the value took on the rank (for --gather: the all-gather)
+
+
+class PullReply(OutcomeReply, _PullReplyOptions):
+    """When ok, the in-band pickle is the first buffer (:mod:`jupyter_shard.buffers`)."""
+
+
 class ThreadStack(TypedDict):
     thread: str
     stack: str
@@ -239,7 +265,7 @@ DONE = _to_kernel("done", DoneBody)
 METRICS = _to_kernel("metrics", MetricsBody, io=True)
 HEARTBEAT = _to_kernel("heartbeat", HeartbeatBody, io=True)
 PUSH_REPLY = _to_kernel("push_reply", OutcomeReply)
-PULL_REPLY = _to_kernel("pull_reply", OutcomeReply)  # the pickled value is the one buffer when ok
+PULL_REPLY = _to_kernel("pull_reply", PullReply)
 STACKS_REPLY = _to_kernel("stacks_reply", StacksReply, io=True)
 STATUS_REPLY = _to_kernel("status_reply", StatusReply, io=True)
 RELEASE_REPLY = _to_kernel("release_reply", ReleaseReply)

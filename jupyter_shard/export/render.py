@@ -206,7 +206,7 @@ def _push(entry: PushEntry, data_dir: str, out: Rendered) -> str:
     names = " ".join(name for name, _ in entry.values)
     where = f" to rank {format_ranks(entry.ranks)}" if entry.ranks is not None else ""
     lines = []
-    for name, blob in entry.values:
+    for name, blob in entry.pickled():
         out.values += 1
         value, loaded = load(blob)
         text = literal(value) if loaded and len(blob) <= 4 * LITERAL_LIMIT else None

@@ -1,25 +1,57 @@
 """Moving Python values between the kernel and the ranks: ``push`` and ``pull``.
 
-Values travel pickled (cloudpickle) as message buffers, one per value, and are unpickled only after
-the message was authenticated. A pushed value is also kept in the pool's transcript, so that
-``%dist_export`` can write it out for the script.
+A value travels as an in-band pickle, in the signed message, and out-of-band buffers: views of its
+arrays' and tensors' memory (:mod:`jupyter_shard.buffers`). To ranks on this machine the buffers go
+through one shared-memory segment that every rank maps copy-on-write (:mod:`jupyter_shard.segments`,
+which says why that is safe); to ranks elsewhere, or where a rank cannot reach the segment, they
+follow the pickle as message frames. Nothing is unpickled before its message was authenticated.
+
+A pushed value is also kept in the pool's transcript for ``%dist_export``: as bytes when small, by
+reference when large (pickling a 1 GiB tensor again would double the push's time and memory).
 """
 
 from __future__ import annotations
 
 import io
+import socket
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from jupyter_shard import buffers, segments
+from jupyter_shard.buffers import Packed
 from jupyter_shard.errors import PoolError
 from jupyter_shard.kernel.connection import Connection
-from jupyter_shard.kernel.ranks import RankTable
-from jupyter_shard.kernel.transcript import PushEntry, Transcript
-from jupyter_shard.messages import PULL, PUSH, PullBody
-from jupyter_shard.protocol import MAX_FRAME
+from jupyter_shard.kernel.ranks import RankRecord, RankTable
+from jupyter_shard.kernel.transcript import Held, PushEntry, Transcript
+from jupyter_shard.messages import PULL, PUSH, PullBody, PushBody
+from jupyter_shard.protocol import MAX_FRAME, Message
 from jupyter_shard.spec import format_ranks
 
-__all__ = ["Values"]
+__all__ = ["SEGMENT_OVER", "Transfer", "Values"]
+
+SEGMENT_OVER = 1 << 20  # out-of-band bytes from which a local transfer goes through shared memory
+_RECORD_UP_TO = 16 << 20  # values up to this size are recorded for %dist_export as bytes
+_SECONDS_PER_BYTE = 1 / 50e6  # request timeouts allow this, past their base, for big values
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """The last push or pull: what moved, how, and how long it took (``gather``: the all-gather)."""
+
+    kind: str  # "push" or "pull"
+    nbytes: int  # to each rank (push) or from the ranks together (pull)
+    ranks: int
+    seconds: float
+    shared: bool  # through shared memory (else, or partly, as message frames)
+    gather: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        """Bytes per second, counted over every rank (a push to 4 ranks moves 4 copies)."""
+        moved = self.nbytes * (self.ranks if self.kind == "push" else 1)
+        return moved / self.seconds if self.seconds > 0 else 0.0
 
 
 class Values:
@@ -29,26 +61,73 @@ class Values:
         self.conn = conn
         self.ranks = ranks
         self.transcript = transcript
+        self.last: Transfer | None = None
 
     def push(self, ranks: Sequence[int] | None, values: Mapping[str, Any]) -> int:
         """Copy ``values`` to every rank (or ``ranks``) under their names; the bytes sent to each."""
+        started = time.perf_counter()
         names = list(values)
-        buffers = [_pickled(n, values[n]) for n in names]
-        too_big = [n for n, b in zip(names, buffers, strict=True) if len(b) > MAX_FRAME]
-        if too_big:
-            raise PoolError(
-                f"{too_big[0]!r} is over the {MAX_FRAME // 2**20} MiB message limit; "
-                "save it to a file and load it on the ranks"
-            )
+        packs = [_packed(n, values[n]) for n in names]
+        size = sum(p.nbytes for p in packs)
         targets = self.ranks.targets(ranks)
-        replies = self.conn.request(*PUSH({"names": names}), targets, buffers=buffers, timeout=60.0)
-        errors = [f"rank {k}: {m.body['error']}" for k, m in sorted(replies.items()) if not m.body["ok"]]
+        local = _local(targets) if sum(sum(p.sizes) for p in packs) >= SEGMENT_OVER else []
+        errors: dict[int, str] = {}
+        inline = [r for r in targets if r not in local]
+        if local:
+            _check_memory(names, packs)
+            inline += self._push_shared(names, packs, local, errors)
+        if inline:
+            self._push_inline(names, packs, inline, errors)
         if errors:
-            raise PoolError("push failed on " + "; ".join(errors))
+            raise PoolError(
+                "push failed on " + "; ".join(f"rank {k}: {e}" for k, e in sorted(errors.items()))
+            )
         if not names[0].startswith("_js_"):  # the pool's own pushes are not the user's work
             asked = None if ranks is None else tuple(sorted(set(ranks)))
-            self.transcript.add(PushEntry(tuple(zip(names, buffers, strict=True)), asked))
-        return sum(len(b) for b in buffers)
+            recorded = tuple((n, _recorded(values[n], p)) for n, p in zip(names, packs, strict=True))
+            self.transcript.add(PushEntry(recorded, asked))
+        shared = bool(local) and len(inline) == 0
+        self.last = Transfer("push", size, len(targets), time.perf_counter() - started, shared)
+        return size
+
+    def _push_shared(
+        self, names: list[str], packs: list[Packed], targets: list[RankRecord], errors: dict[int, str]
+    ) -> list[RankRecord]:
+        """Push through one segment; the ranks that could not reach it (to be sent inline)."""
+        oob = [b for p in packs for b in p.buffers]
+        with segments.Segment() as segment:
+            segment.fill(oob)
+            body: PushBody = {
+                "names": names,
+                "counts": [len(p.buffers) for p in packs],
+                "segment": segment.ref,
+                "sizes": [b.nbytes for b in oob],
+            }
+            replies = self._request(
+                PUSH(body), targets, [p.inband for p in packs], sum(b.nbytes for b in oob)
+            )
+        fallback = []
+        for r in targets:
+            msg = replies.get(r.rank)
+            if msg is not None and not msg.body["ok"] and msg.body["error"].startswith(segments.UNAVAILABLE):
+                fallback.append(r)
+            else:
+                errors.update(_failures({r.rank: msg} if msg else {}, [r], "push"))
+        return fallback
+
+    def _push_inline(
+        self, names: list[str], packs: list[Packed], targets: list[RankRecord], errors: dict[int, str]
+    ) -> None:
+        for name, pack in zip(names, packs, strict=True):
+            if max([len(pack.inband), *pack.sizes]) > MAX_FRAME:
+                raise PoolError(
+                    f"{name!r} is over the {MAX_FRAME // 2**20} MiB message limit of ranks on other "
+                    "machines; save it to a file and load it on the ranks"
+                )
+        frames: list[Any] = [p.inband for p in packs] + [b for p in packs for b in p.buffers]
+        body: PushBody = {"names": names, "counts": [len(p.buffers) for p in packs]}
+        replies = self._request(PUSH(body), targets, frames, sum(p.nbytes for p in packs))
+        errors.update(_failures(replies, targets, "push"))
 
     def pull(
         self, name: str, ranks: Sequence[int] | None, gather: bool, device: bool = False
@@ -69,32 +148,106 @@ class Values:
         return self._pull(body, ranks, "the last value")
 
     def _pull(self, body: PullBody, ranks: Sequence[int] | None, what: str) -> dict[int, Any]:
-        import cloudpickle
-
+        started = time.perf_counter()
         targets = self.ranks.targets(ranks)
-        replies = self.conn.request(*PULL(body), targets, timeout=600.0)
-        out: dict[int, Any] = {}
-        for k, msg in sorted(replies.items()):
-            if not msg.body["ok"]:
-                raise PoolError(msg.body["error"])
-            out[k] = cloudpickle.loads(msg.buffers[0])
+        owned = {r.rank: segments.Segment() for r in _local(targets)}
+        try:
+            if owned:
+                body["segments"] = {str(k): s.ref for k, s in owned.items()}
+            replies = self.conn.request(*PULL(body), targets, timeout=600.0)
+            out: dict[int, Any] = {}
+            nbytes, gather, shared = 0, 0.0, bool(owned)
+            for k, msg in sorted(replies.items()):
+                if not msg.body["ok"]:
+                    raise PoolError(msg.body["error"])
+                value, size = _received(k, msg, owned.get(k))
+                out[k] = value
+                nbytes += size
+                gather = max(gather, float(msg.body.get("seconds", 0.0)))
+                shared = shared and bool(msg.body.get("in_segment"))
+        finally:
+            for segment in owned.values():
+                segment.close()
         missing = sorted({r.rank for r in targets} - set(out))
         if missing:
             raise PoolError(f"rank {format_ranks(missing)} did not answer the pull of {what}")
+        seconds = time.perf_counter() - started
+        self.last = Transfer("pull", nbytes, len(targets), seconds, shared, gather if body["gather"] else 0.0)
         return out
 
+    def _request(
+        self, message: tuple[str, dict[str, Any]], targets: list[RankRecord], frames: list[Any], size: int
+    ) -> dict[int, Message]:
+        return self.conn.request(*message, targets, buffers=frames, timeout=60.0 + size * _SECONDS_PER_BYTE)
 
-def _pickled(name: str, value: Any) -> bytes:
+
+def _received(rank: int, msg: Message, segment: segments.Segment | None) -> tuple[Any, int]:
+    """The value rank ``rank`` sent in ``msg`` (its buffers from ``segment`` or the message), and its
+    size; a :class:`PoolError` for a reply that does not hold together."""
+    sizes = [int(s) for s in msg.body.get("sizes", [])]
+    try:
+        if not msg.buffers:
+            raise segments.SegmentError("the reply carries no pickle")
+        if msg.body.get("in_segment"):
+            if segment is None:
+                raise segments.SegmentError("it names a segment that was never offered")
+            oob = segment.seal_and_map(sizes)
+        else:
+            oob = [bytearray(b) for b in msg.buffers[1:]]
+            if [len(b) for b in oob] != sizes:
+                raise segments.SegmentError("its buffers are not the sizes it signed")
+        return buffers.loads(msg.buffers[0], oob), len(msg.buffers[0]) + sum(sizes)
+    except Exception as exc:
+        raise PoolError(
+            f"the value from rank {rank} could not be rebuilt ({type(exc).__name__}: {exc}); "
+            "the pool is unchanged, try the pull again"
+        ) from None
+
+
+def _local(targets: list[RankRecord]) -> list[RankRecord]:
+    """The targets on this machine, which can share memory with the kernel."""
+    if not segments.supported():
+        return []
+    here = socket.gethostname()
+    return [r for r in targets if r.handle.host == here]
+
+
+def _failures(replies: Mapping[int, Message], targets: list[RankRecord], what: str) -> dict[int, str]:
+    errors = {k: str(m.body["error"]) for k, m in replies.items() if not m.body["ok"]}
+    for r in targets:
+        if r.rank not in replies:
+            errors[r.rank] = f"did not answer the {what}" + (f" ({r.exit})" if r.exit else "")
+    return errors
+
+
+def _check_memory(names: list[str], packs: list[Packed]) -> None:
+    """Refuse a push the machine has no memory for, before anything is written."""
+    import psutil
+
+    need, free = sum(sum(p.sizes) for p in packs), psutil.virtual_memory().available
+    if need > free:
+        raise PoolError(
+            f"pushing {', '.join(names)} needs {need / 2**30:.1f} GiB of shared memory and "
+            f"{free / 2**30:.1f} GiB is free; push smaller pieces, or save it to a file and load it "
+            "on the ranks"
+        )
+
+
+def _recorded(value: Any, pack: Packed) -> bytes | Held:
+    """What the transcript keeps of a pushed value: its bytes, or the value itself when large."""
+    held = Held(value)
+    return held if pack.nbytes > _RECORD_UP_TO else held.pickled()
+
+
+def _packed(name: str, value: Any) -> Packed:
     """``value`` pickled for the ranks, or a :class:`PoolError` naming ``name`` and what to do."""
-    import cloudpickle
-
     if isinstance(value, io.IOBase):  # cloudpickle would send a StringIO copy of an open text file
         raise PoolError(
             f"{name!r} is an open file, which cannot be sent to the ranks: push its path and open "
             "it in a %%distributed cell"
         )
     try:
-        return bytes(cloudpickle.dumps(value))
+        return buffers.dumps(value)
     except Exception as exc:
         raise PoolError(
             f"{name!r} could not be pickled ({type(exc).__name__}: {exc}): create it on the ranks in "

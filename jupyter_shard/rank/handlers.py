@@ -25,7 +25,7 @@ from jupyter_shard.messages import (
     RegroupReply,
     handler_table,
 )
-from jupyter_shard.protocol import MAX_FRAME, Message, cell_head
+from jupyter_shard.protocol import Message, cell_head
 from jupyter_shard.rank.channel import Channel, ShellSocket
 
 if TYPE_CHECKING:
@@ -143,13 +143,11 @@ class Runner:
         )
 
     def push(self, msg: Message) -> None:
-        import cloudpickle
+        from jupyter_shard.rank.transfer import pushed_values
 
-        names = [str(n) for n in msg.body["names"]]
         reply: OutcomeReply = {"req_id": str(msg.body["req_id"]), "ok": True, "error": ""}
         try:
-            values = [cloudpickle.loads(buf) for buf in msg.buffers]
-            self.shell.user_ns.update(zip(names, values, strict=True))
+            self.shell.user_ns.update(pushed_values(msg))
         except Exception as exc:
             reply["ok"], reply["error"] = False, f"{type(exc).__name__}: {exc}"
         self.sock.send(*PUSH_REPLY(reply))
@@ -159,33 +157,25 @@ class Runner:
         (the kernel must not create a CUDA context to read it) unless the request keeps them on the
         device; a value over the request's ``limit`` is refused before it is pickled where its
         tensors alone pass it."""
-        from jupyter_shard.rank.device import dumps_on_host, tensor_bytes
+        from jupyter_shard.rank.device import tensor_bytes
+        from jupyter_shard.rank.transfer import pulled_reply
 
-        reply: OutcomeReply = {"req_id": str(msg.body["req_id"]), "ok": False, "error": ""}
-        buffers: list[bytes] = []
-        limit = int(msg.body.get("limit", MAX_FRAME))
+        started = time.perf_counter()
+        limit = int(msg.body.get("limit", 1 << 62))
         try:
             what, value = self._pulled(msg)
         except Exception as exc:
-            reply["error"] = str(exc)
-            self.sock.send(*PULL_REPLY(reply))
+            self.sock.send(*PULL_REPLY({"req_id": str(msg.body["req_id"]), "ok": False, "error": str(exc)}))
             return
-        try:
-            size = tensor_bytes(value)
-            if size <= limit:
-                data = dumps_on_host(value, keep_device=bool(msg.body.get("device", False)))
-                size = len(data)
-            if size > min(limit, MAX_FRAME):
-                reply["error"] = f"{what} is {size / 2**20:.0f} MiB pickled, over the "
-                reply["error"] += (
-                    f"{limit / 2**20:.0f} MiB limit of this copy"
-                    if limit < MAX_FRAME
-                    else f"{MAX_FRAME / 2**20:.0f} MiB message limit; save it to a file instead"
-                )
-            else:
-                reply["ok"], buffers = True, [data]
-        except Exception as exc:
-            reply["error"] = f"{what} could not be pickled: {type(exc).__name__}: {exc}"
+        seconds = time.perf_counter() - started
+        size = tensor_bytes(value)
+        if size > limit:
+            error = f"{what} holds {size / 2**20:.0f} MiB of tensors, over the {limit / 2**20:.0f} MiB "
+            error += "limit of this copy"
+            self.sock.send(*PULL_REPLY({"req_id": str(msg.body["req_id"]), "ok": False, "error": error}))
+            return
+        reply, buffers = pulled_reply(msg, self.rank, what, value, limit)
+        reply["seconds"] = seconds
         self.sock.send(*PULL_REPLY(reply), buffers)
 
     def _pulled(self, msg: Message) -> tuple[str, Any]:
