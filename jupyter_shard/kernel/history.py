@@ -3,8 +3,9 @@
 Records are stored by column (one ``array('d')`` per rank for steps, times and each metric name), so a
 million logged points cost about 8 bytes per value rather than a dict each. Memory stays bounded: a
 rank past :data:`RECORD_LIMIT` records has its older half thinned to every other record (recent data
-stays at full resolution; :attr:`History.thinned` says it happened). :meth:`History.binned` gives the
-dashboard a few hundred points per series however long the run.
+stays at full resolution; :attr:`History.thinned` says it happened). :meth:`History.sampled` gives the
+dashboard a few thousand evenly spaced records per series however long the run, and :meth:`History.plot`
+a Plotly figure of any metrics.
 """
 
 from __future__ import annotations
@@ -17,20 +18,22 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 import numpy as np
-import numpy.typing as npt
 
 from jupyter_shard._atomic import write_atomic
+from jupyter_shard.kernel.figures import Floats, binned, mean_across, plot_history
 
-__all__ = ["History"]
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
+
+__all__ = ["History", "binned", "mean_across"]
 
 RECORD_LIMIT = 2_000_000
 MEMORY_SAMPLES = 20_000
 THROUGHPUT_WINDOW = 5.0
-
-Floats = npt.NDArray[np.float64]
+MEMORY_FIELDS = ("rss", "cuda_allocated", "cuda_reserved", "cuda_peak")
 
 
 class _RankColumns:
@@ -76,7 +79,7 @@ class History:
         self.thinned = False
         self.version = 0  # grows with every logged batch; the dashboard redraws soon when it moved
         self._ranks: dict[int, _RankColumns] = {}
-        self._memory: dict[int, deque[tuple[float, float, float]]] = {}
+        self._memory: dict[int, deque[tuple[float, ...]]] = {}
         self._lock = threading.Lock()
 
     # -- writing (the pool's receiving thread) ------------------------------------------------------
@@ -101,10 +104,11 @@ class History:
             self.version += 1
 
     def add_memory(self, rank: int, ts: float, memory: Mapping[str, int]) -> None:
-        """One heartbeat's memory: host RSS and (on GPU) CUDA allocated bytes."""
+        """One heartbeat's memory: host RSS and (on GPU) CUDA allocated, reserved and peak bytes."""
+        row = (ts, float(memory.get("rss", 0)), *(float(memory.get(k, math.nan)) for k in MEMORY_FIELDS[1:]))
         with self._lock:
             samples = self._memory.setdefault(rank, deque(maxlen=MEMORY_SAMPLES))
-            samples.append((ts, float(memory.get("rss", 0)), float(memory.get("cuda_allocated", math.nan))))
+            samples.append(row)
 
     def clear(self) -> None:
         with self._lock:
@@ -173,17 +177,20 @@ class History:
         keep = np.isfinite(values)
         return steps[keep], values[keep]
 
-    def sampled(self, rank: int, name: str, at_most: int) -> tuple[Floats, Floats, int]:
+    def sampled(
+        self, rank: int, name: str, at_most: int, x: Literal["step", "time"] = "step"
+    ) -> tuple[Floats, Floats, int]:
         """``series`` thinned to at most ``at_most`` evenly spaced records (the last one always kept),
         and how many records hold the metric: what a chart of a few hundred bins needs, without
-        copying millions of records at every redraw."""
+        copying millions of records at every redraw. ``x="time"`` gives wall times instead of steps;
+        ``at_most=0`` keeps every record."""
         with self._lock:
             columns = self._ranks.get(rank)
             if columns is None or name not in columns.values or not len(columns):
                 return np.empty(0), np.empty(0), 0
             # views pin the arrays' buffers (an extend meanwhile raises BufferError): they are
             # dropped before the lock is released
-            steps = np.frombuffer(columns.steps, dtype=np.float64)
+            steps = np.frombuffer(columns.steps if x == "step" else columns.times, dtype=np.float64)
             values = np.frombuffer(columns.values[name], dtype=np.float64)
             keep = np.flatnonzero(np.isfinite(values))
             total = len(keep)
@@ -195,6 +202,16 @@ class History:
             picked = steps[keep], values[keep]
             del steps, values
         return picked[0], picked[1], total
+
+    def last_value(self, rank: int, name: str) -> float | None:
+        """The rank's latest logged value of ``name`` (None before one), without copying the series."""
+        with self._lock:
+            columns = self._ranks.get(rank)
+            column = columns.values.get(name, array("d")) if columns is not None else array("d")
+            for i in range(len(column) - 1, -1, -1):
+                if not math.isnan(column[i]):
+                    return column[i]
+        return None
 
     def count(self, rank: int, name: str) -> int:
         steps, _ = self.series(rank, name)
@@ -224,46 +241,32 @@ class History:
 
     def memory(self, rank: int) -> tuple[Floats, Floats, Floats]:
         """``(wall times, rss bytes, cuda allocated bytes or NaN)`` of the rank's heartbeats."""
+        times, columns = self.memory_columns(rank)
+        return times, columns["rss"], columns["cuda_allocated"]
+
+    def memory_columns(self, rank: int) -> tuple[Floats, dict[str, Floats]]:
+        """Wall times of the rank's heartbeats and, by name (:data:`MEMORY_FIELDS`), bytes or NaN."""
         with self._lock:
             samples = list(self._memory.get(rank, ()))
-        if not samples:
-            return np.empty(0), np.empty(0), np.empty(0)
-        data = np.array(samples, dtype=np.float64)
-        return data[:, 0], data[:, 1], data[:, 2]
+        data = np.array(samples, dtype=np.float64).reshape(-1, 1 + len(MEMORY_FIELDS))
+        return data[:, 0], {name: data[:, i + 1] for i, name in enumerate(MEMORY_FIELDS)}
+
+    def plot(
+        self,
+        *metrics: str,
+        smooth: float = 0.0,
+        x: Literal["step", "time"] = "step",
+        points: int | None = 10_000,
+    ) -> go.Figure:
+        """A ``plotly.graph_objects.Figure``: a chart per metric (all by default), a line per rank and
+        their mean. ``smooth`` in [0, 1) is an exponential moving average's weight (0: raw values);
+        ``x="time"`` plots against seconds since the first record; each line holds at most ``points``
+        evenly spaced records (``None``: every one)."""
+        return plot_history(self, metrics, smooth=smooth, x=x, points=points)
 
     @property
     def memory_ranks(self) -> list[int]:
         return sorted(self._memory)
-
-
-def binned(x: Floats, y: Floats, lo: float, hi: float, bins: int) -> tuple[Floats, Floats]:
-    """At most ``bins`` points: the raw points if few, else the mean of ``x`` and ``y`` per bin of x."""
-    if len(x) <= bins or hi <= lo:
-        return x, y
-    index = np.clip(((x - lo) / (hi - lo) * bins).astype(np.int64), 0, bins - 1)
-    counts = np.bincount(index, minlength=bins)
-    used = counts > 0
-    xs = np.bincount(index, weights=x, minlength=bins)[used] / counts[used]
-    ys = np.bincount(index, weights=y, minlength=bins)[used] / counts[used]
-    return xs, ys
-
-
-def mean_across(
-    series: list[tuple[Floats, Floats]], lo: float, hi: float, bins: int
-) -> tuple[Floats, Floats]:
-    """The mean over ranks against step: exact per step when short, per bin of steps when long."""
-    series = [(x, y) for x, y in series if len(x)]
-    if not series:
-        return np.empty(0), np.empty(0)
-    if max(len(x) for x, _ in series) <= bins or hi <= lo:
-        xs = np.concatenate([x for x, _ in series])
-        ys = np.concatenate([y for _, y in series])
-        steps, index = np.unique(xs, return_inverse=True)
-        return steps, np.bincount(index, weights=ys) / np.bincount(index)
-    per_rank = [binned(x, y, lo, hi, bins) for x, y in series]
-    return binned(
-        np.concatenate([x for x, _ in per_rank]), np.concatenate([y for _, y in per_rank]), lo, hi, bins
-    )
 
 
 def _int(step: float) -> int | float:

@@ -1,14 +1,19 @@
 """The live dashboard: per-rank status, every ``shard.log`` scalar by rank and their mean, memory.
 
-One ``ipywidgets.HTML`` carries the whole view, so a redraw is one comm message however many
-ranks and charts; redraws are coalesced to at most :data:`MIN_INTERVAL` apart, happen only when
-something changed, and space out further when drawing is slow (long series), so the kernel stays
-responsive. The pool calls :meth:`Dashboard.refresh` from whichever thread is receiving:
-the cell's own thread in the foreground, the watcher thread for background runs and between cells.
+The dashboard is one output whose content is one Plotly figure (:mod:`jupyter_shard.notebook.figure`).
+A redraw is one ``update_display_data`` message carrying the figure under
+:data:`LIVE_MIME`, which the JupyterLab extension draws in place with ``Plotly.react``: zoom, hidden
+ranks and the log switch stay as the user left them. Redraws are coalesced to at most
+:data:`MIN_INTERVAL` apart, happen only when something changed, and space out further when drawing
+and sending are slow (:data:`RENDER_SHARE`). The pool calls :meth:`Dashboard.refresh` from whichever
+thread is receiving: the cell's own thread in the foreground, the watcher thread for background runs
+and between cells.
 
-:class:`CellDashboard` is the compact one a ``%%distributed`` cell shows when it logs: once the
-cell ends it is replaced by the same HTML as a plain ``text/html`` output, so a saved notebook
-shows the final charts without a kernel.
+When a cell ends (``final``) the output becomes the static bundle: the figure as
+``application/vnd.plotly.v1+json`` (interactive without a kernel in JupyterLab and Notebook 7), the
+same dashboard as HTML with SVG charts for renderers without Plotly (GitHub, nbconvert), and a text
+twin for nbval and consoles. :class:`CellDashboard` is the compact one a ``%%distributed`` cell
+shows when it logs.
 """
 
 from __future__ import annotations
@@ -20,37 +25,42 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets
 from IPython.display import DisplayHandle, display
 
-from jupyter_shard.kernel.history import History, binned, mean_across
+from jupyter_shard.kernel.figures import binned, encode, mean_across
+from jupyter_shard.kernel.history import History
 from jupyter_shard.kernel.ranks import RankSnapshot, RankState
 from jupyter_shard.notebook.charts import Trace, fmt, line_chart
+from jupyter_shard.notebook.figure import COMPACT_METRICS, dashboard_figure, memory_text
 
 if TYPE_CHECKING:
     from jupyter_shard.kernel.pool import Pool
 
+LIVE_MIME = "application/vnd.jupyter-shard.figure+json"
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
 MIN_INTERVAL = 0.2  # seconds between redraws of one dashboard: at most 5 a second
 RENDER_SHARE = 0.02  # and longer apart when drawing is slow: drawing and sending take at most 2% of a core
 BUSY_INTERVAL = 1.0  # while ranks run, status and memory move even when no metric does
 IDLE_INTERVAL = 5.0  # between cells, only heartbeats move
-BINS = 300  # points drawn per series, however long it is
-SAMPLE = 16 * BINS  # records read per series for a redraw: evenly spaced, the last one always
-COMPACT_METRICS = 2
+SVG_BINS = 300  # points per series in the HTML fallback's SVG charts
+SVG_SAMPLE = 16 * SVG_BINS
 
 COLUMNS = ("rank", "state", "step", "steps/s", "memory", "heartbeat", "cell", "last line")
 _CELL = ' style="padding: 1px 8px; text-align: left"'
 _STATE_COLORS = {"dead": "#fde2e1", "stuck": "#fff3cd"}
 
 
-def metric_chart(history: History, name: str, width: int, height: int) -> str:
-    sampled = {rank: history.sampled(rank, name, SAMPLE) for rank in history.ranks}
+def svg_metric_chart(history: History, name: str, width: int, height: int) -> str:
+    sampled = {rank: history.sampled(rank, name, SVG_SAMPLE) for rank in history.ranks}
     raw = {rank: (x, y) for rank, (x, y, _) in sampled.items() if len(x)}
     if not raw:
         return line_chart(name, [], title=name, x_label="step", width=width, height=height)
     lo = min(float(x.min()) for x, _ in raw.values())
     hi = max(float(x.max()) for x, _ in raw.values())
-    traces = [Trace(str(k), *binned(x, y, lo, hi, BINS), points=sampled[k][2]) for k, (x, y) in raw.items()]
+    traces = [
+        Trace(str(k), *binned(x, y, lo, hi, SVG_BINS), points=sampled[k][2]) for k, (x, y) in raw.items()
+    ]
     title = name
     if len(raw) > 1:
-        mx, my = mean_across(list(raw.values()), lo, hi, BINS)
+        mx, my = mean_across(list(raw.values()), lo, hi, SVG_BINS)
         traces.append(Trace("mean", mx, my, points=len(mx)))
         title += f" (mean of {len(raw)} ranks: {my[-1]:.4g})"
     else:
@@ -58,7 +68,7 @@ def metric_chart(history: History, name: str, width: int, height: int) -> str:
     return line_chart(name, traces, title=title, x_label="step", width=width, height=height)
 
 
-def memory_chart(history: History, width: int, height: int) -> str:
+def svg_memory_chart(history: History, width: int, height: int) -> str:
     series = {rank: history.memory(rank) for rank in history.memory_ranks}
     cuda = any(bool((c == c).any()) for _, _, c in series.values())  # any non-NaN CUDA sample
     what = "CUDA allocated" if cuda else "host RSS"
@@ -66,7 +76,7 @@ def memory_chart(history: History, width: int, height: int) -> str:
     traces = []
     for rank, (t, rss, alloc) in series.items():
         y = (alloc if cuda else rss) / 2**20
-        x, y = binned(t - start, y, 0.0, float(t[-1] - start) if len(t) else 0.0, BINS)
+        x, y = binned(t - start, y, 0.0, float(t[-1] - start) if len(t) else 0.0, SVG_BINS)
         traces.append(Trace(str(rank), x, y, points=len(t)))
     return line_chart(
         "memory", traces, title=f"memory per rank: {what}, MiB", x_label="seconds", width=width, height=height
@@ -88,7 +98,7 @@ def status_table(rows: list[RankSnapshot]) -> str:
             state,
             fmt(row.step) if row.step is not None else "-",
             f"{row.steps_per_s:.1f}" if row.steps_per_s is not None else "-",
-            _memory(row.memory),
+            memory_text(row.memory),
             f"{row.heartbeat_age:.0f} s ago" if row.heartbeat_age is not None else "-",
             row.cell or "-",
             row.last_line or "",
@@ -101,27 +111,15 @@ def status_table(rows: list[RankSnapshot]) -> str:
     )
 
 
-def _memory(memory: dict[str, int]) -> str:
-    if not memory:
-        return "-"
-    text = f"{memory.get('rss', 0) / 2**20:.0f} MiB"
-    if "cuda_allocated" in memory:
-        text += (
-            f" · cuda {memory['cuda_allocated'] / 2**20:.0f} / {memory.get('cuda_reserved', 0) / 2**20:.0f}"
-            f" / peak {memory.get('cuda_peak', 0) / 2**20:.0f} MiB"
-        )
-    return text
-
-
 def render(pool: Pool, *, compact: bool) -> str:
-    """The dashboard's HTML for the pool's current state."""
+    """The dashboard as HTML with SVG charts: the fallback for renderers without Plotly."""
     history = pool.history
     names = history.metrics
     width, height = (380, 170) if compact else (460, 210)
     charts = [
-        metric_chart(history, n, width, height) for n in (names[:COMPACT_METRICS] if compact else names)
+        svg_metric_chart(history, n, width, height) for n in (names[:COMPACT_METRICS] if compact else names)
     ]
-    charts.append(memory_chart(history, width, height))
+    charts.append(svg_memory_chart(history, width, height))
     title = pool.spec.describe()
     run = pool.background
     if run is not None and run.running:
@@ -141,28 +139,47 @@ def text_summary(pool: Pool) -> str:
     for row in pool.activity():
         values = []
         for name in pool.history.metrics:
-            _, y = pool.history.series(row.rank, name)
-            if len(y):
-                values.append(f"{name} {y[-1]:.4g}")
+            last = pool.history.last_value(row.rank, name)
+            if last is not None:
+                values.append(f"{name} {last:.4g}")
         step = fmt(row.step) if row.step is not None else "-"
         lines.append(f"rank {row.rank}: {row.problem or row.state.value}, step {step}, " + ", ".join(values))
     return "\n".join(lines)
 
 
-class Dashboard(ipywidgets.VBox):  # type: ignore[misc]
-    """A live view of one pool; ``refresh`` is called by the pool and redraws at most 5 times a second."""
+class Dashboard:
+    """A live view of one pool; ``refresh`` is called by the pool and redraws at most 5 times a second.
+
+    :meth:`show` displays it (with an Interrupt button unless ``compact``) and returns the handle.
+    """
 
     def __init__(self, pool: Pool, *, compact: bool = False) -> None:
-        self._view = ipywidgets.HTML(render(pool, compact=compact))
-        stop = ipywidgets.Button(description="Interrupt", icon="stop", tooltip="%dist_interrupt")
-        stop.on_click(lambda _: pool.interrupt())
-        super().__init__([self._view, stop] if not compact else [self._view])
         self.compact = compact
         self.redraws = 0
         self._pool = pool
+        self._handle: DisplayHandle | None = None
+        self._button: ipywidgets.Button | None = None
         self._drawn_at = time.monotonic()
         self._drawn_version = pool.history.version
         self._interval = MIN_INTERVAL
+        self._sent: dict[str, Any] = {}  # the bundle the output holds
+        self._live: dict[str, Any] = {}  # the live bundle it was drawn from
+
+    def show(self) -> DisplayHandle:
+        """Display the dashboard under the running cell; updates go to this output."""
+        if not self.compact:
+            self._button = ipywidgets.Button(description="Interrupt", icon="stop", tooltip="%dist_interrupt")
+            self._button.on_click(lambda _: self._pool.interrupt())
+            display(self._button)
+        bundle = self.first_bundle()
+        handle: DisplayHandle | None = display(bundle, raw=True, display_id=True)
+        assert handle is not None
+        self._handle, self._sent, self._live = (
+            handle,
+            bundle,
+            {k: bundle[k] for k in (LIVE_MIME, "text/plain")},
+        )
+        return handle
 
     def refresh(self, pool: Pool, final: bool = False) -> None:
         now = time.monotonic()
@@ -175,29 +192,51 @@ class Dashboard(ipywidgets.VBox):  # type: ignore[misc]
             if not running and now - self._drawn_at < IDLE_INTERVAL:
                 return
         self._drawn_at, self._drawn_version = now, pool.history.version
-        markup = render(pool, compact=self.compact)
-        if markup != self._view.value:
-            self._view.value = markup  # serialised and sent to the front end here: part of the cost
+        live = self.live_bundle()
+        if (final or live != self._live) and self._handle is not None:
+            bundle = self._static(live) if final else live
+            self._handle.update(bundle, raw=True)  # serialised and sent here: part of the cost
+            self._sent, self._live = bundle, live
             self.redraws += 1
         self._interval = max(MIN_INTERVAL, (time.monotonic() - now) / RENDER_SHARE)
 
-    @property
-    def html(self) -> str:
-        return str(self._view.value)
+    def figure(self) -> dict[str, Any]:
+        """The dashboard's Plotly figure now, as JSON-ready dicts."""
+        figure: dict[str, Any] = encode(dashboard_figure(self._pool, compact=self.compact))
+        return figure
 
-    def close(self) -> None:
-        """Close the widget and its parts (each holds a comm in the kernel and the front end)."""
-        for child in self.children:
-            child.close()
-        self._view.close()
-        super().close()
+    def live_bundle(self) -> dict[str, Any]:
+        """What a redraw sends: the figure for the extension's renderer, and the text twin."""
+        return {LIVE_MIME: {"figure": self.figure()}, "text/plain": text_summary(self._pool)}
 
     def static_bundle(self) -> dict[str, Any]:
-        return {"text/html": self.html, "text/plain": text_summary(self._pool)}
+        """The saved form: the Plotly figure (drawn by the extension's renderer where it is installed,
+        else by Plotly's own), the HTML/SVG fallback and the text twin."""
+        return self._static(self.live_bundle())
 
-    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        bundle: dict[str, Any] = super()._repr_mimebundle_(**kwargs) or {}
-        return {**bundle, **self.static_bundle()}
+    def _static(self, live: dict[str, Any]) -> dict[str, Any]:
+        return {
+            LIVE_MIME: {"figure": PLOTLY_MIME},
+            PLOTLY_MIME: live[LIVE_MIME]["figure"],
+            "text/html": render(self._pool, compact=self.compact),
+            "text/plain": live["text/plain"],
+        }
+
+    def first_bundle(self) -> dict[str, Any]:
+        """The first draw: the live figure, plus the HTML a frontend without the extension shows."""
+        return {**self.live_bundle(), "text/html": render(self._pool, compact=self.compact)}
+
+    def _ipython_display_(self) -> None:
+        """``display(dashboard)`` shows it through :meth:`show`, whose output the redraws update."""
+        self.show()
+
+    def close(self) -> None:
+        """Leave the output as the static bundle and close the Interrupt button's widget."""
+        if self._handle is not None and LIVE_MIME in self._sent and PLOTLY_MIME not in self._sent:
+            self._sent = self.static_bundle()
+            self._handle.update(self._sent, raw=True)
+        if self._button is not None:
+            self._button.close()
 
 
 class CellDashboard:
@@ -207,13 +246,12 @@ class CellDashboard:
         self._pool = pool
         self._baseline = len(pool.history)
         self.dashboard: Dashboard | None = None
-        self._handle: DisplayHandle | None = None
         if show_now:
             self._show()
 
     def _show(self) -> None:
         self.dashboard = Dashboard(self._pool, compact=True)
-        self._handle = display(self.dashboard, display_id=True)
+        self.dashboard.show()
 
     def refresh(self, pool: Pool, final: bool) -> None:
         if self.dashboard is None and len(pool.history) > self._baseline:
@@ -226,6 +264,5 @@ class CellDashboard:
     def close(self) -> None:
         if self in self._pool.observers:
             self._pool.observers.remove(self)
-        if self.dashboard is not None and self._handle is not None:
-            self._handle.update(self.dashboard.static_bundle(), raw=True)
+        if self.dashboard is not None:
             self.dashboard.close()

@@ -14,6 +14,7 @@ import { Widget } from '@lumino/widgets';
 
 import { ShardClient } from './client';
 import { insertCellCode, statusBarText } from './format';
+import { figureRenderer } from './figure';
 import { DistributedPanel, POLL_MS } from './panel';
 import { rankOutputRenderer } from './renderer';
 
@@ -62,6 +63,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
   ) => {
     // Notebook outputs render through this registry: add the rank-output renderer to it.
     rendermime?.addFactory(rankOutputRenderer);
+    // The dashboard's live Plotly figure, redrawn in place (ahead of Plotly's renderer, rank 2).
+    rendermime?.addFactory(figureRenderer, figureRenderer.defaultRank);
     const clients = new Map<NotebookPanel, ShardClient>();
     const lastRefresh = new Map<ShardClient, number>();
     // The tracker may announce a notebook as current before it reports it added: create on demand.

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -159,3 +161,64 @@ def test_reads_release_their_views_of_the_columns_with_the_lock() -> None:
     h.sampled(0, "loss", 300)
     h.throughput(0, 2000.0)
     assert resized == ["ok", "ok"]
+
+
+def test_plot_is_a_plotly_figure_with_a_line_per_rank_and_the_mean() -> None:
+    import plotly.graph_objects as go
+
+    h = History()
+    _log(h, 0, 50, lr=0.1)
+    _log(h, 1, 50, lr=0.2)
+    fig = h.plot()
+    assert isinstance(fig, go.Figure)
+    assert [(t.name, t.yaxis, len(t.x)) for t in fig.data] == [
+        ("rank 0", "y", 50), ("rank 1", "y", 50), ("mean", "y", 50),
+        ("rank 0", "y2", 50), ("rank 1", "y2", 50), ("mean", "y2", 50),
+    ]  # fmt: skip
+    assert fig.data[-1].y[0] == pytest.approx(0.15)  # mean lr of the two ranks
+    assert fig.layout.xaxis.title.text == "step" and fig.layout.uirevision == "jupyter_shard"
+    only_loss = h.plot("loss", points=10)
+    assert len(only_loss.data) == 3 and len(only_loss.data[0].x) == 10 and only_loss.data[0].x[-1] == 50
+
+
+def test_plot_smooths_and_plots_against_time() -> None:
+    h = History()
+    h.extend(0, [{"step": s, "ts": 500.0 + s / 10, "values": {"loss": float(s % 2)}} for s in range(1000)])
+    raw = h.plot("loss")
+    smooth = h.plot("loss", smooth=0.9)
+    assert np.ptp(np.asarray(raw.data[0].y)[-100:]) == 1.0
+    assert np.ptp(np.asarray(smooth.data[0].y)[-100:]) < 0.2  # around 0.5, no longer 0/1
+    assert smooth.data[0].y[0] == 0.0, "the average is bias-corrected: it starts at the first value"
+    by_time = h.plot("loss", x="time")
+    assert by_time.data[0].x[0] == 0.0 and by_time.data[0].x[-1] == pytest.approx(99.9)
+    assert by_time.layout.xaxis.title.text == "seconds"
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        (("acc",), {}, "no metric 'acc' in the history; logged: loss"),
+        ((), {"smooth": 1.0}, "smooth=1.0: use a weight in [0, 1)"),
+        ((), {"x": "epoch"}, "x='epoch': use x='step' or x='time'"),
+        ((), {"points": 0}, "points=0: use a positive count, or None"),
+    ],
+)
+def test_plot_says_what_is_wrong(args: tuple[str, ...], kwargs: dict[str, Any], message: str) -> None:
+    h = History()
+    _log(h, 0, 5)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        h.plot(*args, **kwargs)
+    with pytest.raises(ValueError, match="nothing is logged yet"):
+        History().plot()
+
+
+def test_memory_keeps_cuda_reserved_and_peak() -> None:
+    h = History()
+    h.add_memory(0, 5.0, {"rss": 100, "cuda_allocated": 10, "cuda_reserved": 20, "cuda_peak": 30})
+    times, columns = h.memory_columns(0)
+    assert times.tolist() == [5.0]
+    assert {k: v.tolist() for k, v in columns.items()} == {
+        "rss": [100.0], "cuda_allocated": [10.0], "cuda_reserved": [20.0], "cuda_peak": [30.0],
+    }  # fmt: skip
+    assert h.memory_columns(3)[0].size == 0
+    assert h.last_value(0, "loss") is None

@@ -1,18 +1,21 @@
-"""The dashboard's rendering and its update rate, with a stand-in pool (no ranks)."""
+"""The dashboard's figure, its fallbacks and its update rate, with a stand-in pool (no ranks) and a
+stand-in for IPython's display (what each redraw sends is kept)."""
 
 from __future__ import annotations
 
 import dataclasses
-import re
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
+from jupyter_shard.kernel.figures import decode
 from jupyter_shard.kernel.history import History
 from jupyter_shard.kernel.ranks import RankSnapshot, RankState
 from jupyter_shard.notebook import dashboard as dash
 from jupyter_shard.notebook.charts import line_chart, nice_ticks
+from jupyter_shard.notebook.figure import BINS, status_trace
 
 
 @dataclass
@@ -28,6 +31,7 @@ class _Pool:
     background: Any = None
     rows: list[RankSnapshot] = field(default_factory=list)
     interrupted: int = 0
+    observers: list[Any] = field(default_factory=list)
 
     def activity(self) -> list[RankSnapshot]:
         return self.rows
@@ -61,18 +65,72 @@ def _big_pool(ranks: int = 8, points: int = 100_000) -> _Pool:
     return pool
 
 
-def test_eight_ranks_of_100k_points_draw_a_few_hundred_points_each_and_count_all() -> None:
+class _Handle:
+    """Stands in for IPython's display handle: keeps what each update sent; sending takes ``cost``
+    seconds of the stand-in clock (serialising and sending a redraw is part of its cost)."""
+
+    def __init__(self, bundle: dict[str, Any], clock: list[float], cost: float) -> None:
+        self.bundles = [bundle]
+        self._clock, self._cost = clock, cost
+
+    def update(self, bundle: dict[str, Any], raw: bool = False) -> None:
+        assert raw
+        self._clock[0] += self._cost
+        self.bundles.append(bundle)
+
+
+@dataclass
+class _Screen:
+    """What ``display`` showed, in order: widgets and raw bundles (with their handles)."""
+
+    clock: list[float] = field(default_factory=lambda: [1000.0])
+    cost: float = 0.0
+    shown: list[Any] = field(default_factory=list)
+
+    def display(self, obj: Any, raw: bool = False, display_id: bool = False) -> _Handle | None:
+        if not raw:
+            self.shown.append(obj)
+            return None
+        handle = _Handle(obj, self.clock, self.cost)
+        self.shown.append(handle)
+        return handle
+
+
+@pytest.fixture
+def screen(monkeypatch: pytest.MonkeyPatch) -> _Screen:
+    shown = _Screen()
+    monkeypatch.setattr(dash, "display", shown.display)
+    monkeypatch.setattr(dash.time, "monotonic", lambda: shown.clock[0])
+    return shown
+
+
+def _traces(bundle: dict[str, Any]) -> list[dict[str, Any]]:
+    figure = bundle[dash.LIVE_MIME]["figure"]
+    if isinstance(figure, str):
+        figure = bundle[figure]
+    traces: list[dict[str, Any]] = decode(figure)["data"]
+    return traces
+
+
+def test_eight_ranks_of_100k_points_draw_a_thousand_points_each_and_count_all(screen: _Screen) -> None:
     pool = _big_pool()
-    markup = dash.render(pool, compact=False)  # type: ignore[arg-type]
-    traces = re.findall(
-        r'<polyline class="jshard-trace" data-rank="(\w+)" data-points="(\d+)" points="([^"]*)"', markup
-    )
-    loss = [t for t in traces if t[0] != "mean"][:8]
-    assert [int(n) for _, n, _ in loss] == [100_000] * 8
-    assert all(len(points.split()) <= dash.BINS for _, _, points in traces)
-    assert any(rank == "mean" for rank, _, _ in traces)
-    assert 'data-metric="memory"' in markup
-    assert len(markup) < 400_000
+    board = dash.Dashboard(pool)  # type: ignore[arg-type]
+    bundle = board.live_bundle()
+    traces = _traces(bundle)
+    loss = [t for t in traces if t.get("uid", "").startswith("loss:")]
+    assert [t["meta"]["points"] for t in loss if t["meta"]["rank"] != "mean"] == [100_000] * 8
+    assert all(len(t["x"]) == len(t["y"]) <= BINS for t in loss)
+    assert loss[-1]["name"] == "mean" and loss[-1]["line"]["dash"] == "dash"
+    # the mean of ranks k: 1/s + k, binned, ends near 3.5 (the mean of 0..7)
+    assert abs(loss[-1]["y"][-1] - 3.5) < 1e-3
+    assert [t["legendgroup"] for t in loss[:8]] == [f"rank {k}" for k in range(8)]
+    memory = [t for t in traces if t.get("uid", "").startswith("memory:")]
+    assert [t["y"] for t in memory[:1]] == [[256.0, 512.0]]  # MiB
+    (table,) = [t for t in traces if t["type"] == "table"]
+    assert table["cells"]["values"][0] == [str(k) for k in range(8)]
+    assert decode(bundle[dash.LIVE_MIME]["figure"])["layout"]["uirevision"] == "jupyter_shard"
+    assert len(json.dumps(bundle)) < 400_000
+    assert bundle["text/plain"].startswith("jupyter_shard dashboard · 8 CPU ranks · ddp\n")
 
 
 def test_problem_ranks_stand_out_in_the_status_table() -> None:
@@ -84,76 +142,84 @@ def test_problem_ranks_stand_out_in_the_status_table() -> None:
     assert '<tr data-rank="2" data-state="stuck" style="background:#fff3cd">' in table
     assert '<tr data-rank="0" data-state="running">' in table
     assert "dead: was killed by SIGKILL" in table
+    trace = status_trace(pool.rows)
+    assert trace["cells"]["fill"]["color"][0] == ["#ffffff", "#fde2e1", "#fff3cd"]
+    assert trace["cells"]["values"][1][1] == "dead: was killed by SIGKILL"
 
 
 def test_text_from_ranks_is_escaped() -> None:
     row = dataclasses.replace(_row(0), last_line="<script>alert(1)</script>")
     assert "<script>" not in dash.status_table([row]) and "&lt;script&gt;" in dash.status_table([row])
+    assert status_trace([row])["cells"]["values"][-1] == ["&lt;script&gt;alert(1)&lt;/script&gt;"]
     assert 'data-metric="a&quot;b"' in line_chart('a"b', [], title="t", x_label="step")
 
 
-def test_redraws_are_coalesced_to_at_most_five_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = [1000.0]
-    monkeypatch.setattr(dash.time, "monotonic", lambda: clock[0])
+def test_redraws_are_coalesced_to_at_most_five_a_second(screen: _Screen) -> None:
     pool = _Pool(rows=[_row(0)])
     board = dash.Dashboard(pool, compact=True)  # type: ignore[arg-type]
+    handle = board.show()
     for i in range(1, 2001):  # 2000 metric batches over 2 seconds, a refresh after each
-        clock[0] += 0.001
-        pool.history.extend(0, [{"step": i, "ts": clock[0], "values": {"loss": 1.0 / i}}])
+        screen.clock[0] += 0.001
+        pool.history.extend(0, [{"step": i, "ts": screen.clock[0], "values": {"loss": 1.0 / i}}])
         board.refresh(pool, False)  # type: ignore[arg-type]
     assert 8 <= board.redraws <= 10
+    assert len(handle.bundles) == board.redraws + 1, "one message per redraw"
+    assert set(handle.bundles[-1]) == {dash.LIVE_MIME, "text/plain"}
     drawn = board.redraws
     board.refresh(pool, True)  # type: ignore[arg-type]
     assert board.redraws == drawn + 1, "the final refresh draws at once"
-    clock[0] += 5
+    screen.clock[0] += 5
     board.refresh(pool, False)  # type: ignore[arg-type]
     assert board.redraws == drawn + 1, "nothing changed: no redraw"
 
 
-class _SlowView:
-    """Stands in for the HTML widget: setting its value (serialising and sending it) takes time."""
-
-    def __init__(self, clock: list[float], cost: float) -> None:
-        self._clock, self._cost, self._value = clock, cost, ""
-
-    @property
-    def value(self) -> str:
-        return self._value
-
-    @value.setter
-    def value(self, markup: str) -> None:
-        self._clock[0] += self._cost
-        self._value = markup
-
-
-def test_sending_a_redraw_counts_towards_the_render_share(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sending_a_redraw_counts_towards_the_render_share(screen: _Screen) -> None:
     """Drawing is free here but sending each redraw takes 50 ms: at most 2% of a core for both
     means a redraw every 2.5 s, not every 0.2 s."""
-    clock = [1000.0]
-    monkeypatch.setattr(dash.time, "monotonic", lambda: clock[0])
+    screen.cost = 0.05
     pool = _Pool(rows=[_row(0)])
     board = dash.Dashboard(pool, compact=True)  # type: ignore[arg-type]
-    board._view = _SlowView(clock, 0.05)  # type: ignore[assignment]
+    board.show()
     for i in range(1, 10_001):  # 10 s of metric batches, a refresh every millisecond
-        clock[0] += 0.001
-        pool.history.extend(0, [{"step": i, "ts": clock[0], "values": {"loss": 1.0 / i}}])
+        screen.clock[0] += 0.001
+        pool.history.extend(0, [{"step": i, "ts": screen.clock[0], "values": {"loss": 1.0 / i}}])
         board.refresh(pool, False)  # type: ignore[arg-type]
     assert 4 <= board.redraws <= 5, board.redraws
 
 
-def test_static_bundle_has_the_charts_and_a_text_summary() -> None:
+def test_a_cell_dashboard_ends_as_the_static_bundle(screen: _Screen) -> None:
     pool = _big_pool(ranks=2, points=50)
-    board = dash.Dashboard(pool)  # type: ignore[arg-type]
-    bundle = board._repr_mimebundle_()
-    assert "application/vnd.jupyter.widget-view+json" in bundle
-    assert bundle["text/html"].startswith('<div class="jshard-dashboard"')
-    assert bundle["text/plain"].splitlines() == [
+    cell = dash.CellDashboard(pool, show_now=True)  # type: ignore[arg-type]
+    pool.observers.append(cell)
+    (handle,) = screen.shown
+    first = handle.bundles[0]
+    assert set(first) == {dash.LIVE_MIME, "text/html", "text/plain"}, "nbval compares the first draw"
+    cell.refresh(pool, final=True)  # type: ignore[arg-type]
+    final = handle.bundles[-1]
+    assert len(handle.bundles) == 2 and pool.observers == []
+    assert final[dash.LIVE_MIME] == {"figure": dash.PLOTLY_MIME}
+    assert final["text/html"].startswith('<div class="jshard-dashboard"')
+    assert final["text/plain"].splitlines() == [
         "jupyter_shard dashboard · 8 CPU ranks · ddp",
         "rank 0: running, step 10, loss 0.02",
         "rank 1: running, step 10, loss 1.02",
     ]
-    board.children[1].click()
+    loss = [t for t in _traces(final) if t.get("uid", "").startswith("loss:")]
+    assert [t["x"] for t in loss] == [list(map(float, range(1, 51)))] * 3, "every step while short"
+    assert loss[2]["y"][0] == pytest.approx(1.5)  # the mean of 1.0 and 2.0 at step 1
+
+
+def test_the_full_dashboard_has_an_interrupt_button_and_closes_static(screen: _Screen) -> None:
+    pool = _big_pool(ranks=2, points=50)
+    board = dash.Dashboard(pool)  # type: ignore[arg-type]
+    board._ipython_display_()  # what display(board) in %dist_dashboard calls
+    button, handle = screen.shown
+    button.click()
     assert pool.interrupted == 1
+    board.close()
+    assert dash.PLOTLY_MIME in handle.bundles[-1]
+    board.close()
+    assert len(handle.bundles) == 2, "closing twice sends nothing more"
 
 
 def test_nice_ticks_are_round_and_cover_the_range() -> None:
