@@ -57,6 +57,7 @@ RUNTIME_DIR_VAR = PREFIX + "RUNTIME_DIR"
 START_TIMEOUT_VAR = PREFIX + "START_TIMEOUT"
 METRICS_DIR_VAR = PREFIX + "METRICS_DIR"  # where an exported script writes its shard.log records
 CHECK_PROTOCOL_VAR = PREFIX + "CHECK_PROTOCOL"
+SHARED_MEMORY_VAR = PREFIX + "SHARED_MEMORY"  # "0": pushes and pulls travel in messages only
 
 # What torchrun gives each worker (torch.distributed.elastic's local agent), so that libraries which
 # check how they were launched (torch.distributed.is_torchelastic_launched, Lightning's

@@ -3,8 +3,9 @@
 A value travels as an in-band pickle, in the signed message, and out-of-band buffers: views of its
 arrays' and tensors' memory (:mod:`jupyter_shard.buffers`). To ranks on this machine the buffers go
 through one shared-memory segment that every rank maps copy-on-write (:mod:`jupyter_shard.segments`,
-which says why that is safe); to ranks elsewhere, or where a rank cannot reach the segment, they
-follow the pickle as message frames. Nothing is unpickled before its message was authenticated.
+which says why that is safe); to ranks elsewhere, where a rank cannot reach the segment, or with
+``JUPYTER_SHARD_SHARED_MEMORY=0``, they follow the pickle as message frames. Nothing is unpickled
+before its message was authenticated.
 
 A pushed value is also kept in the pool's transcript for ``%dist_export``: as bytes when small, by
 reference when large (pickling a 1 GiB tensor again would double the push's time and memory).
@@ -13,6 +14,7 @@ reference when large (pickling a 1 GiB tensor again would double the push's time
 from __future__ import annotations
 
 import io
+import os
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -21,6 +23,7 @@ from typing import Any
 
 from jupyter_shard import buffers, segments
 from jupyter_shard.buffers import Packed
+from jupyter_shard.env import SHARED_MEMORY_VAR
 from jupyter_shard.errors import PoolError
 from jupyter_shard.kernel.connection import Connection
 from jupyter_shard.kernel.ranks import RankRecord, RankTable
@@ -206,7 +209,7 @@ def _received(rank: int, msg: Message, segment: segments.Segment | None) -> tupl
 
 def _local(targets: list[RankRecord]) -> list[RankRecord]:
     """The targets on this machine, which can share memory with the kernel."""
-    if not segments.supported():
+    if not segments.supported() or os.environ.get(SHARED_MEMORY_VAR) == "0":
         return []
     here = socket.gethostname()
     return [r for r in targets if r.handle.host == here]
