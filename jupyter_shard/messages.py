@@ -42,11 +42,24 @@ Receiver = Literal["rank", "rank.io", "kernel"]  # a rank's main thread, its I/O
 # -- bodies: kernel -> rank -------------------------------------------------------------------------
 
 
-class ExecuteBody(TypedDict):
+class _ExecuteOptions(TypedDict, total=False):
+    post_mortem: bool  # not code: open pdb at the frame where the rank's last failed cell raised
+
+
+class ExecuteBody(_ExecuteOptions):
     cell_id: str
     code: str
     exec_count: int
     cwd: str  # the kernel's working directory, which the rank takes before the cell where it exists
+
+
+class AnswerBody(TypedDict):
+    """The answer to a rank's ``prompt``: ``value``, or ``error`` (no input box to ask in),
+    or ``eof`` (the person sent end-of-input)."""
+
+    value: str
+    error: str
+    eof: bool
 
 
 class SegmentRef(TypedDict):
@@ -139,6 +152,16 @@ class DisplayBody(ResultBody):
     update: bool
 
 
+class PromptBody(TypedDict):
+    """A rank's ``input()``, ``getpass()`` or pdb prompt, sent by its main thread, which waits for the
+    ``answer``; ``io_count`` as in ``done``: the output before the prompt is shown first."""
+
+    cell_id: str
+    prompt: str
+    password: bool
+    io_count: int
+
+
 class DoneBody(TypedDict):
     """``io_count``: how many messages the rank's I/O socket had been given when the cell ended."""
 
@@ -169,6 +192,7 @@ class HeartbeatBody(TypedDict):
     step: int
     collective: str  # the torch.distributed call the main thread is in, or ""
     group_ranks: list[int]  # the ranks of that call's group; [] for the default group (every rank)
+    waiting: str  # the prompt the main thread waits at for an answer from the notebook, or ""
 
 
 class Reply(TypedDict):
@@ -270,6 +294,7 @@ STACKS_REPLY = _to_kernel("stacks_reply", StacksReply, io=True)
 STATUS_REPLY = _to_kernel("status_reply", StatusReply, io=True)
 RELEASE_REPLY = _to_kernel("release_reply", ReleaseReply)
 REGROUP_REPLY = _to_kernel("regroup_reply", RegroupReply)
+PROMPT = _to_kernel("prompt", PromptBody)
 
 EXECUTE = Kind("execute", "to_rank", ExecuteBody)
 PUSH = Kind("push", "to_rank", PushBody, reply=PUSH_REPLY)
@@ -282,11 +307,13 @@ ABORT = Kind("abort", "to_rank", Empty, io=True)
 SHUTDOWN = Kind("shutdown", "to_rank", Empty)
 RELEASE = Kind("release", "to_rank", ReleaseBody, reply=RELEASE_REPLY)
 REGROUP = Kind("regroup", "to_rank", RegroupBody, reply=REGROUP_REPLY)
+ANSWER = Kind("answer", "to_rank", AnswerBody)  # read by the main thread while it waits at the prompt
 
 MsgType = Literal[
     "execute", "push", "pull", "stacks", "status", "signal", "abort", "shutdown", "release", "regroup",
     "ready", "startup_failed", "stream", "display", "result", "done", "metrics", "heartbeat",
     "push_reply", "pull_reply", "stacks_reply", "status_reply", "release_reply", "regroup_reply",
+    "prompt", "answer",
 ]  # fmt: skip
 MESSAGES: Mapping[str, Kind[Any]] = {
     str(k): k
@@ -294,6 +321,7 @@ MESSAGES: Mapping[str, Kind[Any]] = {
         *(EXECUTE, PUSH, PULL, STACKS, STATUS, SIGNAL, ABORT, SHUTDOWN, RELEASE, REGROUP),
         *(READY, STARTUP_FAILED, STREAM, DISPLAY, RESULT, DONE, METRICS, HEARTBEAT),
         *(PUSH_REPLY, PULL_REPLY, STACKS_REPLY, STATUS_REPLY, RELEASE_REPLY, REGROUP_REPLY),
+        *(PROMPT, ANSWER),
     )
 }
 MSG_TYPES: frozenset[str] = frozenset(MESSAGES)

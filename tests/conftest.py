@@ -23,6 +23,7 @@ class CellRun:
     reply: dict[str, Any]
     outputs: list[dict[str, Any]] = field(default_factory=list)
     elapsed: float = 0.0
+    prompts: list[str] = field(default_factory=list)  # the input requests answered, in order
 
     @property
     def ok(self) -> bool:
@@ -64,12 +65,14 @@ class Kernel:
         assert provisioner is not None
         return int(provisioner.process.pid)  # type: ignore[attr-defined]
 
-    def execute(self, code: str, timeout: float = 120.0, on_output: Any = None) -> CellRun:
+    def execute(self, code: str, timeout: float = 120.0, on_output: Any = None, stdin: Any = None) -> CellRun:
+        """Run ``code``; ``stdin`` (``(prompt, password) -> str``) answers input requests, which the
+        execute request then allows (as JupyterLab does); without it, stdin is not allowed (as nbclient)."""
         started = time.monotonic()
-        msg_id = self.kc.execute(code)
+        msg_id = self.kc.execute(code, allow_stdin=stdin is not None)
         run = CellRun(reply={})
         while True:
-            msg = self._next(timeout)
+            msg = self._next(timeout) if stdin is None else self._next_or_answer(timeout, stdin, run)
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind = msg["msg_type"]
@@ -85,6 +88,28 @@ class Kernel:
             run.reply = self.kc.get_shell_msg(timeout=timeout)
         run.elapsed = time.monotonic() - started
         return run
+
+    def _next_or_answer(self, timeout: float, stdin: Any, run: CellRun) -> dict[str, Any]:
+        """The next iopub message, answering input requests while waiting for it."""
+        import queue
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                request = self.kc.get_stdin_msg(timeout=0)
+            except queue.Empty:
+                pass
+            else:
+                content = request["content"]
+                run.prompts.append(content["prompt"])
+                answer = stdin(content["prompt"], content["password"])
+                if answer is not None:  # None: leave the prompt unanswered
+                    self.kc.input(answer)
+            try:
+                return self._next(0.05)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise
 
     def _next(self, timeout: float) -> dict[str, Any]:
         msg: dict[str, Any] = self.kc.get_iopub_msg(timeout=timeout)

@@ -38,6 +38,7 @@ class BackgroundRun:
         self.error: DistributedError | PoolError | None = None
         self.reported = False  # whether anyone has seen how it ended (wait() or its cell's report)
         self.interrupt_requested = False
+        self.serve_prompts: Callable[[], None] = lambda: None  # in wait(): ask for the ranks' prompts
         self._done = threading.Event()
 
     def __repr__(self) -> str:
@@ -61,9 +62,13 @@ class BackgroundRun:
         return f"the background run of cell [{self.exec_count}] (running for {elapsed} s)"
 
     def wait(self, timeout: float | None = None) -> RunResult:
-        """Block until it ends; raise its :class:`DistributedError` if it failed."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"{self.describe()} is still running")
+        """Block until it ends, asking for the prompts its ranks wait at; raise its
+        :class:`DistributedError` if it failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done.wait(WATCH_INTERVAL):
+            self.serve_prompts()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.describe()} is still running")
         self.reported = True
         if self.error is not None:
             raise self.error

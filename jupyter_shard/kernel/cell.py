@@ -19,13 +19,17 @@ from dataclasses import dataclass, field
 from jupyter_shard.kernel.connection import Connection
 from jupyter_shard.kernel.escalation import Escalation, Stopped
 from jupyter_shard.kernel.output import RankSink, visible_text
+from jupyter_shard.kernel.prompts import Prompts
 from jupyter_shard.kernel.ranks import RankRecord, RankState, RankTable
 from jupyter_shard.kernel.results import RankResult, RunResult
+from jupyter_shard.kernel.stdin import StdinSource, default_stdin
 from jupyter_shard.messages import EXECUTE, ExecuteBody
 from jupyter_shard.protocol import TEXT_ERRORS, Message, cell_head
 from jupyter_shard.spec import format_ranks
 
-__all__ = ["CellGathering", "Gathering"]
+__all__ = ["POST_MORTEM", "CellGathering", "Gathering"]
+
+POST_MORTEM = "%debug"  # the cell that opens pdb where the rank's last failed cell raised
 
 CAPTURE_LIMIT = 4 * 1024 * 1024  # of each rank's stdout and stderr kept in the result
 DESYNC_GRACE = 3.0
@@ -46,6 +50,8 @@ class Gathering:
     ranks: tuple[int, ...] | None = None  # as asked for (None: all ranks)
     exec_count: int = 0
     record: bool = True  # kept in the pool's transcript (what %dist_export writes out)
+    stdin: StdinSource | None = None  # where prompts are answered (None: a background run, not yet)
+    prompts: Prompts = field(default_factory=Prompts)
 
     def __post_init__(self) -> None:
         self.pending = set(self.targets)
@@ -77,6 +83,7 @@ class CellGathering:
         self.escalation = escalation
         self._sink = sink
         self.current: Gathering | None = None
+        self.stdin: Callable[[], StdinSource] = default_stdin  # for each foreground cell, in its thread
         self.last: RunResult | None = None  # the result of the last cell that ended
         self.out_of_step = ""  # the ranks the last cell failed on, when it failed on only some
         conn.on_io = self._on_io
@@ -86,6 +93,7 @@ class CellGathering:
                 "display": self.on_display,
                 "result": self.on_result,
                 "done": self.on_done,
+                "prompt": self.on_prompt,
             }
         )
 
@@ -99,6 +107,8 @@ class CellGathering:
         record: bool,
     ) -> Gathering:
         """Make ``code`` the cell in flight on ``targets`` (:meth:`send` sends it)."""
+        if code != POST_MORTEM:  # a look at the last failure is not the next step
+            self.warn_out_of_step()
         result = RunResult(uuid.uuid4().hex, {r.rank: RankResult(r.rank) for r in targets})
         self.current = Gathering(
             result,
@@ -121,10 +131,12 @@ class CellGathering:
             "exec_count": gathering.exec_count,
             "cwd": os.getcwd(),
         }
+        if gathering.code == POST_MORTEM and not gathering.record:
+            body["post_mortem"] = True
         self.conn.send(targets, *EXECUTE(body))
         head = cell_head(gathering.code)
         for r in targets:
-            r.state, r.cell, r.collective, r.group_ranks = RankState.RUNNING, head, "", []
+            r.state, r.cell, r.collective, r.group_ranks, r.waiting = RankState.RUNNING, head, "", [], ""
         return gathering
 
     def end(self, gathering: Gathering, notes: Sequence[str]) -> None:
@@ -155,6 +167,7 @@ class CellGathering:
 
     def gather(self, gathering: Gathering) -> None:
         """Receive until the cell ends; Ctrl-C in the kernel stops the ranks (escalating)."""
+        gathering.stdin = self.stdin()
         interrupted = False
         while True:
             try:
@@ -168,6 +181,10 @@ class CellGathering:
                 break
         if interrupted:
             gathering.result.notes.append("the cell was interrupted")
+
+    def serve_prompts(self, gathering: Gathering, source: StdinSource) -> None:
+        """Ask the person for a background run's prompts (``%dist_wait``, in its own cell)."""
+        gathering.prompts.serve(self.ranks, source, self.conn.send, self._sink())
 
     def interrupted(self, gathering: Gathering, why: str) -> None:
         """Stop a cell the user interrupted from elsewhere (a background run)."""
@@ -188,6 +205,7 @@ class CellGathering:
         pending.intersection_update(k for k in pending if result.ranks[k].status == "pending")
         if not pending:
             return True
+        gathering.prompts.serve(self.ranks, gathering.stdin, self.conn.send, self._sink())
         now = time.monotonic()
         if not gathering.first_done and len(pending) < len(gathering.targets):
             gathering.first_done = now
@@ -196,7 +214,8 @@ class CellGathering:
         if dead:
             self.stop(gathering, f"stopped because rank {format_ranks(dead)} died")
             return True
-        if failed and now - min(f.failed_at for f in failed) > DESYNC_GRACE:
+        at_prompt = any(self.ranks[k].waiting for k in pending)  # a person is looking: no desync
+        if failed and now - min(f.failed_at for f in failed) > DESYNC_GRACE and not at_prompt:
             self.stop(gathering, "still running after another rank failed")
             return True
         waiting = {k: self.ranks[k].collective for k in sorted(pending) if self.ranks[k].collective}
@@ -326,6 +345,13 @@ class CellGathering:
             elif name == "stdout" and len(res.stdout) < CAPTURE_LIMIT:
                 res.stdout += text
 
+    def on_prompt(self, r: RankRecord, msg: Message) -> None:
+        run = self.current
+        if run is None or msg.body["cell_id"] != run.result.cell_id or r.rank not in run.result.ranks:
+            Prompts.refuse(self.conn.send, r, "the cell that asked has ended")
+            return
+        run.prompts.add(r, msg)
+
     def on_display(self, r: RankRecord, msg: Message) -> None:
         self._sink().display(r.rank, dict(msg.body["data"]), dict(msg.body["metadata"]))
 
@@ -346,7 +372,7 @@ class CellGathering:
             self._finish(r, r.pending_done)
 
     def _finish(self, r: RankRecord, msg: Message) -> None:
-        r.pending_done = None
+        r.pending_done, r.waiting = None, ""
         body = msg.body
         if not body.get("grouped", True):
             self.escalation.group_closed(r.rank)

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from jupyter_shard._curve import CurveServer
 from jupyter_shard.errors import PoolError
 from jupyter_shard.kernel.background import BackgroundRun, Watcher
-from jupyter_shard.kernel.cell import CellGathering, Gathering
+from jupyter_shard.kernel.cell import POST_MORTEM, CellGathering, Gathering
 from jupyter_shard.kernel.connection import Connection
 from jupyter_shard.kernel.escalation import Escalation
 from jupyter_shard.kernel.history import History
@@ -30,6 +30,7 @@ from jupyter_shard.kernel.lifecycle import Lifecycle
 from jupyter_shard.kernel.output import RankSink, default_sink
 from jupyter_shard.kernel.ranks import RankSnapshot, RankTable
 from jupyter_shard.kernel.results import DistributedError, RunResult
+from jupyter_shard.kernel.stdin import CallbackStdin
 from jupyter_shard.kernel.transcript import CellEntry, Transcript
 from jupyter_shard.kernel.values import Values
 from jupyter_shard.launchers import Launcher
@@ -68,6 +69,7 @@ class Pool:
         spec: LaunchSpec | None = None,
         log_dir: str | os.PathLike[str] | None = None,
         sink: RankSink | None = None,
+        stdin: Callable[[str], str] | None = None,  # answers ranks' input() and pdb (default: the notebook)
     ) -> None:
         self.spec = spec or LaunchSpec.create(
             nproc=nproc, device=device, strategy=strategy, timeout=timeout, launcher=launcher
@@ -83,6 +85,8 @@ class Pool:
         conn.handle(self.ranks.handlers())
         self.escalation = Escalation(conn, self.ranks, self._notice, partial(self.stacks, 1.0))
         self.cells = CellGathering(conn, self.ranks, self.escalation, lambda: self.sink, self._tick)
+        if stdin is not None:
+            self.cells.stdin = partial(CallbackStdin, stdin)
         self.lifecycle = Lifecycle(conn, self.ranks, Path(log_dir) if log_dir else None)
         self.values = Values(conn, self.ranks, self.transcript)
         self._watcher = Watcher(
@@ -158,8 +162,7 @@ class Pool:
         try:
             self.lifecycle.wait_ready(self._notice)
             assert self.launcher is not None
-            note = self.launcher.started_note()
-            if note:
+            if note := self.launcher.started_note():
                 self._notice(note)
             self._share_registered_strategy()
         except BaseException:
@@ -171,8 +174,7 @@ class Pool:
 
     def _share_registered_strategy(self) -> None:
         """A strategy registered in the kernel with ``register_strategy`` is registered on the ranks too."""
-        entry = registered(self.spec.strategy)
-        if entry is None:
+        if (entry := registered(self.spec.strategy)) is None:
             return
         self.push(_js_strategy=(self.spec.strategy, *entry))
         register = "from jupyter_shard.strategies import register_strategy as _r\n"
@@ -225,6 +227,10 @@ class Pool:
             raise DistributedError(gathering.result)
         return gathering.result
 
+    def post_mortem(self, rank: int) -> RunResult:
+        """pdb on ``rank`` at the frame where its last failed cell raised (``%debug``, ``%dist_debug``)."""
+        return self._run_foreground(POST_MORTEM, [rank], None, 0, record=False)
+
     def run_background(
         self,
         code: str,
@@ -241,6 +247,7 @@ class Pool:
         self._refuse_while_background("start another background run")
         gathering = self._begin(code, ranks, timeout, exec_count, record=True)
         run = BackgroundRun(gathering, exec_count, on_done)
+        run.serve_prompts = lambda: self.cells.serve_prompts(gathering, self.cells.stdin())
         self.background = run
         self._watcher.start()
         return run
@@ -271,7 +278,6 @@ class Pool:
         self, code: str, ranks: Sequence[int] | None, timeout: float | None, exec_count: int, record: bool
     ) -> Gathering:
         self._prepare()
-        self.cells.warn_out_of_step()
         targets = self.ranks.targets(ranks)
         return self.cells.send(self.cells.open(code, targets, timeout, exec_count, ranks, record), targets)
 
@@ -367,11 +373,8 @@ class Pool:
         return self.ranks.stacks(chosen, replies, timeout)
 
     def interrupt(self) -> list[int]:
-        """Interrupt whatever the ranks are running (outside a foreground :meth:`run`); the ranks.
-
-        A background run is stopped by the watcher thread: SIGINT, then after the grace period the
-        stacks of ranks that did not stop and a kill; :meth:`BackgroundRun.wait` sees the end.
-        """
+        """Interrupt whatever the ranks run (outside a foreground :meth:`run`); the ranks. A background
+        run is stopped by the watcher thread (SIGINT, then stacks and a kill); its ``wait()`` sees the end."""
         run = self.background
         if run is not None and run.running:
             run.interrupt_requested = True
@@ -381,10 +384,7 @@ class Pool:
     # -- plumbing -------------------------------------------------------------------------------
 
     def _notice(self, text: str) -> None:
-        if self.on_notice is not None:
-            self.on_notice(text)
-        else:
-            self.sink.notice(f"jupyter_shard: {text}")
+        self.on_notice(text) if self.on_notice is not None else self.sink.notice(f"jupyter_shard: {text}")
 
     def _deliver_signal(self, rank: int, sig: int) -> None:
         """Ask a rank started by an agent to signal itself (its I/O thread does, even mid-cell)."""

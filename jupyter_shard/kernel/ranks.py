@@ -37,6 +37,7 @@ class RankState(str, Enum):
     RUNNING = "running"
     FAILED = "failed"
     INTERRUPTED = "interrupted"  # its last cell was stopped (an interrupt, a --timeout); idle now
+    PROMPT = "at a prompt"  # running a cell that waits for an answer (input(), pdb) from the notebook
     DEAD = "dead"
 
 
@@ -89,6 +90,7 @@ class RankRecord:
         self.killed_by_pool = ""  # why the pool itself killed the rank, if it did
         self.collective = ""  # the torch.distributed call its running cell was in at the last heartbeat
         self.group_ranks: list[int] = []  # that call's group; [] for the default group (every rank)
+        self.waiting = ""  # the prompt its running cell waits at for an answer from the notebook
         self.node = 0  # which node it runs on (its agent's), from its ready
         self.job = ""  # the SLURM job it runs in, if any
         # its memory cgroup's oom_kill counter, to tell an OOM kill from another SIGKILL
@@ -195,6 +197,7 @@ class RankTable:
         r.step = int(msg.body["step"])
         r.collective = str(msg.body["collective"])
         r.group_ranks = [int(k) for k in msg.body["group_ranks"]]
+        r.waiting = str(msg.body.get("waiting", "")) if r.state is RankState.RUNNING else ""
         self.history.add_memory(r.rank, time.time(), r.memory)
 
     def on_startup_failed(self, r: RankRecord, msg: Message) -> None:
@@ -226,6 +229,8 @@ class RankTable:
             collective = str(reply.body["collective"]) if reply else ""
             if collective:
                 cell = f"{cell} · in {collective}"
+            if r.waiting:
+                cell = f"{cell} · at {r.waiting}"
             rows.append(self.snapshot(r, memory=memory, cell=cell))
         return rows
 
@@ -254,6 +259,8 @@ class RankTable:
             problem = ""
             if r.dead:
                 problem = f"dead: {r.exit or 'exited'}"
+            elif r.waiting:  # a person is looking at it: not stuck, however long
+                pass
             elif r.state is RankState.RUNNING and age is not None and age > STUCK_AFTER:
                 problem = f"stuck: no heartbeat for {age:.0f} s (holding the GIL in native code?)"
             elif r.state is RankState.RUNNING and last is not None and newest - last[1] > STUCK_AFTER * 3:
@@ -284,7 +291,7 @@ class RankTable:
     ) -> RankSnapshot:
         return RankSnapshot(
             rank=r.rank,
-            state=r.state,
+            state=RankState.PROMPT if r.waiting and r.state is RankState.RUNNING else r.state,
             memory=memory,
             cell=cell,
             pid=r.handle.pid,

@@ -33,6 +33,7 @@ from jupyter_shard.notebook.args import (
     parse_options,
 )
 from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard
+from jupyter_shard.notebook.debug import PostMortem
 from jupyter_shard.notebook.display import NotebookSink, in_kernel
 from jupyter_shard.notebook.panel import register_comm, unregister_comm
 from jupyter_shard.notebook.values import cell_value, shown_bundle
@@ -58,6 +59,7 @@ class DistributedMagics(Magics):
         self.default_line = ""  # options of a bare %%distributed (set from the picker)
         self._parser = distributed_parser()
         self._dashboard: tuple[Dashboard, DisplayHandle] | None = None
+        self.post_mortem = PostMortem(shell, lambda: self.pool)
 
     # -- running cells ---------------------------------------------------------------------------
 
@@ -183,6 +185,14 @@ class DistributedMagics(Magics):
             self._require_pool().interrupt()
             result = run.wait(INTERRUPT_WAIT)
         return cell_value(self._require_pool(), result, self.shell)
+
+    @line_magic
+    def dist_debug(self, line: str) -> None:
+        """pdb on a rank where the last failed cell raised: %dist_debug [--rank K] (default: the
+        first failing rank; a bare %debug does the same)"""
+        parser = MagicParser("dist_debug", "%")
+        parser.add_argument("--rank", type=int, help="the rank to debug (default: the first that failed)")
+        self.post_mortem.open(parse_options(parser, line).rank)
 
     @line_magic
     def dist_dashboard(self, line: str) -> None:
@@ -424,12 +434,14 @@ def _show_error(
 
 
 def load(shell: InteractiveShell) -> None:
-    shell.register_magics(DistributedMagics)
+    magics = DistributedMagics(shell)
+    shell.register_magics(magics)
+    magics.post_mortem.install()
     completer: Any = shell.Completer
     if complete_distributed not in completer.custom_matchers:
         completer.custom_matchers.append(complete_distributed)
     shell.set_custom_exc((DistributedError, PoolError), _show_error)
-    register_comm(shell, shell.magics_manager.registry["DistributedMagics"])
+    register_comm(shell, magics)
 
 
 def unload(shell: InteractiveShell) -> None:
@@ -439,6 +451,7 @@ def unload(shell: InteractiveShell) -> None:
     manager = shell.magics_manager
     magics = manager.registry.pop("DistributedMagics", None)
     if isinstance(magics, DistributedMagics):
+        magics.post_mortem.uninstall()
         if magics.pool is not None:
             described = magics.pool.spec.describe()
             magics.pool.shutdown()

@@ -47,7 +47,10 @@ def status_reply(pool: Pool | None) -> dict[str, Any]:
         return {"reply": "status", "pool": None, "state": "no pool", "ranks": []}
     rows = pool.activity()
     states = {row.state for row in rows}
-    if RankState.RUNNING in states or (pool.background is not None and pool.background.running):
+    if RankState.PROMPT in states:  # a rank waits for the person: say so before anything else
+        asking = ", ".join(str(r.rank) for r in rows if r.state is RankState.PROMPT)
+        state = f"waiting for input (rank {asking})"
+    elif RankState.RUNNING in states or (pool.background is not None and pool.background.running):
         state = "running"
     elif states & {RankState.DEAD, RankState.FAILED}:
         state = "failed"

@@ -97,6 +97,12 @@ class ShellSocket:
             if msg is not None:
                 return msg
 
+    def poll_recv(self, timeout_ms: int) -> Message | None:
+        """The next message if one comes within ``timeout_ms`` (a wait that SIGINT can end)."""
+        if not self._sock.poll(timeout_ms):
+            return None
+        return _decode(self.wire, self._sock.recv_multipart())
+
     def send(self, msg_type: str, body: Mapping[str, Any], buffers: list[bytes] | None = None) -> None:
         """Send now; ``send(*DONE(body))`` has mypy check the body (:mod:`jupyter_shard.messages`)."""
         self._sock.send_multipart(self.wire.to_socket(msg_type, body, buffers or []), copy=False)

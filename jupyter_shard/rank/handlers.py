@@ -41,6 +41,8 @@ class CellState:
         self.cell_head = ""
         self.started = 0.0
         self.group: PoolGroup | None = None  # once built; the I/O thread aborts it on an NCCL pool
+        self.waiting = ""  # the prompt the main thread waits at for the notebook's answer, or ""
+        self.stopped_at_prompt = False  # an interrupt came while pdb waited for an answer
 
     def begin(self, cell_id: str, code: str) -> None:
         self.cell_id = cell_id
@@ -80,8 +82,10 @@ class Runner:
                 "shutdown": self.shutdown,
                 "release": self.release,
                 "regroup": self.regroup,
+                "answer": self.stale_answer,
             },
         )
+        self.deferred: list[Message] = []  # came while a cell waited at a prompt; handled after it
         # One SIGINT handler for the rank's life: it interrupts a running cell and is a no-op between
         # cells, so a cell costs no sigaction calls; a cell that installs its own is undone after it.
         self._sigint = self._on_sigint
@@ -98,7 +102,7 @@ class Runner:
 
     def loop(self) -> None:
         while True:
-            msg = self.sock.recv()
+            msg = self.deferred.pop(0) if self.deferred else self.sock.recv()
             handler = self.handlers.get(msg.type)
             if handler is None:
                 print(f"jupyter_shard: rank {self.rank} ignored a {msg.type!r} message", file=sys.__stderr__)
@@ -120,11 +124,18 @@ class Runner:
         self.group.free_retired()
         self.state.begin(cell_id, code)
         try:  # the handler is put back after every cell, so it is ours here
-            error = self.shell.run(code, cell_id, int(body.get("exec_count", 0)))
+            if body.get("post_mortem"):
+                error = self.shell.post_mortem(cell_id)
+            else:
+                error = self.shell.run(code, cell_id, int(body.get("exec_count", 0)))
         except KeyboardInterrupt:
             error = ("KeyboardInterrupt", "", ["KeyboardInterrupt"])
         finally:
             self.state.end()
+        if self.state.stopped_at_prompt:  # pdb was left by the kernel's interrupt: say so, trace off
+            self.state.stopped_at_prompt = False
+            sys.settrace(None)
+            error = ("KeyboardInterrupt", "", ["KeyboardInterrupt: stopped at a pdb prompt"])
             self._own_sigint()
         name, value, tb = error or ("", "", [])
         self.sock.send(
@@ -141,6 +152,15 @@ class Runner:
                 }
             )
         )
+
+    def while_waiting(self, msg: Message) -> None:
+        """A message that came while the cell waited at a prompt: a shutdown now, the rest after it."""
+        if msg.type == "shutdown":
+            self.shutdown(msg)
+        self.deferred.append(msg)
+
+    def stale_answer(self, msg: Message) -> None:
+        """An answer to a prompt the rank no longer waits at (its cell was stopped): dropped."""
 
     def push(self, msg: Message) -> None:
         from jupyter_shard.rank.transfer import pushed_values

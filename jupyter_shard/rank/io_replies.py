@@ -118,6 +118,7 @@ def _status_body(channel: Channel, state: CellState) -> HeartbeatBody:
         "step": helper.global_step if helper else 0,
         "collective": collective,
         "group_ranks": group_ranks,
+        "waiting": state.waiting,
     }
 
 

@@ -83,6 +83,7 @@ def _start_up(env: RankEnv, channel: Channel, shell_sock: ShellSocket, state: Ce
     from jupyter_shard.rank.device import select_device
     from jupyter_shard.rank.group import PoolGroup
     from jupyter_shard.rank.shell import RankShell
+    from jupyter_shard.rank.stdin import RankStdin
 
     rank, local_rank, world_size = env.rank, env.local_rank, env.world_size
     device, backend = select_device(rank, local_rank, env.device)
@@ -120,4 +121,7 @@ def _start_up(env: RankEnv, channel: Channel, shell_sock: ShellSocket, state: Ce
             "job": os.environ.get("SLURM_JOB_ID", ""),
         },
     )
-    return Runner(rank, channel, shell_sock, state, shell, group)
+    shell.rank = rank
+    runner = Runner(rank, channel, shell_sock, state, shell, group)
+    RankStdin(rank, shell_sock, channel, state, runner.while_waiting).install()
+    return runner

@@ -10,6 +10,7 @@ import os
 import sys
 import textwrap
 from collections.abc import Iterator
+from types import TracebackType
 from typing import Any
 
 from IPython.core.displayhook import DisplayHook
@@ -132,9 +133,11 @@ class RankShell(InteractiveShell):
     display_pub_class = _RankDisplayPublisher
 
     channel: Channel
+    rank: int = 0  # this process's rank
     cell_id: str = ""
     last_error: tuple[str, str, list[str]] | None = None
     last_value: tuple[Any] | None = None  # (the last cell's value,), None when it ended in a statement
+    kept_error: BaseException | None = None  # the last failed cell's exception, for a post-mortem
     _inline_said: set[str] = set()  # noqa: RUF012 (one shell per rank process)
     _default_checkers: list[str] = []  # noqa: RUF012 (set once by create)
 
@@ -311,12 +314,32 @@ class RankShell(InteractiveShell):
 
     def _showtraceback(self, etype: type[BaseException], evalue: BaseException, stb: list[str]) -> None:
         self.last_error = (etype.__name__, str(evalue), [block for block in stb if not _pool_frame(block)])
+        self.kept_error = evalue
+
+    def post_mortem(self, cell_id: str) -> tuple[str, str, list[str]] | None:
+        """pdb at the frame where this rank's last failed cell raised (``%debug`` in the notebook),
+        its prompt in the notebook's input box; the cell's own frames first, not the rank's loop."""
+        self.cell_id = cell_id
+        exc = self.kept_error
+        if exc is None or exc.__traceback__ is None:
+            why = "has no failed cell to debug (a traceback is kept only until the next cell)"
+            text = f"rank {self.rank} {why}"
+            return ("LookupError", text, [f"LookupError: {text}"])
+        cells = self.compile._filename_map  # the names the cells were compiled under
+        tb: TracebackType | None = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename not in cells:
+            tb = tb.tb_next
+        debugger = self.debugger_cls()
+        debugger.reset()
+        debugger.interaction(None, tb or exc.__traceback__)
+        return None
 
     def run(self, code: str, cell_id: str, exec_count: int) -> tuple[str, str, list[str]] | None:
         """Run one cell; the error as (name, value, traceback lines), or None on success."""
         self.cell_id = cell_id
         self.last_error = None
         self.last_value = None
+        self.kept_error = None
         result = self._run_plain(code, cell_id, exec_count) if self._plain_ok(code) else None
         if result is None:
             if exec_count > 0:
@@ -329,4 +352,5 @@ class RankShell(InteractiveShell):
             exc = result.error_in_exec or result.error_before_exec
             if exc is not None:
                 self.last_error = (type(exc).__name__, str(exc), [f"{type(exc).__name__}: {exc}"])
+                self.kept_error = exc
         return self.last_error

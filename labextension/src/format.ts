@@ -99,12 +99,12 @@ export function rankCells(row: IRankRow): string[] {
 
 export const RANK_COLUMNS = ['rank', 'state', 'step', 'memory', 'heartbeat', 'cell / problem'];
 
-/** Whether a rank row needs attention (drawn red or yellow). */
+/** Whether a rank row needs attention (drawn red or yellow): a rank at a prompt waits for the person. */
 export function rankLevel(row: IRankRow): 'ok' | 'warn' | 'error' {
   if (row.state === 'dead' || row.state === 'failed' || row.problem.startsWith('dead')) {
     return 'error';
   }
-  return row.problem ? 'warn' : 'ok';
+  return row.problem || row.state === 'at a prompt' ? 'warn' : 'ok';
 }
 
 /** The picker's widget message asking for a new cell, or null for any other message. */

@@ -58,6 +58,7 @@ describe('rank rows', () => {
     expect(rankLevel(stuck)).toBe('warn');
     expect(rankLevel(row({ state: 'dead', problem: 'dead: exit 1' }))).toBe('error');
     expect(rankLevel(row())).toBe('ok');
+    expect(rankLevel(row({ state: 'at a prompt', cell: 'breakpoint() · at (Pdb)' }))).toBe('warn');
   });
 
   it('formats numbers for people', () => {

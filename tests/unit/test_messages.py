@@ -28,7 +28,17 @@ from jupyter_shard.protocol import ProtocolError, Wire, new_key
 from jupyter_shard.rank.handlers import CellState, Runner
 from jupyter_shard.rank.io_replies import serve_io
 
-KERNEL_RECEIVES = {"ready", "heartbeat", "startup_failed", "stream", "display", "result", "done", "metrics"}
+KERNEL_RECEIVES = {
+    "ready",
+    "heartbeat",
+    "startup_failed",
+    "stream",
+    "display",
+    "result",
+    "done",
+    "metrics",
+    "prompt",
+}
 RANK_IO_SERVES = {"stacks", "status", "signal", "abort"}
 
 
@@ -76,7 +86,7 @@ def test_each_side_handles_exactly_the_types_it_receives() -> None:
 
     assert receiver_of(STATUS) == "rank.io" and receiver_of(DONE) == "kernel"
     rank = {n for n, k in MESSAGES.items() if receiver_of(k) == "rank"}
-    assert rank == {"execute", "push", "pull", "shutdown", "release", "regroup"}
+    assert rank == {"execute", "push", "pull", "shutdown", "release", "regroup", "answer"}
     assert set(handler_table("rank", dict.fromkeys(rank, h))) == rank
     kernel = handler_table("kernel", dict.fromkeys(KERNEL_RECEIVES, h), replies=h)
     assert set(kernel) == KERNEL_RECEIVES | REPLIES
@@ -133,7 +143,7 @@ def test_requests_carry_a_req_id_and_optional_keys_may_be_left_out() -> None:
     stacks = {"req_id": "r", "stacks": [{"thread": "MainThread"}]}
     assert check_body("stacks_reply", stacks) == ["stacks_reply.stacks[0]: missing 'stack'"]
     memory = {"executing": False, "cell": "", "running_for": 0.0, "step": 0}
-    memory |= {"collective": "", "group_ranks": []}
+    memory |= {"collective": "", "group_ranks": [], "waiting": ""}
     assert check_body("heartbeat", {**memory, "memory": {"rss": "big"}}) == [
         "heartbeat.memory['rss']: expected int, got str"
     ]

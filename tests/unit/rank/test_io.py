@@ -95,6 +95,7 @@ def test_the_loop_goes_on_after_a_heartbeat_a_flusher_and_a_handler_raise(
                 "step": beats,
                 "collective": "",
                 "group_ranks": [],
+                "waiting": "",
             }
         )
 
