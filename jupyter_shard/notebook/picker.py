@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
+from IPython.display import clear_output, display
 
 from jupyter_shard._atomic import write_atomic
+from jupyter_shard.notebook.picker_chart import memory_figure
 from jupyter_shard.planner import estimate as est
 from jupyter_shard.planner.choice import (
     DEFAULT_CONFIG,
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["Picker", "picker"]
 
 PLAN_FIELDS = ("strategy", "zero_stage", "sharding", "offload")
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
 DEFAULT_NVME = "/local_nvme"
 
 
@@ -83,6 +86,7 @@ class Picker(widgets.VBox):  # type: ignore[misc]
         self.estimates: list[est.Estimate] = []
         self.current: est.Estimate | None = None
         self.config: dict[str, Any] | None = None
+        self.chart: dict[str, Any] | None = None  # the memory chart's Plotly figure, beside the table
         self.config_file = ""
         self.notes: list[str] = []
         self.devices = (pool.spec.gpus or ()) if pool is not None else ()  # a running pool's --gpus 0,2
@@ -140,6 +144,7 @@ class Picker(widgets.VBox):  # type: ignore[misc]
         self.outputs = {
             name: widgets.HTML() for name in ("notes", "advice", "table", "config", "copy", "done")
         }
+        self.chart_view = widgets.Output()
         self.text = widgets.Textarea(rows=1, layout=widgets.Layout(width="100%"))
         self.text.observe(self._keep_line, names="value")
         self.buttons = {
@@ -160,7 +165,7 @@ class Picker(widgets.VBox):  # type: ignore[misc]
             widgets.HBox([widgets.VBox(left), widgets.VBox(right)]),
             out["notes"],
             out["advice"],
-            out["table"],
+            widgets.HBox([out["table"], self.chart_view], layout=widgets.Layout(align_items="flex-start")),
             out["config"],
             self.text,
             widgets.HBox(row),
@@ -265,12 +270,26 @@ class Picker(widgets.VBox):  # type: ignore[misc]
         out["notes"].value = f"<ul style='color:var(--jp-warn-color0,#b35c00)'>{items}</ul>" if items else ""
         out["advice"].value = _advice_html(self.recommendation, self.current, free)
         out["table"].value = _table_html(self.estimates, self.current, self.advice, free)
+        self._chart(free)
         body = html.escape(self._config_text())
         out["config"].value = f"<b>{html.escape(self.config_file)}</b><pre>{body}</pre>" if body else ""
         out["copy"].value = copy_button(self.line, "Copy line")
         self.text.value = self.line
         self.buttons["write"].description = f"Write {self.config_file}"
         self.buttons["write"].disabled = self.config is None
+
+    def _chart(self, free: FreeMemory | None) -> None:
+        """Redraw the stacked bars of each strategy's bytes per rank against the free memory."""
+        rows = list(self.estimates)
+        if self.current is not None and self.current.plan not in {e.plan for e in rows}:
+            rows.append(self.current)
+        recommended = self.advice.choice.plan if self.advice is not None and self.advice.choice else None
+        self.chart = memory_figure(rows, self.current, recommended, free) if rows else None
+        with self.chart_view:
+            clear_output(wait=True)
+            if self.chart is not None:
+                text = "; ".join(f"{e.plan.label} {est.format_bytes(e.device_bytes)}" for e in rows)
+                display({PLOTLY_MIME: self.chart, "text/plain": f"per rank: {text}"}, raw=True)
 
     def _keep_line(self, change: object = None) -> None:
         if self.text.value != self.line:

@@ -311,3 +311,32 @@ class ListPool:
 def test_a_pool_on_chosen_gpus_keeps_them_in_the_line() -> None:
     p = Picker(ModelInfo(124_000_000), [].append, pool=ListPool(), memory=FOUR_GPUS, gpu_count=4)  # type: ignore[arg-type]
     assert p.line == "%%distributed --strategy ddp --gpus 0,2 --precision bf16-mixed"
+
+
+def test_the_chart_stacks_each_strategys_bytes_against_the_free_memory() -> None:
+    p = make()
+    assert p.chart is not None
+    bars = {t["name"]: t for t in p.chart["data"]}
+    assert list(bars) == ["parameters", "gradients", "optimizer state"]
+    assert p.chart["layout"]["barmode"] == "stack"
+    labels = bars["parameters"]["x"]
+    assert len(labels) == len(p.estimates) and labels[0] == "★ ▶ DDP"
+    for i, e in enumerate(p.estimates):  # the stack is the table's device bytes, in GiB
+        stacked = sum(bars[name]["y"][i] for name in bars) * 2**30
+        assert stacked == pytest.approx(e.device_bytes)
+    free, usable = p.chart["layout"]["shapes"]
+    assert free["y0"] == pytest.approx(70.0) and free["name"] == "free per GPU: 70.0 GiB"
+    assert usable["y0"] == pytest.approx(56.0) and usable["line"]["dash"] == "dash"
+    p.fields["strategy"].value = "fsdp"
+    assert "▶ FSDP FULL_SHARD" in p.chart["data"][0]["x"] and "★ DDP" in p.chart["data"][0]["x"]
+
+
+def test_the_chart_counts_offloaded_state_on_cpu_ranks() -> None:
+    cpu = MemorySnapshot((), 64 * GIB, "psutil")
+    p = make(parameters=1_000_000, memory=cpu, gpu_count=0)
+    p.fields["device"].value = "cpu"
+    bars = {t["name"]: t for t in p.chart["data"]} if p.chart else {}
+    total = sum(bars[name]["y"][0] for name in bars) * 2**30
+    first = p.estimates[0]
+    assert total == pytest.approx(first.device_bytes + first.host_bytes)
+    assert p.chart is not None and p.chart["layout"]["shapes"][0]["name"].startswith("host RAM per rank: ")
