@@ -36,11 +36,13 @@ here) and cap the transfer below memory speed; the checks above cost microsecond
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import mmap
 import os
 import secrets
 import stat
+import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -157,8 +159,7 @@ def map_buffers(fd: int, sizes: Sequence[int]) -> list[Any]:
     out: list[Any] = []
     for size, offset in zip(sizes, offsets, strict=True):
         if size >= _MAP_OVER:
-            prot = mmap.PROT_READ | mmap.PROT_WRITE
-            out.append(mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=prot, offset=offset))
+            out.append(_map_private(fd, size, offset))
         else:
             buffer = bytearray(size)
             view, done = memoryview(buffer), 0
@@ -169,6 +170,36 @@ def map_buffers(fd: int, sizes: Sequence[int]) -> list[Any]:
                 done += got
             out.append(buffer)
     return out
+
+
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+_LIBC = _libc()
+
+
+def _map_private(fd: int, size: int, offset: int) -> memoryview:
+    """``size`` bytes of ``fd`` from ``offset``, mapped copy-on-write; unmapped when the last object
+    over the view is gone. (``mmap.mmap`` would keep a duplicate of ``fd`` open per mapping.)"""
+    address = _LIBC.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, offset)
+    if address in (None, ctypes.c_void_p(-1).value):
+        error = ctypes.get_errno()
+        raise SegmentError(f"the transfer's segment could not be mapped: {os.strerror(error)}")
+    region = (ctypes.c_char * size).from_address(address)
+    weakref.finalize(region, _LIBC.munmap, address, size)
+    return memoryview(region).cast("B")
 
 
 @contextlib.contextmanager

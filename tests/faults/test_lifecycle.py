@@ -94,8 +94,11 @@ def _snapshot(runtime: Path, tmp: Path) -> Snapshot:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("nproc", [2, 3, 4])
 def test_start_stop_cycles_leak_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nproc: int) -> None:
-    """F17: 50 pools of ``nproc`` ranks started, used for a collective and stopped leave no process,
-    fd, socket or port, pool directory, temp file (ranks inherit ``TMPDIR``) or /dev/shm entry behind."""
+    """F17: 50 pools of ``nproc`` ranks started, used for a collective and a push and pull through
+    shared memory, and stopped leave no process, fd (a segment is one), socket or port, pool
+    directory, temp file (ranks inherit ``TMPDIR``) or /dev/shm entry behind."""
+    import torch
+
     from jupyter_shard import Pool
 
     runtime = Path(tempfile.mkdtemp(prefix="jsrt-"))
@@ -111,9 +114,13 @@ def test_start_stop_cycles_leak_nothing(tmp_path: Path, monkeypatch: pytest.Monk
     before = _snapshot(runtime, tmp)
     cycles = int(os.environ.get("JUPYTER_SHARD_CYCLES", "50"))
     cell = "import torch, torch.distributed as dist\ndist.all_reduce(torch.ones(1))\ndist.barrier()"
+    payload = torch.randn(1 << 20)
     for _ in range(cycles):
         with Pool(nproc=nproc, device="cpu", log_dir=logs) as pool:
             assert pool.run(cell).ok
+            pool.push(payload=payload)  # 4 MiB: through a shared-memory segment
+            assert torch.equal(pool.pull("payload", rank=nproc - 1), payload)
+            assert pool.values.last is not None and pool.values.last.shared
     after = _snapshot(runtime, tmp)
     assert after.children == before.children, "leaked child processes"
     assert after.fds <= before.fds, f"leaked fds: {before.fds} -> {after.fds}"
