@@ -18,6 +18,7 @@ import bdb
 import builtins
 import getpass
 import io
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -54,10 +55,11 @@ class RankStdin:
         self.on_other = on_other  # a message other than the reply that came while waiting
 
     def install(self) -> None:
-        """Take over ``input``, ``getpass.getpass`` and ``sys.stdin`` for this process."""
+        """Take over ``input``, ``getpass.getpass``, ``sys.stdin`` and ``breakpoint()`` for this process."""
         builtins.input = self.input
         getpass.getpass = self.getpass
         sys.stdin = _StdinReader(self)
+        sys.breakpointhook = _breakpoint
 
     def input(self, prompt: object = "") -> str:
         return self.ask(str(prompt), password=False)
@@ -113,6 +115,21 @@ class RankStdin:
 
 
 _DEBUGGERS = ("bdb", "pdb", "cmd", "IPython.core.debugger")
+# Not stopped in while stepping: the shell and the rank loop around the cell's code. IPython runs a
+# cell's top-level statements one by one, so ``n`` at the end of one goes on to the next statement
+# rather than into IPython's ``run_code``.
+SKIPPED_MODULES = ("IPython.*", "jupyter_shard.*", "traitlets.*")
+
+
+def _breakpoint(*args: Any, **kwargs: Any) -> Any:
+    """``breakpoint()`` on a rank: pdb, stepping over the rank's own machinery. ``PYTHONBREAKPOINT``
+    is honoured as Python honours it (``0`` turns ``breakpoint()`` off, a name picks another hook)."""
+    if os.environ.get("PYTHONBREAKPOINT", "") not in ("", "pdb.set_trace"):
+        return sys.__breakpointhook__(*args, **kwargs)
+    import pdb
+
+    pdb.Pdb(skip=list(SKIPPED_MODULES)).set_trace(sys._getframe(1))
+    return None
 
 
 def _in_debugger() -> bool:
