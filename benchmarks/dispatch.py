@@ -1046,12 +1046,40 @@ def targets(res: Results) -> list[Target]:
             out.append(Target(name, f"{w4[key].median:.2f} s", w4[key].median <= 1.0))
         else:
             out.append(Target(name, "not measured", None))
+    for n, trips in sorted(res.trips.items()):
+        extra = magic_overhead(trips)
+        if extra is not None:
+            name = f"`%%distributed` no-op p50 ≤ ipykernel `pass` + `Pool.run` + 1 ms, {n} ranks (issue 23)"
+            out.append(Target(name, f"{extra * 1e3:+.2f} ms", extra <= 1e-3))
     for n, cold in sorted(res.cold.items()):
         name = f"Cold start no slower than ipyparallel, {n} ranks (median, zygote)"
         if "shard" in cold and "ipp" in cold:
             shard_s, ipp_s = cold["shard"].median, cold["ipp"].median
             out.append(Target(name, f"{shard_s:.2f} s vs {ipp_s:.2f} s", shard_s <= ipp_s))
     return out
+
+
+def magic_overhead(trips: dict[str, list[float]]) -> float | None:
+    """What a no-op ``%%distributed`` cell costs over ipykernel's own ``pass`` cell and ``Pool.run``
+    (p50s, seconds): the magic's own work in the kernel; None when one of them was not measured."""
+    if not all(k in trips for k in ("shard-nb", "kernel", "shard")):
+        return None
+    cell, kernel, run = (percentile(trips[k], 50) for k in ("shard-nb", "kernel", "shard"))
+    return cell - kernel - run
+
+
+def overhead_lines(res: Results) -> list[str]:
+    """Issue 23's line: the ``%%distributed`` cell against ``pass`` + ``Pool.run``, per rank count."""
+    out = []
+    for n, trips in sorted(res.trips.items()):
+        extra = magic_overhead(trips)
+        if extra is not None:
+            out.append(
+                f"- {n} ranks: `%%distributed` overhead p50 {extra * 1e3:+.2f} ms "
+                f"(= {ms(percentile(trips['shard-nb'], 50))} − ipykernel `pass` "
+                f"{ms(percentile(trips['kernel'], 50))} − `Pool.run` {ms(percentile(trips['shard'], 50))})"
+            )
+    return [*out, ""] if out else []
 
 
 def ab_lines(res: Results) -> list[str]:
@@ -1136,6 +1164,7 @@ def report(res: Results, plots: list[str], stem: str = "dispatch") -> str:
             "",
             *trip_table(res),
             "",
+            *overhead_lines(res),
             *ab_lines(res),
         ]
         out += [
