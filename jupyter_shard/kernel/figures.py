@@ -30,6 +30,7 @@ PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
 MEAN_COLOR = "#222222"
 CHART_HEIGHT = 250  # pixels per row of charts
 GAP_X, GAP_Y = 0.08, 70  # between columns (share of the width), between rows (pixels)
+BOTTOM = 80  # pixels under the charts: the last row's axis title, then the legend
 Figure = dict[str, Any]
 
 
@@ -75,7 +76,7 @@ def line_traces(
                 "line": {"color": color(s.rank), "width": 1.5},
                 "marker": {"color": color(s.rank)},
                 "meta": {"rank": s.rank, "points": s.points},
-                "hovertemplate": f"rank {s.rank} · {x_label} %{{x}}<br>{metric} %{{y:.6g}}<extra></extra>",
+                "hovertemplate": f"rank {s.rank} · {x_label} %{{x}}<br>{metric} %{{y:.6~g}}<extra></extra>",
             }
         )
     if mean is not None and len(mean[0]):
@@ -94,7 +95,7 @@ def line_traces(
                 "line": {"color": MEAN_COLOR, "width": 2.2, "dash": "dash"},
                 "marker": {"color": MEAN_COLOR},
                 "meta": {"rank": "mean", "points": len(mean[0])},
-                "hovertemplate": f"mean · {x_label} %{{x}}<br>{metric} %{{y:.6g}}<extra></extra>",
+                "hovertemplate": f"mean · {x_label} %{{x}}<br>{metric} %{{y:.6~g}}<extra></extra>",
             }
         )
     return traces
@@ -123,27 +124,20 @@ def grid_figure(
     top = table_height + GAP_Y if table is not None else 0
     rows = max(1, math.ceil(len(charts) / columns))
     head = 60 if title else 30
-    height = head + top + rows * CHART_HEIGHT + (rows - 1) * GAP_Y + 50
+    height = head + top + rows * CHART_HEIGHT + (rows - 1) * GAP_Y + BOTTOM
     layout: dict[str, Any] = {
         "uirevision": "jupyter_shard",
         "height": height,
-        "margin": {"l": 60, "r": 20, "t": head, "b": 50},
+        "margin": {"l": 60, "r": 20, "t": head, "b": BOTTOM},
         "hovermode": "closest",
-        "legend": {
-            "orientation": "h",
-            "x": 1,
-            "xanchor": "right",
-            "y": 1,
-            "yanchor": "top",
-            "yref": "container",
-        },
+        "legend": {"orientation": "h", "x": 0, "y": 0, "yanchor": "bottom", "yref": "container"},
         "template": {"layout": {"plot_bgcolor": "#fff", "paper_bgcolor": "#fff"}},
         "annotations": [],
         "updatemenus": [],
     }
     if title:
         layout["title"] = {"text": title, "x": 0, "xanchor": "left", "font": {"size": 14}}
-    inner = height - head - 50
+    inner = height - head - BOTTOM
     width = (1 - GAP_X * (columns - 1)) / columns
     data: list[dict[str, Any]] = []
     if table is not None:

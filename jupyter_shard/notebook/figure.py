@@ -54,8 +54,9 @@ def metric_chart(history: History, name: str, axis: int, legend: bool) -> Chart:
     hi = max(float(x.max()) for x, _, _ in raw.values())
     series = [RankSeries(rank, *binned(x, y, lo, hi, BINS), points=n) for rank, (x, y, n) in raw.items()]
     mean = None
-    if len(raw) > 1:
-        mean = mean_across([(x, y) for x, y, _ in raw.values()], lo, hi, BINS)
+    if len(raw) > 1:  # over the steps every rank has reached: a rank ahead would drag the end
+        common = min(float(x[-1]) for x, _, _ in raw.values())
+        mean = mean_across([(x[x <= common], y[x <= common]) for x, y, _ in raw.values()], lo, common, BINS)
         title = f"{name} · mean of {len(raw)} ranks {mean[1][-1]:.4g}"
     else:
         title = f"{name} · {series[0].y[-1]:.4g}"
@@ -159,7 +160,7 @@ def dashboard_figure(pool: Pool, *, compact: bool) -> Figure:
         title += f" · {run.describe()}"
     if history.thinned:
         title += " · older points thinned 2:1 to bound memory"
-    table_height = HEADER_HEIGHT + ROW_HEIGHT * max(1, min(len(rows), MAX_ROWS)) + 4
+    table_height = HEADER_HEIGHT + (ROW_HEIGHT + 6) * max(1, min(len(rows), MAX_ROWS)) + 8
     figure = grid_figure(charts, columns=2, title=title, table=status_trace(rows), table_height=table_height)
     figure["layout"]["meta"] = {"jupyter_shard": "dashboard", "metrics": names}
     return figure

@@ -67,6 +67,7 @@ export class FigureRenderer extends Widget implements IRenderMime.IRenderer {
     const config = { responsive: true, displaylogo: false, ...(figure.config ?? {}) };
     await Plotly.react(node, figure.data, layout, config);
     this._drawn = true;
+    this.node.dataset.draws = String(++this._draws); // how many figures it has drawn (tests wait on it)
   }
 
   private _resize(): void {
@@ -78,6 +79,7 @@ export class FigureRenderer extends Widget implements IRenderMime.IRenderer {
   private _next: IFigure | null = null;
   private _drawing: Promise<void> = Promise.resolve();
   private _drawn = false;
+  private _draws = 0;
 }
 
 export const figureRenderer: IRenderMime.IRendererFactory = {
