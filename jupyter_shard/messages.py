@@ -88,6 +88,9 @@ class _PullOptions(TypedDict, total=False):
     last: bool  # the value of the rank's last cell (its last expression) instead of a variable
     limit: int  # refuse, rather than send, a value that pickles to more bytes than this
     segments: dict[str, SegmentRef]  # by rank: an empty segment to write the buffers into
+    direct: bool  # the rank may answer with where its buffers are, for the kernel to read them
+    resend: bool  # write the buffers lent for the last pull into ``segments`` (reading them failed)
+    release: bool  # the kernel has read what the rank lent it: no reply
 
 
 class PullBody(_PullOptions):
@@ -208,6 +211,9 @@ class _PullReplyOptions(TypedDict, total=False):
     sizes: list[int]  # the out-of-band buffers' sizes, in order
     in_segment: bool  # they were written into the request's segment, else they follow the pickle
     seconds: float  # how long getting the value took on the rank (for --gather: the all-gather)
+    addresses: list[int]  # where the buffers are in the rank (a ``direct`` pull), sizes as ``sizes``
+    token: str  # random bytes (hex) the rank holds at ``token_address`` while it lends the buffers
+    token_address: int
 
 
 class PullReply(OutcomeReply, _PullReplyOptions):

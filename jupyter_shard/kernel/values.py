@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jupyter_shard import buffers, segments
+from jupyter_shard import buffers, peer_memory, segments
 from jupyter_shard.buffers import Packed
 from jupyter_shard.env import SHARED_MEMORY_VAR
 from jupyter_shard.errors import PoolError
@@ -47,8 +47,13 @@ class Transfer:
     nbytes: int  # to each rank (push) or from the ranks together (pull)
     ranks: int
     seconds: float
-    shared: bool  # through shared memory (else, or partly, as message frames)
+    path: str  # how: "segment", "direct" (read from the rank's memory), "messages", or several joined by +
     gather: float = 0.0
+
+    @property
+    def shared(self) -> bool:
+        """Whether it all went through shared memory (no message carried the data)."""
+        return bool(self.path) and "messages" not in self.path
 
     @property
     def rate(self) -> float:
@@ -89,8 +94,8 @@ class Values:
             asked = None if ranks is None else tuple(sorted(set(ranks)))
             recorded = tuple((n, _recorded(values[n], p)) for n, p in zip(names, packs, strict=True))
             self.transcript.add(PushEntry(recorded, asked))
-        shared = bool(local) and len(inline) == 0
-        self.last = Transfer("push", size, len(targets), time.perf_counter() - started, shared)
+        path = "+".join(p for p, used in (("messages", inline), ("segment", local)) if used)
+        self.last = Transfer("push", size, len(targets), time.perf_counter() - started, path)
         return size
 
     def _push_shared(
@@ -154,57 +159,88 @@ class Values:
         started = time.perf_counter()
         targets = self.ranks.targets(ranks)
         owned = {r.rank: segments.Segment() for r in _local(targets)}
+        lent: list[RankRecord] = []
+        out: dict[int, Any] = {}
+        paths: set[str] = set()
+        nbytes, gather = 0, 0.0
         try:
             if owned:
                 body["segments"] = {str(k): s.ref for k, s in owned.items()}
+                body["direct"] = peer_memory.supported()
             replies = self.conn.request(*PULL(body), targets, timeout=600.0)
-            out: dict[int, Any] = {}
-            nbytes, gather, shared = 0, 0.0, bool(owned)
             for k, msg in sorted(replies.items()):
                 if not msg.body["ok"]:
                     raise PoolError(msg.body["error"])
-                value, size = _received(k, msg, owned.get(k))
-                out[k] = value
-                nbytes += size
+                if "addresses" in msg.body:
+                    lent.append(self.ranks[k])
+                try:
+                    oob, path = self._buffers_of(self.ranks[k], msg, owned.get(k))
+                    out[k] = buffers.loads(msg.buffers[0], oob)
+                except PoolError:
+                    raise
+                except Exception as exc:
+                    raise PoolError(
+                        f"the value from rank {k} could not be rebuilt ({type(exc).__name__}: {exc}); "
+                        "the pool is unchanged, try the pull again"
+                    ) from None
+                paths.add(path)
+                nbytes += len(msg.buffers[0]) + sum(int(n) for n in msg.body.get("sizes", []))
                 gather = max(gather, float(msg.body.get("seconds", 0.0)))
-                shared = shared and bool(msg.body.get("in_segment"))
         finally:
+            if lent and self.conn.open:  # the ranks may let go of what they lent
+                release = {"name": "", "gather": False, "release": True, "req_id": "release"}  # no reply
+                self.conn.send(lent, PULL, release)
             for segment in owned.values():
                 segment.close()
         missing = sorted({r.rank for r in targets} - set(out))
         if missing:
             raise PoolError(f"rank {format_ranks(missing)} did not answer the pull of {what}")
         seconds = time.perf_counter() - started
-        self.last = Transfer("pull", nbytes, len(targets), seconds, shared, gather if body["gather"] else 0.0)
+        path = "+".join(sorted(paths))
+        self.last = Transfer("pull", nbytes, len(targets), seconds, path, gather if body["gather"] else 0.0)
         return out
+
+    def _buffers_of(
+        self, r: RankRecord, msg: Message, segment: segments.Segment | None
+    ) -> tuple[list[Any], str]:
+        """The out-of-band buffers of rank ``r``'s pull reply ``msg`` and how they came: read from
+        the rank's memory, from ``segment`` or in the message."""
+        sizes = [int(s) for s in msg.body.get("sizes", [])]
+        if not msg.buffers:
+            raise ValueError("the reply carries no pickle")
+        if "addresses" in msg.body:
+            body = msg.body
+            try:
+                addresses, token = [int(a) for a in body["addresses"]], str(body["token"])
+                return peer_memory.read(
+                    r.handle.pid, addresses, sizes, token, int(body["token_address"])
+                ), "direct"
+            except peer_memory.PeerMemoryError:
+                if segment is None:
+                    raise
+            resend = PULL(
+                {"name": "", "gather": False, "resend": True, "segments": {str(r.rank): segment.ref}}
+            )
+            again = self.conn.request(*resend, [r], timeout=600.0).get(r.rank)
+            if again is None or not again.body["ok"]:
+                raise PoolError(
+                    f"rank {r.rank} could not resend its value: "
+                    + (str(again.body["error"]) if again else "it did not answer")
+                )
+            return segment.seal_and_map(sizes), "segment"
+        if msg.body.get("in_segment"):
+            if segment is None:
+                raise segments.SegmentError("it names a segment that was never offered")
+            return segment.seal_and_map(sizes), "segment"
+        oob = [bytearray(b) for b in msg.buffers[1:]]
+        if [len(b) for b in oob] != sizes:
+            raise segments.SegmentError("its buffers are not the sizes it signed")
+        return oob, "messages"
 
     def _request(
         self, message: tuple[str, dict[str, Any]], targets: list[RankRecord], frames: list[Any], size: int
     ) -> dict[int, Message]:
         return self.conn.request(*message, targets, buffers=frames, timeout=60.0 + size * _SECONDS_PER_BYTE)
-
-
-def _received(rank: int, msg: Message, segment: segments.Segment | None) -> tuple[Any, int]:
-    """The value rank ``rank`` sent in ``msg`` (its buffers from ``segment`` or the message), and its
-    size; a :class:`PoolError` for a reply that does not hold together."""
-    sizes = [int(s) for s in msg.body.get("sizes", [])]
-    try:
-        if not msg.buffers:
-            raise segments.SegmentError("the reply carries no pickle")
-        if msg.body.get("in_segment"):
-            if segment is None:
-                raise segments.SegmentError("it names a segment that was never offered")
-            oob = segment.seal_and_map(sizes)
-        else:
-            oob = [bytearray(b) for b in msg.buffers[1:]]
-            if [len(b) for b in oob] != sizes:
-                raise segments.SegmentError("its buffers are not the sizes it signed")
-        return buffers.loads(msg.buffers[0], oob), len(msg.buffers[0]) + sum(sizes)
-    except Exception as exc:
-        raise PoolError(
-            f"the value from rank {rank} could not be rebuilt ({type(exc).__name__}: {exc}); "
-            "the pool is unchanged, try the pull again"
-        ) from None
 
 
 def _local(targets: list[RankRecord]) -> list[RankRecord]:

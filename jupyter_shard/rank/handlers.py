@@ -178,8 +178,14 @@ class Runner:
         device; a value over the request's ``limit`` is refused before it is pickled where its
         tensors alone pass it."""
         from jupyter_shard.rank.device import tensor_bytes
-        from jupyter_shard.rank.transfer import pulled_reply
+        from jupyter_shard.rank.transfer import pulled_reply, release, resent_reply
 
+        if msg.body.get("release"):
+            release()
+            return
+        if msg.body.get("resend"):
+            self.sock.send(*PULL_REPLY(resent_reply(msg, self.rank)))
+            return
         started = time.perf_counter()
         limit = int(msg.body.get("limit", 1 << 62))
         try:

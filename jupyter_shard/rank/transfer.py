@@ -1,6 +1,9 @@
 """A rank's end of ``push`` and ``pull``: values built from, and sent as, in-band pickles and
-out-of-band buffers (:mod:`jupyter_shard.buffers`), the buffers through the kernel's shared-memory
-segment when it offers one (:mod:`jupyter_shard.segments`) and in the message otherwise.
+out-of-band buffers (:mod:`jupyter_shard.buffers`). A pushed value's buffers come through the
+kernel's shared-memory segment when it offers one (:mod:`jupyter_shard.segments`), else in the
+message. A pulled value's buffers are lent to the kernel to read from this process's memory when it
+asks for that (:mod:`jupyter_shard.peer_memory`; kept alive until it says it is done, or the next
+push or pull), else written into the segment it offers, else sent in the message.
 
 Every check here answers a message that was already authenticated with the pool key; a malformed or
 oversized transfer is refused with a reply that says why, and the rank goes on."""
@@ -9,18 +12,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from jupyter_shard import buffers, segments
+from jupyter_shard import buffers, peer_memory, segments
 from jupyter_shard.messages import PullReply
 from jupyter_shard.protocol import MAX_FRAME, Message
 
-__all__ = ["pulled_reply", "pushed_values"]
+__all__ = ["pulled_reply", "pushed_values", "release", "resent_reply"]
 
-SEGMENT_OVER = 1 << 20  # out-of-band bytes from which a pull goes through the offered segment
+SEGMENT_OVER = 1 << 20  # out-of-band bytes from which a pull goes through shared memory
+
+_lent: peer_memory.Lent | None = None  # what the kernel may be reading out of this process
+
+
+def release() -> None:
+    """The kernel read what it was lent (or a new transfer began): let it go."""
+    global _lent
+    _lent = None
 
 
 def pushed_values(msg: Message) -> dict[str, Any]:
     """The values a ``push`` carries, by name; a ``ValueError`` (or :class:`~.segments.SegmentError`)
     for one that does not hold together."""
+    release()
     body = msg.body
     names = [str(n) for n in body["names"]]
     counts = [int(c) for c in body["counts"]]
@@ -45,6 +57,8 @@ def pushed_values(msg: Message) -> dict[str, Any]:
 def pulled_reply(msg: Message, rank: int, what: str, value: Any, limit: int) -> tuple[PullReply, list[Any]]:
     """The reply to a ``pull`` of ``value`` and the buffers it carries; the out-of-band buffers go
     into the segment the kernel offered this rank, when it did and they are large."""
+    global _lent
+    release()
     reply: PullReply = {"req_id": str(msg.body["req_id"]), "ok": False, "error": ""}
     try:
         packed = buffers.dumps(value, host=not msg.body.get("device", False))
@@ -58,15 +72,18 @@ def pulled_reply(msg: Message, rank: int, what: str, value: Any, limit: int) -> 
         return reply, []
     ref = msg.body.get("segments", {}).get(str(rank))
     if ref is not None and sum(packed.sizes) >= SEGMENT_OVER:
-        try:
-            with segments.opened(ref, writable=True) as fd:
-                segments.write_into(fd, packed.buffers)
+        if msg.body.get("direct") and peer_memory.supported():
+            _lent = peer_memory.Lent(packed.buffers)
+            reply["ok"], reply["addresses"] = True, _lent.addresses
+            reply["token"], reply["token_address"] = _lent.token.hex(), _lent.token_address
+            return reply, [packed.inband]
+        error = _into_segment(ref, packed.buffers)
+        if not error:
             reply["ok"], reply["in_segment"] = True, True
             return reply, [packed.inband]
-        except segments.SegmentError as exc:
-            if not str(exc).startswith(segments.UNAVAILABLE):
-                reply["error"] = f"{what} could not be sent: {exc}"
-                return reply, []
+        if not error.startswith(segments.UNAVAILABLE):
+            reply["error"] = f"{what} could not be sent: {error}"
+            return reply, []
     if max([len(packed.inband), *packed.sizes]) > MAX_FRAME:
         reply["error"] = (
             f"{what} has a part over the {MAX_FRAME / 2**20:.0f} MiB message limit of a rank on another "
@@ -75,3 +92,28 @@ def pulled_reply(msg: Message, rank: int, what: str, value: Any, limit: int) -> 
         return reply, []
     reply["ok"] = True
     return reply, [packed.inband, *packed.buffers]
+
+
+def resent_reply(msg: Message, rank: int) -> PullReply:
+    """The buffers lent for the last pull, written into the segment the kernel now offers (it could
+    not read them from here)."""
+    reply: PullReply = {"req_id": str(msg.body["req_id"]), "ok": False, "error": ""}
+    lent, ref = _lent, msg.body.get("segments", {}).get(str(rank))
+    release()
+    if lent is None or ref is None:
+        reply["error"] = f"rank {rank} has nothing lent to resend, or no segment to write it into"
+        return reply
+    error = _into_segment(ref, lent.buffers)
+    reply["ok"], reply["error"], reply["in_segment"] = not error, error, not error
+    reply["sizes"] = [b.nbytes for b in lent.buffers]
+    return reply
+
+
+def _into_segment(ref: Any, views: list[memoryview]) -> str:
+    """Write ``views`` into the segment ``ref`` names; '' or why not."""
+    try:
+        with segments.opened(ref, writable=True) as fd:
+            segments.write_into(fd, views)
+    except segments.SegmentError as exc:
+        return str(exc)
+    return ""

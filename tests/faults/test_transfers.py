@@ -114,16 +114,40 @@ def test_values_round_trip_exactly_and_each_rank_owns_its_copy(
     assert pool.values.last is not None and pool.values.last.shared is shared
     assert same(value, back), "the value came back changed"
 
-    pool.run("value['big'][0] = -1.0; value['arrays']['c'][0] = -1", ranks=[0])
-    firsts = pool.run("float(value['big'][0]), int(value['arrays']['c'][0])")
-    assert firsts.ranks[0].result is not None and firsts.ranks[1].result is not None
-    assert "-1" in firsts.ranks[0].result["text/plain"]
-    assert "-1" not in firsts.ranks[1].result["text/plain"], "one rank's change reached another"
-    assert float(value["big"][0]) != -1.0  # type: ignore[index]
+    pool.run("value['big'][0] = -12345.0; value['arrays']['c'][0] = -1", ranks=[0])
+    pool.run("probe = (float(value['big'][0]), int(value['arrays']['c'][0]))")
+    probes = pool.pull_all("probe")
+    assert probes[0] == (-12345.0, -1)
+    assert probes[1] == (float(value["big"][0]), 0), "one rank's change reached another"  # type: ignore[index]
+    assert float(value["big"][0]) != -12345.0  # type: ignore[index]
     back[  # a pulled value is the kernel's own too
         "big"
     ][1] = 7.0
     assert float(pool.pull("value", rank=1)["big"][1]) != 7.0
+    assert open_segments() == []
+
+
+def test_a_pull_read_from_the_rank_falls_back_to_a_segment_and_the_rank_lets_go(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pull from a local rank reads the rank's memory; where that fails (here: the read is made to
+    fail as a pid of another process or namespace fails it), the rank writes into the segment."""
+    from jupyter_shard import peer_memory
+
+    pool.run(f"import torch; lent = torch.randn({BIG})", ranks=[1])
+    lent = pool.pull("lent", rank=1)
+    assert pool.values.last is not None and pool.values.last.path == "direct"
+    held = "from jupyter_shard.rank import transfer; transfer._lent is None"
+    assert pool.run(held, ranks=[1]).value == {"text/plain": "True"}, "the rank still holds the buffers"
+
+    def refused(*args: object) -> None:
+        raise peer_memory.PeerMemoryError("the process with the rank's pid is not the rank that replied")
+
+    monkeypatch.setattr(peer_memory, "read", refused)
+    again = pool.pull("lent", rank=1)
+    assert pool.values.last is not None and pool.values.last.path == "segment"
+    assert torch.equal(again, lent)
+    assert pool.run(held, ranks=[1]).value == {"text/plain": "True"}
     assert open_segments() == []
 
 
