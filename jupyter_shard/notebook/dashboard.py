@@ -111,15 +111,19 @@ def status_table(rows: list[RankSnapshot]) -> str:
     )
 
 
-def render(pool: Pool, *, compact: bool) -> str:
-    """The dashboard as HTML with SVG charts: the fallback for renderers without Plotly."""
+def render(pool: Pool, *, compact: bool, charts: bool = True) -> str:
+    """The dashboard as HTML with SVG charts: the fallback for renderers without Plotly. Without
+    ``charts``, the status table only (what live redraws carry for frontends without the extension)."""
     history = pool.history
     names = history.metrics
     width, height = (380, 170) if compact else (460, 210)
-    charts = [
-        svg_metric_chart(history, n, width, height) for n in (names[:COMPACT_METRICS] if compact else names)
-    ]
-    charts.append(svg_memory_chart(history, width, height))
+    svg = (
+        [svg_metric_chart(history, n, width, height) for n in (names[:COMPACT_METRICS] if compact else names)]
+        if charts
+        else []
+    )
+    if charts:
+        svg.append(svg_memory_chart(history, width, height))
     title = pool.spec.describe()
     run = pool.background
     if run is not None and run.running:
@@ -129,7 +133,7 @@ def render(pool: Pool, *, compact: bool) -> str:
         '<div class="jshard-dashboard" style="font-family: sans-serif">'
         f"<div><b>{html.escape(title)}</b>{note}</div>"
         f"{status_table(pool.activity())}"
-        f'<div style="display: flex; flex-wrap: wrap; gap: 8px">{"".join(charts)}</div></div>'
+        f'<div style="display: flex; flex-wrap: wrap; gap: 8px">{"".join(svg)}</div></div>'
     )
 
 
@@ -171,7 +175,7 @@ class Dashboard:
             self._button = ipywidgets.Button(description="Interrupt", icon="stop", tooltip="%dist_interrupt")
             self._button.on_click(lambda _: self._pool.interrupt())
             display(self._button)
-        bundle = self.first_bundle()
+        bundle = self.live_bundle()
         handle: DisplayHandle | None = display(bundle, raw=True, display_id=True)
         assert handle is not None
         self._handle, self._sent, self._live = (
@@ -206,8 +210,13 @@ class Dashboard:
         return figure
 
     def live_bundle(self) -> dict[str, Any]:
-        """What a redraw sends: the figure for the extension's renderer, and the text twin."""
-        return {LIVE_MIME: {"figure": self.figure()}, "text/plain": text_summary(self._pool)}
+        """What a redraw sends: the figure for the extension's renderer, and for other frontends the
+        status table as HTML (the SVG charts only come with the saved form) and the text twin."""
+        return {
+            LIVE_MIME: {"figure": self.figure()},
+            "text/html": render(self._pool, compact=self.compact, charts=False),
+            "text/plain": text_summary(self._pool),
+        }
 
     def static_bundle(self) -> dict[str, Any]:
         """The saved form: the Plotly figure (drawn by the extension's renderer where it is installed,
@@ -221,10 +230,6 @@ class Dashboard:
             "text/html": render(self._pool, compact=self.compact),
             "text/plain": live["text/plain"],
         }
-
-    def first_bundle(self) -> dict[str, Any]:
-        """The first draw: the live figure, plus the HTML a frontend without the extension shows."""
-        return {**self.live_bundle(), "text/html": render(self._pool, compact=self.compact)}
 
     def _ipython_display_(self) -> None:
         """``display(dashboard)`` shows it through :meth:`show`, whose output the redraws update."""

@@ -164,7 +164,8 @@ def test_redraws_are_coalesced_to_at_most_five_a_second(screen: _Screen) -> None
         board.refresh(pool, False)  # type: ignore[arg-type]
     assert 8 <= board.redraws <= 10
     assert len(handle.bundles) == board.redraws + 1, "one message per redraw"
-    assert set(handle.bundles[-1]) == {dash.LIVE_MIME, "text/plain"}
+    assert set(handle.bundles[-1]) == {dash.LIVE_MIME, "text/html", "text/plain"}
+    assert "<svg" not in handle.bundles[-1]["text/html"], "the SVG charts come only with the saved form"
     drawn = board.redraws
     board.refresh(pool, True)  # type: ignore[arg-type]
     assert board.redraws == drawn + 1, "the final refresh draws at once"
