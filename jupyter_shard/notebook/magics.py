@@ -270,6 +270,12 @@ class DistributedMagics(Magics):
             )
         if opts.gather:
             value = pool.pull(opts.name, gather=True, device=opts.device)
+            moved = pool.values.last
+            if moved is not None:
+                print(
+                    f"jupyter_shard: gathered {opts.name} on the ranks in {moved.gather:.2f} s, then "
+                    f"{format_bytes(moved.nbytes)} to the kernel in {moved.seconds - moved.gather:.2f} s"
+                )
         elif opts.all:
             value = pool.pull_all(opts.name, device=opts.device)
         else:

@@ -168,6 +168,10 @@ def test_pull_gather_brings_a_plain_model(nb: Any) -> None:
         "%dist_pull prepared --gather\ntype(prepared).__name__, sum(p.numel() for p in prepared.parameters())"
     )
     assert run.data("execute_result") == [{"text/plain": "('Linear', 4)"}]
+    said = run.stream()
+    assert re.search(
+        r"gathered prepared on the ranks in \d+\.\d\d s, then .+ to the kernel in \d+\.\d\d s", said
+    ), said
 
 
 def test_pull_of_missing_name_is_one_clear_error(nb: Any) -> None:
