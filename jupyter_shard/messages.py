@@ -42,8 +42,25 @@ Receiver = Literal["rank", "rank.io", "kernel"]  # a rank's main thread, its I/O
 # -- bodies: kernel -> rank -------------------------------------------------------------------------
 
 
+class DebugSetup(TypedDict):
+    """The notebook's debugger is on: compile the cell under the file name the kernel's debugger gave
+    it, and stop at these breakpoints (file -> lines) in it or in cells before it."""
+
+    filename: str
+    breakpoints: dict[str, list[int]]
+
+
 class _ExecuteOptions(TypedDict, total=False):
     post_mortem: bool  # not code: open pdb at the frame where the rank's last failed cell raised
+    debug: DebugSetup
+
+
+class DebugRequestBody(TypedDict):
+    """A Debug Adapter Protocol request for a rank stopped at a breakpoint (its own ids)."""
+
+    seq: int
+    command: str
+    arguments: dict[str, Any]
 
 
 class ExecuteBody(_ExecuteOptions):
@@ -163,6 +180,20 @@ class PromptBody(TypedDict):
     prompt: str
     password: bool
     io_count: int
+
+
+class DebugResponseBody(TypedDict):
+    seq: int  # the request's
+    success: bool
+    message: str
+    body: dict[str, Any]
+
+
+class DebugEventBody(TypedDict):
+    """A Debug Adapter Protocol event of a rank (``stopped``, ``continued``), in its own ids."""
+
+    event: str
+    body: dict[str, Any]
 
 
 class DoneBody(TypedDict):
@@ -301,6 +332,8 @@ STATUS_REPLY = _to_kernel("status_reply", StatusReply, io=True)
 RELEASE_REPLY = _to_kernel("release_reply", ReleaseReply)
 REGROUP_REPLY = _to_kernel("regroup_reply", RegroupReply)
 PROMPT = _to_kernel("prompt", PromptBody)
+DEBUG_RESPONSE = _to_kernel("debug_response", DebugResponseBody)
+DEBUG_EVENT = _to_kernel("debug_event", DebugEventBody)
 
 EXECUTE = Kind("execute", "to_rank", ExecuteBody)
 PUSH = Kind("push", "to_rank", PushBody, reply=PUSH_REPLY)
@@ -313,13 +346,14 @@ ABORT = Kind("abort", "to_rank", Empty, io=True)
 SHUTDOWN = Kind("shutdown", "to_rank", Empty)
 RELEASE = Kind("release", "to_rank", ReleaseBody, reply=RELEASE_REPLY)
 REGROUP = Kind("regroup", "to_rank", RegroupBody, reply=REGROUP_REPLY)
+DEBUG_REQUEST = Kind("debug_request", "to_rank", DebugRequestBody)  # read while stopped at a breakpoint
 ANSWER = Kind("answer", "to_rank", AnswerBody)  # read by the main thread while it waits at the prompt
 
 MsgType = Literal[
     "execute", "push", "pull", "stacks", "status", "signal", "abort", "shutdown", "release", "regroup",
     "ready", "startup_failed", "stream", "display", "result", "done", "metrics", "heartbeat",
     "push_reply", "pull_reply", "stacks_reply", "status_reply", "release_reply", "regroup_reply",
-    "prompt", "answer",
+    "prompt", "answer", "debug_request", "debug_response", "debug_event",
 ]  # fmt: skip
 MESSAGES: Mapping[str, Kind[Any]] = {
     str(k): k
@@ -327,7 +361,7 @@ MESSAGES: Mapping[str, Kind[Any]] = {
         *(EXECUTE, PUSH, PULL, STACKS, STATUS, SIGNAL, ABORT, SHUTDOWN, RELEASE, REGROUP),
         *(READY, STARTUP_FAILED, STREAM, DISPLAY, RESULT, DONE, METRICS, HEARTBEAT),
         *(PUSH_REPLY, PULL_REPLY, STACKS_REPLY, STATUS_REPLY, RELEASE_REPLY, REGROUP_REPLY),
-        *(PROMPT, ANSWER),
+        *(PROMPT, ANSWER, DEBUG_REQUEST, DEBUG_RESPONSE, DEBUG_EVENT),
     )
 }
 MSG_TYPES: frozenset[str] = frozenset(MESSAGES)

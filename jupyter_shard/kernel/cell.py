@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from jupyter_shard.kernel.connection import Connection
+from jupyter_shard.kernel.debugging import DebugLink
 from jupyter_shard.kernel.escalation import Escalation, Stopped
 from jupyter_shard.kernel.output import RankSink, visible_text
 from jupyter_shard.kernel.prompts import Prompts
@@ -84,6 +85,7 @@ class CellGathering:
         self._sink = sink
         self.current: Gathering | None = None
         self.stdin: Callable[[], StdinSource] = default_stdin  # for each foreground cell, in its thread
+        self.debug = DebugLink(conn, ranks)  # the notebook's debugger, on ranks stopped at breakpoints
         self.last: RunResult | None = None  # the result of the last cell that ended
         self.out_of_step = ""  # the ranks the last cell failed on, when it failed on only some
         conn.on_io = self._on_io
@@ -133,6 +135,8 @@ class CellGathering:
         }
         if gathering.code == POST_MORTEM and not gathering.record:
             body["post_mortem"] = True
+        elif (setup := self.debug.setup()) is not None:
+            body["debug"] = setup
         self.conn.send(targets, *EXECUTE(body))
         head = cell_head(gathering.code)
         for r in targets:

@@ -32,6 +32,7 @@ from jupyter_shard.notebook.args import (
     export_magic,
     parse_options,
 )
+from jupyter_shard.notebook.dap import RankDebugRouter
 from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard
 from jupyter_shard.notebook.debug import PostMortem
 from jupyter_shard.notebook.display import NotebookSink, in_kernel
@@ -60,6 +61,7 @@ class DistributedMagics(Magics):
         self._parser = distributed_parser()
         self._dashboard: tuple[Dashboard, DisplayHandle] | None = None
         self.post_mortem = PostMortem(shell, lambda: self.pool)
+        self.dap: RankDebugRouter | None = None  # the frontend's debugger on the ranks
 
     # -- running cells ---------------------------------------------------------------------------
 
@@ -443,6 +445,10 @@ def load(shell: InteractiveShell) -> None:
     magics = DistributedMagics(shell)
     shell.register_magics(magics)
     magics.post_mortem.install()
+    kernel = getattr(shell, "kernel", None)
+    if getattr(kernel, "debugger", None) is not None:  # ipykernel with debugpy
+        magics.dap = RankDebugRouter(kernel, magics)
+        magics.dap.install()
     completer: Any = shell.Completer
     if complete_distributed not in completer.custom_matchers:
         completer.custom_matchers.append(complete_distributed)
@@ -458,6 +464,8 @@ def unload(shell: InteractiveShell) -> None:
     magics = manager.registry.pop("DistributedMagics", None)
     if isinstance(magics, DistributedMagics):
         magics.post_mortem.uninstall()
+        if magics.dap is not None:
+            magics.dap.uninstall()
         if magics.pool is not None:
             described = magics.pool.spec.describe()
             magics.pool.shutdown()

@@ -16,11 +16,13 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from jupyter_shard.messages import (
+    DEBUG_RESPONSE,
     DONE,
     PULL_REPLY,
     PUSH_REPLY,
     REGROUP_REPLY,
     RELEASE_REPLY,
+    DebugSetup,
     OutcomeReply,
     RegroupReply,
     handler_table,
@@ -83,6 +85,7 @@ class Runner:
                 "release": self.release,
                 "regroup": self.regroup,
                 "answer": self.stale_answer,
+                "debug_request": self.debug_request,
             },
         )
         self.deferred: list[Message] = []  # came while a cell waited at a prompt; handled after it
@@ -126,6 +129,8 @@ class Runner:
         try:  # the handler is put back after every cell, so it is ours here
             if body.get("post_mortem"):
                 error = self.shell.post_mortem(cell_id)
+            elif "debug" in body:
+                error = self._run_traced(code, cell_id, int(body.get("exec_count", 0)), body["debug"])
             else:
                 error = self.shell.run(code, cell_id, int(body.get("exec_count", 0)))
         except KeyboardInterrupt:
@@ -149,6 +154,35 @@ class Runner:
                     "traceback": tb,
                     "duration": time.perf_counter() - started,
                     "grouped": self.group.alive(),
+                }
+            )
+        )
+
+    def _run_traced(
+        self, code: str, cell_id: str, exec_count: int, setup: DebugSetup
+    ) -> tuple[str, str, list[str]] | None:
+        """A cell while the notebook's debugger is on: under its file name, stopping at breakpoints."""
+        from jupyter_shard.rank.debugger import RankTracer
+
+        tracer = RankTracer(self.rank, self.sock, self.while_waiting)
+        run: Any = self.shell.run
+        if not tracer.arm(setup, code):
+            return run(code, cell_id, exec_count, setup["filename"])  # type: ignore[no-any-return]
+        tracer.start()
+        try:
+            return run(code, cell_id, exec_count, setup["filename"])  # type: ignore[no-any-return]
+        finally:
+            tracer.stop()
+
+    def debug_request(self, msg: Message) -> None:
+        """A debugger request for a rank that is not stopped (it came late, or the cell ended)."""
+        self.sock.send(
+            *DEBUG_RESPONSE(
+                {
+                    "seq": int(msg.body["seq"]),
+                    "success": False,
+                    "message": "the rank is not stopped",
+                    "body": {},
                 }
             )
         )

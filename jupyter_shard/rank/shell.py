@@ -334,17 +334,26 @@ class RankShell(InteractiveShell):
         debugger.interaction(None, tb or exc.__traceback__)
         return None
 
-    def run(self, code: str, cell_id: str, exec_count: int) -> tuple[str, str, list[str]] | None:
-        """Run one cell; the error as (name, value, traceback lines), or None on success."""
+    def run(
+        self, code: str, cell_id: str, exec_count: int, filename: str = ""
+    ) -> tuple[str, str, list[str]] | None:
+        """Run one cell; the error as (name, value, traceback lines), or None on success.
+        ``filename``: compile the cell under this name (the notebook debugger's for the cell)."""
         self.cell_id = cell_id
         self.last_error = None
         self.last_value = None
         self.kept_error = None
-        result = self._run_plain(code, cell_id, exec_count) if self._plain_ok(code) else None
-        if result is None:
-            if exec_count > 0:
-                self.execution_count = exec_count
-            result = self.run_cell(code, store_history=True)  # type: ignore[no-untyped-call]
+        if filename:
+            self.compile.get_code_name = lambda raw, transformed, number: filename  # type: ignore[method-assign,assignment]
+        try:
+            result = self._run_plain(code, cell_id, exec_count) if self._plain_ok(code) else None
+            if result is None:
+                if exec_count > 0:
+                    self.execution_count = exec_count
+                result = self.run_cell(code, store_history=True)  # type: ignore[no-untyped-call]
+        finally:
+            if filename:
+                del self.compile.get_code_name
         # The display hook files each result's repr under its cell; nothing here reads them back.
         if self.history_manager is not None:
             self.history_manager.outputs.clear()

@@ -13,13 +13,15 @@ import io
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from jupyter_shard import DistributedError, Pool
 from jupyter_shard.env import CHECK_PROTOCOL_VAR as CHECK_ENV
+from jupyter_shard.kernel import debugging
 from jupyter_shard.kernel.output import ConsoleSink
-from jupyter_shard.messages import MSG_TYPES, check_body
+from jupyter_shard.messages import MSG_TYPES, DebugSetup, check_body
 from jupyter_shard.protocol import KERNEL
 
 pytestmark = pytest.mark.timeout(150)
@@ -37,8 +39,43 @@ x
 DESYNC = "import torch, torch.distributed as dist\nif shard.rank == 0:\n    dist.all_reduce(torch.ones(1))"
 
 
-def _drive(pool: Pool) -> None:
+class _Frontend:
+    """The notebook's debugger, as the kernel side sees it: a breakpoint on line 2 of the cell."""
+
+    def __init__(self, filename: str) -> None:
+        self.filename = filename
+        self.events: list[tuple[int, str]] = []
+
+    def setup(self) -> DebugSetup:
+        return {"filename": self.filename, "breakpoints": {self.filename: [2]}}
+
+    def on_event(self, rank: int, event: dict[str, Any]) -> None:
+        self.events.append((rank, event["event"]))
+
+
+def _debug(pool: Pool, filename: str) -> None:
+    """Both ranks stop at a breakpoint, answer a request each and go on (``debug_*`` messages)."""
+    frontend = _Frontend(filename)
+    debugging.set_notebook_debugger(frontend)
+    try:
+        run = pool.run_background("a = 1\nb = a + 1\n")
+        deadline = time.monotonic() + 20
+        while pool.cells.debug.stopped != {0, 1} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for rank in (0, 1):
+            frames = pool.cells.debug.request(rank, "stackTrace", {"threadId": 1})
+            assert frames["success"] and frames["body"]["stackFrames"][0]["line"] == 2
+            assert pool.cells.debug.request(rank, "continue", {"threadId": 1})["success"]
+        assert run.wait(20).ok
+    finally:
+        debugging.set_notebook_debugger(None)
+    assert sorted(frontend.events) == [(0, "continued"), (0, "stopped"), (1, "continued"), (1, "stopped")]
+
+
+def _drive(pool: Pool, tmp_path: Path) -> None:
     assert pool.run(CELL).ok
+    assert pool.run("typed = input('name? ')").ok  # prompt, answer
+    _debug(pool, str(tmp_path / "cell.py"))
     pool.push(a=1)
     assert pool.pull("x", rank=1) == 42
     assert set(pool.stacks()) == {0, 1}
@@ -55,9 +92,13 @@ def test_every_message_sent_both_ways_matches_its_declared_body(
     record = tmp_path / "sent.jsonl"
     monkeypatch.setenv(CHECK_ENV, str(record))  # the pool passes it on to the ranks
     with Pool(
-        nproc=2, device="cpu", log_dir=tmp_path / "logs", sink=ConsoleSink(io.StringIO(), io.StringIO())
+        nproc=2,
+        device="cpu",
+        log_dir=tmp_path / "logs",
+        sink=ConsoleSink(io.StringIO(), io.StringIO()),
+        stdin=lambda prompt: "typed",
     ) as pool:
-        _drive(pool)
+        _drive(pool, tmp_path)
     sent = [json.loads(line) for line in record.read_text().splitlines()]
     wrong = [(m["sender"], m["type"], m["problems"]) for m in sent if m["problems"]]
     assert wrong == []

@@ -38,6 +38,8 @@ KERNEL_RECEIVES = {
     "done",
     "metrics",
     "prompt",
+    "debug_response",
+    "debug_event",
 }
 RANK_IO_SERVES = {"stacks", "status", "signal", "abort"}
 
@@ -86,7 +88,7 @@ def test_each_side_handles_exactly_the_types_it_receives() -> None:
 
     assert receiver_of(STATUS) == "rank.io" and receiver_of(DONE) == "kernel"
     rank = {n for n, k in MESSAGES.items() if receiver_of(k) == "rank"}
-    assert rank == {"execute", "push", "pull", "shutdown", "release", "regroup", "answer"}
+    assert rank == {"execute", "push", "pull", "shutdown", "release", "regroup", "answer", "debug_request"}
     assert set(handler_table("rank", dict.fromkeys(rank, h))) == rank
     kernel = handler_table("kernel", dict.fromkeys(KERNEL_RECEIVES, h), replies=h)
     assert set(kernel) == KERNEL_RECEIVES | REPLIES
