@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import plotly
 import pytest
 
 from jupyter_shard.kernel.figures import decode
@@ -228,3 +231,12 @@ def test_nice_ticks_are_round_and_cover_the_range() -> None:
     ticks = nice_ticks(3.7, 981.2)
     assert ticks[0] >= 3.7 and ticks[-1] <= 981.2 and len(ticks) >= 3
     assert nice_ticks(5, 5) == [5]
+
+
+def test_plotlys_jupyterlab_renderer_ships_prebuilt_with_the_plotly_package() -> None:
+    """The saved figure needs no Node and nothing fetched: plotly's wheel brings its mime renderer."""
+    found = Path(sys.prefix, "share", "jupyter", "labextensions", "jupyterlab-plotly", "package.json")
+    meta = json.loads(found.read_text())
+    assert meta["version"] == plotly.__version__
+    assert meta["jupyterlab"]["mimeExtension"] is True and "load" in meta["jupyterlab"]["_build"]
+    assert list(found.parent.glob("static/remoteEntry.*.js")), "no prebuilt bundle"
