@@ -21,15 +21,18 @@ unpickled; out-of-band buffers are only ever raw element data of the arrays it d
 
 from __future__ import annotations
 
+import bisect
 import io
+import itertools
 import pickle
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
 
-__all__ = ["Packed", "dumps", "loads"]
+__all__ = ["Assembly", "Packed", "dumps", "loads", "pieces"]
 
 PROTOCOL = 5
 _SPARSE_VIEW = 1.25  # send a view's own elements when its storage is this much larger than it
@@ -137,3 +140,46 @@ def _tensor(
     if parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     return tensor.requires_grad_(requires_grad)
+
+
+def pieces(buffers: Sequence[memoryview], offset: int, length: int) -> list[memoryview]:
+    """Views of ``length`` bytes from ``offset`` of ``buffers`` laid end to end (a transfer in parts)."""
+    starts = [0, *itertools.accumulate(b.nbytes for b in buffers)]
+    if offset < 0 or length < 0 or offset + length > starts[-1]:
+        raise ValueError(f"bytes {offset}-{offset + length} are outside the {starts[-1]} of this value")
+    out, end = [], offset + length
+    for buffer, start in zip(buffers, starts, strict=False):
+        lo, hi = max(offset, start), min(end, start + buffer.nbytes)
+        if lo < hi:
+            out.append(buffer.cast("B")[lo - start : hi - start])
+    return out
+
+
+class Assembly:
+    """Buffers of the given sizes filled part by part, in order, from a transfer in parts."""
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        self.buffers = [bytearray(n) for n in sizes]
+        self._starts = [0, *itertools.accumulate(sizes)]
+        self.filled = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.filled == self._starts[-1]
+
+    def add(self, offset: int, parts: Sequence[Any]) -> None:
+        """Write ``parts`` end to end from ``offset``, which must be where the last part ended."""
+        if offset != self.filled:
+            raise ValueError(f"a part at byte {offset} came where byte {self.filled} was expected")
+        for part in parts:
+            view = memoryview(part).cast("B")
+            if self.filled + view.nbytes > self._starts[-1]:
+                raise ValueError("the parts hold more bytes than the value's sizes announced")
+            done = 0
+            while done < view.nbytes:
+                i = bisect.bisect_right(self._starts, self.filled) - 1
+                start = self.filled - self._starts[i]
+                n = min(view.nbytes - done, len(self.buffers[i]) - start)
+                self.buffers[i][start : start + n] = view[done : done + n]
+                done += n
+                self.filled += n

@@ -90,6 +90,9 @@ class SegmentRef(TypedDict):
 class _PushOptions(TypedDict, total=False):
     segment: SegmentRef  # the out-of-band buffers are in this segment, not in the message
     sizes: list[int]  # the out-of-band buffers' sizes, in order (required with ``segment``)
+    stream: str  # one push sent in parts: its id; a part's buffers are the bytes from ``offset`` of
+    offset: int  # the out-of-band buffers laid end to end, and the ``final`` part has the pickles
+    final: bool
 
 
 class PushBody(_PushOptions):
@@ -108,6 +111,8 @@ class _PullOptions(TypedDict, total=False):
     direct: bool  # the rank may answer with where its buffers are, for the kernel to read them
     resend: bool  # write the buffers lent for the last pull into ``segments`` (reading them failed)
     release: bool  # the kernel has read what the rank lent it: no reply
+    stream: bool  # a large value is lent and read in parts (``chunk``), not sent at once
+    chunk: list[int]  # [offset, length] of the lent buffers laid end to end, as one buffer
 
 
 class PullBody(_PullOptions):
@@ -245,6 +250,7 @@ class _PullReplyOptions(TypedDict, total=False):
     addresses: list[int]  # where the buffers are in the rank (a ``direct`` pull), sizes as ``sizes``
     token: str  # random bytes (hex) the rank holds at ``token_address`` while it lends the buffers
     token_address: int
+    streamed: bool  # the buffers are lent, to be read in parts with ``chunk`` requests
 
 
 class PullReply(OutcomeReply, _PullReplyOptions):

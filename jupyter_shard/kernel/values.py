@@ -17,6 +17,7 @@ import io
 import os
 import socket
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ from jupyter_shard.spec import format_ranks
 __all__ = ["SEGMENT_OVER", "Transfer", "Values"]
 
 SEGMENT_OVER = 1 << 20  # out-of-band bytes from which a local transfer goes through shared memory
+CHUNK = 16 << 20  # bytes per part of a transfer in parts (to or from ranks on other machines)
 _RECORD_UP_TO = 16 << 20  # values up to this size are recorded for %dist_export as bytes
 _SECONDS_PER_BYTE = 1 / 50e6  # request timeouts allow this, past their base, for big values
 
@@ -126,16 +128,31 @@ class Values:
     def _push_inline(
         self, names: list[str], packs: list[Packed], targets: list[RankRecord], errors: dict[int, str]
     ) -> None:
+        """Push in the messages: at once when small, else in parts of :data:`CHUNK` bytes, each
+        acknowledged before the next is sent, so neither end holds more than a part in flight."""
         for name, pack in zip(names, packs, strict=True):
-            if max([len(pack.inband), *pack.sizes]) > MAX_FRAME:
+            if len(pack.inband) > MAX_FRAME:
                 raise PoolError(
-                    f"{name!r} is over the {MAX_FRAME // 2**20} MiB message limit of ranks on other "
-                    "machines; save it to a file and load it on the ranks"
+                    f"{name!r} pickles to over {MAX_FRAME // 2**20} MiB of plain Python objects; save it "
+                    "to a file and load it on the ranks, or push it as arrays or tensors"
                 )
-        frames: list[Any] = [p.inband for p in packs] + [b for p in packs for b in p.buffers]
-        body: PushBody = {"names": names, "counts": [len(p.buffers) for p in packs]}
-        replies = self._request(PUSH(body), targets, frames, sum(p.nbytes for p in packs))
-        errors.update(_failures(replies, targets, "push"))
+        oob = [b for p in packs for b in p.buffers]
+        sizes, inbands = [b.nbytes for b in oob], [p.inband for p in packs]
+        body: PushBody = {"names": names, "counts": [len(p.buffers) for p in packs], "sizes": sizes}
+        if sum(sizes) <= CHUNK:
+            replies = self._request(PUSH(body), targets, [*inbands, *oob], sum(p.nbytes for p in packs))
+            errors.update(_failures(replies, targets, "push"))
+            return
+        live, stream = list(targets), uuid.uuid4().hex
+        for offset in range(0, sum(sizes), CHUNK):
+            part = buffers.pieces(oob, offset, min(CHUNK, sum(sizes) - offset))
+            replies = self._request(PUSH({**body, "stream": stream, "offset": offset}), live, part, CHUNK)
+            errors.update(_failures(replies, live, "push"))
+            live = [r for r in live if r.rank not in errors]
+            if not live:
+                return
+        replies = self._request(PUSH({**body, "stream": stream, "final": True}), live, inbands, CHUNK)
+        errors.update(_failures(replies, live, "push"))
 
     def pull(
         self, name: str, ranks: Sequence[int] | None, gather: bool, device: bool = False
@@ -167,11 +184,12 @@ class Values:
             if owned:
                 body["segments"] = {str(k): s.ref for k, s in owned.items()}
                 body["direct"] = peer_memory.supported()
+            body["stream"] = True
             replies = self.conn.request(*PULL(body), targets, timeout=600.0)
             for k, msg in sorted(replies.items()):
                 if not msg.body["ok"]:
                     raise PoolError(msg.body["error"])
-                if "addresses" in msg.body:
+                if "addresses" in msg.body or msg.body.get("streamed"):
                     lent.append(self.ranks[k])
                 try:
                     oob, path = self._buffers_of(self.ranks[k], msg, owned.get(k))
@@ -232,10 +250,28 @@ class Values:
             if segment is None:
                 raise segments.SegmentError("it names a segment that was never offered")
             return segment.seal_and_map(sizes), "segment"
+        if msg.body.get("streamed"):
+            return self._read_in_parts(r, sizes), "messages"
         oob = [bytearray(b) for b in msg.buffers[1:]]
         if [len(b) for b in oob] != sizes:
             raise segments.SegmentError("its buffers are not the sizes it signed")
         return oob, "messages"
+
+    def _read_in_parts(self, r: RankRecord, sizes: list[int]) -> list[Any]:
+        """The buffers rank ``r`` lent, read in parts of :data:`CHUNK` bytes (a rank elsewhere)."""
+        _check_room(sum(sizes))
+        assembly = buffers.Assembly(sizes)
+        for offset in range(0, sum(sizes), CHUNK):
+            length = min(CHUNK, sum(sizes) - offset)
+            part = PULL({"name": "", "gather": False, "chunk": [offset, length]})
+            reply = self.conn.request(*part, [r], timeout=60.0 + CHUNK * _SECONDS_PER_BYTE).get(r.rank)
+            if reply is None or not reply.body["ok"]:
+                why = str(reply.body["error"]) if reply is not None else "it did not answer"
+                raise PoolError(f"rank {r.rank} stopped sending its value at byte {offset}: {why}")
+            assembly.add(offset, reply.buffers)
+        if not assembly.complete:
+            raise PoolError(f"rank {r.rank}'s value came short")
+        return assembly.buffers
 
     def _request(
         self, message: tuple[str, dict[str, Any]], targets: list[RankRecord], frames: list[Any], size: int
@@ -269,6 +305,18 @@ def _check_memory(names: list[str], packs: list[Packed]) -> None:
             f"pushing {', '.join(names)} needs {need / 2**30:.1f} GiB of shared memory and "
             f"{free / 2**30:.1f} GiB is free; push smaller pieces, or save it to a file and load it "
             "on the ranks"
+        )
+
+
+def _check_room(nbytes: int) -> None:
+    """Refuse a pulled value this machine has no memory for, before any of it is read."""
+    import psutil
+
+    free = psutil.virtual_memory().available
+    if nbytes > free:
+        raise PoolError(
+            f"the value is {nbytes / 2**30:.1f} GiB and the kernel's machine has {free / 2**30:.1f} GiB "
+            "free; pull a part of it, or save it to a file on the ranks"
         )
 
 

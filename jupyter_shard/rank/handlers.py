@@ -212,13 +212,17 @@ class Runner:
         device; a value over the request's ``limit`` is refused before it is pickled where its
         tensors alone pass it."""
         from jupyter_shard.rank.device import tensor_bytes
-        from jupyter_shard.rank.transfer import pulled_reply, release, resent_reply
+        from jupyter_shard.rank.transfer import chunk_reply, pulled_reply, release, resent_reply
 
         if msg.body.get("release"):
             release()
             return
         if msg.body.get("resend"):
             self.sock.send(*PULL_REPLY(resent_reply(msg, self.rank)))
+            return
+        if "chunk" in msg.body:
+            part, parts = chunk_reply(msg)
+            self.sock.send(*PULL_REPLY(part), parts)
             return
         started = time.perf_counter()
         limit = int(msg.body.get("limit", 1 << 62))

@@ -16,11 +16,13 @@ from jupyter_shard import buffers, peer_memory, segments
 from jupyter_shard.messages import PullReply
 from jupyter_shard.protocol import MAX_FRAME, Message
 
-__all__ = ["pulled_reply", "pushed_values", "release", "resent_reply"]
+__all__ = ["chunk_reply", "pulled_reply", "pushed_values", "release", "resent_reply"]
 
 SEGMENT_OVER = 1 << 20  # out-of-band bytes from which a pull goes through shared memory
+CHUNK = 16 << 20  # bytes per part of a transfer in parts (the kernel's pushes use the same)
 
 _lent: peer_memory.Lent | None = None  # what the kernel may be reading out of this process
+_incoming: tuple[str, buffers.Assembly] | None = None  # a push in parts: its id and what came
 
 
 def release() -> None:
@@ -30,19 +32,32 @@ def release() -> None:
 
 
 def pushed_values(msg: Message) -> dict[str, Any]:
-    """The values a ``push`` carries, by name; a ``ValueError`` (or :class:`~.segments.SegmentError`)
-    for one that does not hold together."""
+    """The values a ``push`` carries, by name (none for a part of a push in parts); a ``ValueError``
+    (or :class:`~.segments.SegmentError`) for one that does not hold together."""
+    global _incoming
     release()
     body = msg.body
     names = [str(n) for n in body["names"]]
     counts = [int(c) for c in body["counts"]]
+    if "stream" in body and not body.get("final"):
+        stream, sizes = str(body["stream"]), [int(n) for n in body["sizes"]]
+        if _incoming is None or _incoming[0] != stream:
+            _check_room(sum(sizes))
+            _incoming = (stream, buffers.Assembly(sizes))
+        _incoming[1].add(int(body["offset"]), msg.buffers)
+        return {}
     if len(counts) != len(names) or len(msg.buffers) < len(names) or min(counts, default=0) < 0:
         raise ValueError("malformed push: its names, counts and buffers do not match")
     inbands = msg.buffers[: len(names)]
-    if "segment" in body:
+    if "stream" in body:
+        incoming, _incoming = _incoming, None
+        if incoming is None or incoming[0] != body["stream"] or not incoming[1].complete:
+            raise ValueError("a push in parts ended before all its parts came")
+        oob: list[Any] = incoming[1].buffers
+    elif "segment" in body:
         sizes = [int(s) for s in body["sizes"]]
         with segments.opened(body["segment"]) as fd:
-            oob: list[Any] = segments.map_buffers(fd, sizes)
+            oob = segments.map_buffers(fd, sizes)
     else:
         oob = [bytearray(b) for b in msg.buffers[len(names) :]]  # writable, as the sender's were
     if sum(counts) != len(oob):
@@ -71,6 +86,10 @@ def pulled_reply(msg: Message, rank: int, what: str, value: Any, limit: int) -> 
         reply["error"] += f"{limit / 2**20:.0f} MiB limit of this copy"
         return reply, []
     ref = msg.body.get("segments", {}).get(str(rank))
+    if msg.body.get("stream") and ref is None and sum(packed.sizes) > CHUNK:
+        _lent = peer_memory.Lent(packed.buffers)
+        reply["ok"], reply["streamed"] = True, True
+        return reply, [packed.inband]
     if ref is not None and sum(packed.sizes) >= SEGMENT_OVER:
         if msg.body.get("direct") and peer_memory.supported():
             _lent = peer_memory.Lent(packed.buffers)
@@ -117,3 +136,32 @@ def _into_segment(ref: Any, views: list[memoryview]) -> str:
     except segments.SegmentError as exc:
         return str(exc)
     return ""
+
+
+def chunk_reply(msg: Message) -> tuple[PullReply, list[Any]]:
+    """A part of the buffers lent for the last pull: ``chunk`` is [offset, length] of them end to end."""
+    reply: PullReply = {"req_id": str(msg.body["req_id"]), "ok": False, "error": ""}
+    offset, length = (int(n) for n in msg.body["chunk"])
+    if _lent is None:
+        reply["error"] = "nothing is lent for a part to be read from"
+        return reply, []
+    if length > 4 * CHUNK:
+        reply["error"] = f"a part of {length} bytes is over the {4 * CHUNK} allowed"
+        return reply, []
+    try:
+        parts = buffers.pieces(_lent.buffers, offset, length)
+    except ValueError as exc:
+        reply["error"] = str(exc)
+        return reply, []
+    reply["ok"] = True
+    return reply, parts
+
+
+def _check_room(nbytes: int) -> None:
+    import psutil
+
+    free = psutil.virtual_memory().available
+    if nbytes > free:
+        raise MemoryError(
+            f"the value needs {nbytes / 2**30:.1f} GiB and this machine has {free / 2**30:.1f} GiB free"
+        )

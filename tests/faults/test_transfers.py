@@ -183,6 +183,10 @@ def test_forged_truncated_and_malformed_pushes_are_refused_and_the_pool_works(po
     assert all("malformed" in e for e in push(malformed, [packed.inband]).values())
     short = {"names": ["forged"], "counts": [1]}  # the inline path: a buffer shorter than the tensor
     assert all(push(short, [packed.inband, bytes(view[:100])]).values())
+    parts = {"names": ["forged"], "counts": [1], "sizes": [view.nbytes], "stream": "s1"}
+    assert push({**parts, "offset": 0}, [bytes(view[:4096])]) == {}  # the first part of two
+    assert all("expected" in e for e in push({**parts, "offset": 8192}, [bytes(view[8192:])]).values())
+    assert all("before all its parts" in e for e in push({**parts, "final": True}, [packed.inband]).values())
     assert pool.pull_all("forged") == {0: "untouched", 1: "untouched"}, "nothing refused was kept"
     pool.push(again=data)
     assert np.array_equal(pool.pull("again", rank=1), data)

@@ -140,3 +140,28 @@ def test_a_short_buffer_is_refused_rather_than_read_past() -> None:
         buffers.loads(packed.inband, [bytearray(40)])
     with pytest.raises(pickle.UnpicklingError):
         buffers.loads(packed.inband, [])
+
+
+@pytest.mark.parametrize("step", [1, 7, 25, 4096])
+def test_a_value_in_parts_is_reassembled_exactly_whatever_the_part_size(step: int) -> None:
+    source = {"a": torch.randn(100), "e": torch.empty(0), "b": np.arange(37, dtype=np.int8)}
+    packed = buffers.dumps(source)
+    total = sum(packed.sizes)
+    assembly = buffers.Assembly(packed.sizes)
+    for offset in range(0, total, step):
+        assert not assembly.complete
+        assembly.add(offset, buffers.pieces(packed.buffers, offset, min(step, total - offset)))
+    assert assembly.complete
+    value = buffers.loads(packed.inband, assembly.buffers)
+    assert torch.equal(value["a"], source["a"]) and np.array_equal(value["b"], source["b"])
+
+
+def test_parts_out_of_order_or_past_the_end_are_refused() -> None:
+    packed = buffers.dumps(torch.ones(10))
+    assembly = buffers.Assembly(packed.sizes)
+    with pytest.raises(ValueError, match="expected"):
+        assembly.add(8, [b"x" * 8])
+    with pytest.raises(ValueError, match="more bytes"):
+        assembly.add(0, [b"x" * 41])
+    with pytest.raises(ValueError, match="outside"):
+        buffers.pieces(packed.buffers, 30, 20)
