@@ -7,23 +7,22 @@ tensors and gloo for CPU tensors, because CPU tensors take part in collectives o
 and an NCCL-only group rejects them. A rank whose GPU is not visible fails at start-up with a line
 that says how many are.
 
-A value pulled into the notebook leaves the rank on the CPU (:func:`dumps_on_host`): unpickling a
-CUDA tensor in the kernel would create a CUDA context there (about 0.5 GiB per GPU, and an error
-where the kernel cannot see that GPU).
+A value pulled into the notebook leaves the rank on the CPU (:func:`jupyter_shard.buffers.dumps`
+with ``host=True`` makes the one :func:`host_copy` of each device tensor): unpickling a CUDA tensor
+in the kernel would create a CUDA context there (about 0.5 GiB per GPU, and an error where the
+kernel cannot see that GPU).
 """
 
 from __future__ import annotations
 
 import functools
-import io
 import warnings
 from typing import Any
 
-import cloudpickle
 import torch
 import torch.distributed as dist
 
-__all__ = ["CUDA_BACKEND", "device_backends", "dumps_on_host", "host_copy", "select_device"]
+__all__ = ["CUDA_BACKEND", "device_backends", "host_copy", "select_device", "tensor_bytes"]
 
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 _HOST_TYPES = ("cpu", "meta")  # tensors that unpickle anywhere without a device
@@ -67,25 +66,6 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, torch.nn.Parameter):
         return torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
     return copy.requires_grad_(tensor.requires_grad)
-
-
-class _HostPickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is untyped
-    """cloudpickle, with every device tensor reached (in containers, modules, optimizer state, any
-    object) pickled as its :func:`host_copy`; the rank's own objects are left as they are."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.device.type not in _HOST_TYPES:
-            return host_copy(obj).__reduce_ex__(self.proto)
-        return super().reducer_override(obj)
-
-
-def dumps_on_host(value: Any, keep_device: bool = False) -> bytes:
-    """``value`` pickled for the kernel: its tensors on the CPU unless ``keep_device``."""
-    if keep_device:
-        return bytes(cloudpickle.dumps(value))
-    buffer = io.BytesIO()
-    _HostPickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(value)
-    return buffer.getvalue()
 
 
 def tensor_bytes(value: Any, depth: int = 3) -> int:

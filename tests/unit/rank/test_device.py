@@ -2,13 +2,13 @@
 
 Only CPU tensors exist here, so what is checked is what a pulled value keeps on the way: the copy
 :func:`host_copy` makes (detached, a parameter still a parameter, ``requires_grad`` kept) and a
-:func:`dumps_on_host` round trip of containers, modules, arrays and plain objects. That a CUDA tensor
+round trip of containers, modules, arrays and plain objects as a pull sends them
+(:func:`jupyter_shard.buffers.dumps` with ``host=True``). That a CUDA tensor
 comes back on the CPU, with no CUDA context in the kernel, is tests/gpu/test_cuda_pool.py's.
 """
 
 from __future__ import annotations
 
-import pickle
 from collections import OrderedDict, namedtuple
 from typing import Any
 
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from jupyter_shard.rank.device import CUDA_BACKEND, dumps_on_host, host_copy, select_device
+from jupyter_shard import buffers
+from jupyter_shard.rank.device import CUDA_BACKEND, host_copy, select_device
 
 Point = namedtuple("Point", "x y")
 
@@ -45,8 +46,9 @@ def test_host_copy_detaches_and_keeps_what_the_tensor_was() -> None:
     assert host_copy(steps).dtype == torch.int64 and not host_copy(steps).requires_grad
 
 
-def _round_trip(value: Any) -> Any:
-    return pickle.loads(dumps_on_host(value))
+def _round_trip(value: Any, host: bool = True) -> Any:
+    packed = buffers.dumps(value, host=host)
+    return buffers.loads(packed.inband, [bytearray(b) for b in packed.buffers])
 
 
 def test_containers_arrays_and_plain_values_come_back_equal() -> None:
@@ -81,9 +83,9 @@ def test_shared_tensors_stay_shared_and_cloudpickle_objects_still_pickle() -> No
     assert back[0] is back[1] and back[2](1) == 2
 
 
-def test_keep_device_is_plain_cloudpickle() -> None:
+def test_keep_device_leaves_tensors_as_they_are() -> None:
     value = {"w": torch.randn(2, 2)}
-    assert torch.equal(pickle.loads(dumps_on_host(value, keep_device=True))["w"], value["w"])
+    assert torch.equal(_round_trip(value, host=False)["w"], value["w"])
 
 
 def test_tensor_bytes_counts_tensors_modules_arrays_and_containers_without_pickling() -> None:
