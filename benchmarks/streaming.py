@@ -223,6 +223,8 @@ def _detail(kind: str, content: dict[str, Any]) -> str:
         data = content.get("data", {})
         if "application/vnd.jupyter-shard.rank-output+json" in data:
             return "rank lines"
+        if "application/vnd.jupyter-shard.figure+json" in data:
+            return "dashboard figure"
         return (
             "widget"
             if "application/vnd.jupyter.widget-view+json" in data
