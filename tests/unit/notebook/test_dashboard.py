@@ -240,3 +240,27 @@ def test_plotlys_jupyterlab_renderer_ships_prebuilt_with_the_plotly_package() ->
     assert meta["version"] == plotly.__version__
     assert meta["jupyterlab"]["mimeExtension"] is True and "load" in meta["jupyterlab"]["_build"]
     assert list(found.parent.glob("static/remoteEntry.*.js")), "no prebuilt bundle"
+
+
+def test_on_gpu_the_memory_chart_has_allocated_reserved_and_peak_per_rank() -> None:
+    pool = _Pool(rows=[_row(0), _row(1)])
+    for rank in (0, 1):
+        for t in (1.0, 2.0):
+            pool.history.add_memory(
+                rank,
+                t,
+                {"rss": 2**30, "cuda_allocated": 2**20, "cuda_reserved": 2**21, "cuda_peak": 3 * 2**20},
+            )
+    board = dash.Dashboard(pool)  # type: ignore[arg-type]
+    figure = decode(board.live_bundle()[dash.LIVE_MIME]["figure"])
+    memory = [t for t in figure["data"] if t.get("uid", "").startswith("memory:")]
+    assert [(t["uid"], t["line"]["dash"], t["y"]) for t in memory[:3]] == [
+        ("memory:0:cuda_allocated", "solid", [1.0, 1.0]),
+        ("memory:0:cuda_reserved", "dash", [2.0, 2.0]),
+        ("memory:0:cuda_peak", "dot", [3.0, 3.0]),
+    ]
+    assert [t["showlegend"] for t in memory] == [True, False, False] * 2
+    assert any(
+        "CUDA allocated, reserved (dashed), peak (dotted)" in a["text"]
+        for a in figure["layout"]["annotations"]
+    )
