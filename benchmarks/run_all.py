@@ -62,6 +62,7 @@ BENCHMARKS = (
     Benchmark("memory", "Memory per rank against torchrun", optional=True),
     Benchmark("frameworks", "A Lightning Trainer against the same script under torchrun", quick=("--quick",)),
     Benchmark("bigmodel", "Peak memory per rank of a 1.5 GB model, sharded initialisation or not"),
+    Benchmark("transfer", "Moving values: push and pull against ipyparallel and memcpy"),
     *(
         Benchmark(
             f"soak-{n}",

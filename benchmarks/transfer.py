@@ -11,7 +11,8 @@ one untimed run:
 * **pull**: ``Pool.pull("y")`` of a tensor rank 0 made itself; ipyparallel: ``client[0].pull("y")``
   of an array engine 0 made. Rate: S / time.
 * **push, messages** / **pull, messages**: the same with ``JUPYTER_SHARD_SHARED_MEMORY=0``, the path
-  of ranks on other machines (the values in signed message frames over the pool's socket).
+  of ranks on other machines (the values in signed message frames over the pool's socket, in 16 MiB
+  parts); **over TCP**: that path on a torchrun pool of two one-rank "nodes" on this machine.
 * **gathered pull**: ``Pool.pull("model", gather=True)`` of a model of S bytes of fp32 parameters
   prepared with ``fsdp`` and with DeepSpeed ZeRO-3 (``--gather-sizes``); the all-gather's own time,
   as rank 0 measured it, is reported beside the transfer's (the rest of the call).
@@ -158,6 +159,32 @@ def measure_shard(n: int, args: argparse.Namespace, res: dict[Any, Any]) -> None
             print(f"shard, {n} ranks, {size} MiB: {row}", flush=True)
 
 
+def measure_tcp(args: argparse.Namespace, res: dict[Any, Any]) -> None:
+    """Push and pull over TCP: a torchrun pool of two one-rank "nodes" on this machine, with shared
+    memory off, so the values take the path of ranks on other machines (in parts, CurveZMQ-encrypted)."""
+    import torch
+
+    from jupyter_shard import Pool
+    from jupyter_shard.kernel.output import ConsoleSink
+    from jupyter_shard.launchers import resolve_spec
+
+    spec = resolve_spec(nproc=1, device="cpu", launcher="torchrun", hosts="localhost,localhost")
+    with (
+        shared_memory(False),
+        tempfile.TemporaryDirectory(prefix="jsbench-") as tmp,
+        Pool(spec=spec, log_dir=tmp, sink=ConsoleSink(io.StringIO(), io.StringIO())) as pool,
+    ):
+        for size in [s for s in args.sizes if s <= 256]:
+            x = torch.randn(size * MIB // 4)
+            pool.run(f"import torch; y = torch.randn({size * MIB // 4})", ranks=[0])
+            push, pull = partial(pool.push, x=x), partial(pool.pull, "y")
+            row = res.setdefault("tcp", {}).setdefault(size, {})
+            row["push"] = 2 * size * MIB / median_time(push, args.repeats) / GB
+            row["pull"] = size * MIB / median_time(pull, args.repeats) / GB
+            pool.run("del x")
+            print(f"TCP (torchrun, 2 nodes here), {size} MiB: {row}", flush=True)
+
+
 def measure_gather(n: int, args: argparse.Namespace, res: dict[Any, Any]) -> None:
     from jupyter_shard import Pool
     from jupyter_shard.kernel.output import ConsoleSink
@@ -287,9 +314,23 @@ def report(res: dict[Any, Any], args: argparse.Namespace, machine: dict[str, Any
             lines += [
                 f"Kernel peak RSS above its RSS before, {max(args.sizes)} MiB: push to {n} ranks "
                 f"{big['rss-push'] / 2**30:.2f} GiB, pull {big['rss-pull'] / 2**30:.2f} GiB "
-                "(the pulled value itself included, every page read).",
+                "(the pulled value itself included, every page read). A push's segment is shared "
+                "memory, in no process's RSS: it holds one copy of the value while the ranks map it.",
                 "",
             ]
+    tcp = res.get("tcp", {})
+    if tcp:
+        lines += [
+            "## Over TCP: a torchrun pool of two one-rank nodes on this machine, shared memory off",
+            "",
+            "The path of ranks on other machines: values in 16 MiB parts, each acknowledged, over the "
+            "pool's CurveZMQ-encrypted TCP socket.",
+            "",
+            "| size | push to 2 ranks | pull |",
+            "|---|---:|---:|",
+            *[f"| {size} MiB | {_f(row, 'push')} | {_f(row, 'pull')} |" for size, row in sorted(tcp.items())],
+            "",
+        ]
     lines += [f"![Transfer rates]({p})" for p in plots] + [""]
     goals = targets(res, args)
     lines += [
@@ -374,7 +415,7 @@ def plot(res: dict[Any, Any], args: argparse.Namespace, folder: Path, stem: str)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(args.sizes, [f"{s} MiB" for s in args.sizes])
-        ax.set_title(f"{what} (push: all ranks together)")
+        ax.set_title("push: what all ranks received together" if what == "push" else "pull from rank 0")
         ax.set_ylabel("GB/s")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
@@ -393,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--big-repeats", type=int, default=2, help="repeats at 1 GiB and over")
     parser.add_argument("--no-messages", dest="messages", action="store_false", help="skip the message path")
     parser.add_argument("--no-ipp", dest="ipp", action="store_false", help="skip ipyparallel")
+    parser.add_argument("--no-tcp", dest="tcp", action="store_false", help="skip the TCP (torchrun) pool")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 ranks, 64 MiB, 2 repeats")
     parser.add_argument("--results", default=str(RESULTS), help="markdown file to write; - only prints")
     args = parser.parse_args(argv)
@@ -402,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     loads, others, t0 = os.getloadavg(), other_runs(), time.monotonic()
     res: dict[Any, Any] = {}
     measure_memcpy(args, res)
+    if args.tcp:
+        measure_tcp(args, res)
     for n in args.ranks:
         measure_shard(n, args, res)
         if args.ipp:
