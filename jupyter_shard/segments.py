@@ -7,9 +7,10 @@ segment: an anonymous ``memfd`` that the notebook kernel creates and owns, for b
   and names it in the signed ``push`` message; each rank opens it, checks it, and maps every buffer
   copy-on-write (``MAP_PRIVATE``): no copy is made at all, yet each rank has its own value, since a
   page a rank writes to becomes that rank's private page and the sealed segment never changes.
-- **pull**: the kernel creates an empty segment and names it in the ``pull`` message; the rank
-  writes its buffers into it and replies with their sizes; the kernel seals it, checks its size and
-  maps the buffers the same way.
+- **pull**, where the kernel may not read the rank's memory itself (:mod:`.peer_memory`): the kernel
+  creates an empty segment and names it in the ``pull`` message; the rank writes its buffers into
+  it and replies with their sizes; the kernel seals it, checks its size and maps the buffers the
+  same way.
 
 Why this is safe, and why no HMAC runs over the data:
 
@@ -21,9 +22,9 @@ Why this is safe, and why no HMAC runs over the data:
   is inside the signed message, so a forged or replayed one is dropped by :class:`~.protocol.Wire`.
   A receiver opens ``/proc/<kernel pid>/fd/<fd>`` (which the kernel lets only processes that may
   inspect it open: the same user), then checks that the file it got is a memfd named with that token,
-  is a regular file owned by this user, has exactly the signed size and, for a push, carries the
-  seals that make it immutable. A segment of another process, or one grown, shrunk or rewritten, is
-  refused with a message and the pool keeps working.
+  is a regular file owned by this user with mode 0600, has exactly the signed size and, for a push,
+  carries the seals that make it immutable. A segment of another process, or one grown, shrunk or
+  rewritten, is refused with a message and the pool keeps working.
 - *Nothing can be left behind.* A memfd has no name in ``/dev/shm`` or anywhere else: it lives while
   a process holds it open or mapped, so a crash of either side frees it with the process. The
   kernel closes its descriptor when the transfer ends, also on an interrupt; what ranks mapped lives
@@ -93,6 +94,7 @@ class Segment:
     def __init__(self) -> None:
         self.token = secrets.token_hex(16)
         self.fd = os.memfd_create(_NAME + self.token, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.fchmod(self.fd, 0o600)  # the user's alone, as a file in /dev/shm would be made
 
     @property
     def ref(self) -> SegmentRef:
@@ -230,8 +232,8 @@ def _check(fd: int, ref: SegmentRef, writable: bool) -> None:
     if target != f"/memfd:{_NAME}{ref['token']} (deleted)":
         raise SegmentError(f"{UNAVAILABLE} (the descriptor names another file here)")
     info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-        raise SegmentError("the transfer's segment is not a file of this user: refused")
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise SegmentError("the transfer's segment is not a private (0600) file of this user: refused")
     seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     if writable and (seals or info.st_size):
         raise SegmentError("the segment for this pull was already written to: refused")

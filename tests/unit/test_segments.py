@@ -79,7 +79,12 @@ def test_a_segment_is_refused_unless_sealed_and_exactly_the_signed_size() -> Non
 
 def test_a_descriptor_with_another_token_or_naming_another_file_is_refused(tmp_path: Path) -> None:
     with Segment() as segment:
+        assert os.fstat(segment.fd).st_mode & 0o777 == 0o600
         segment.fill(views(np.ones(10)))
+        os.fchmod(segment.fd, 0o644)
+        with pytest.raises(SegmentError, match="0600"), segments.opened(segment.ref):
+            pass
+        os.fchmod(segment.fd, 0o600)
         forged = {**segment.ref, "token": "0" * 32}
         with pytest.raises(SegmentError, match=UNAVAILABLE), segments.opened(forged):  # type: ignore[arg-type]
             pass
