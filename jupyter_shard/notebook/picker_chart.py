@@ -44,11 +44,12 @@ def memory_figure(
     data: list[dict[str, Any]] = [
         {
             "type": "bar",
+            "orientation": "h",
             "name": NAMES[c],
-            "x": labels,
-            "y": [held(e, c, device) / GIB for e in rows],
+            "y": labels,
+            "x": [held(e, c, device) / GIB for e in rows],
             "marker": {"color": COLORS[c]},
-            "hovertemplate": f"%{{x}}<br>{NAMES[c]} %{{y:.2f}} GiB<extra></extra>",
+            "hovertemplate": f"%{{y}}<br>{NAMES[c]} %{{x:.2f}} GiB<extra></extra>",
         }
         for c in est.COMPONENTS
     ]
@@ -60,12 +61,12 @@ def memory_figure(
             shapes.append(
                 {
                     "type": "line",
-                    "xref": "paper",
-                    "x0": 0,
-                    "x1": 1,
-                    "yref": "y",
-                    "y0": level,
-                    "y1": level,
+                    "yref": "paper",
+                    "y0": 0,
+                    "y1": 1,
+                    "xref": "x",
+                    "x0": level,
+                    "x1": level,
                     "line": {"color": "#d62728", "width": 2, "dash": dash},
                     "showlegend": True,
                     "name": f"{name}: {est.format_bytes(int(share * free.per_rank))}",
@@ -75,13 +76,13 @@ def memory_figure(
         "data": data,
         "layout": {
             "barmode": "stack",
-            "height": 320,
-            "width": 520,
-            "margin": {"l": 55, "r": 10, "t": 40, "b": 70},
+            "height": 130 + 22 * len(rows),
+            "width": 440,
+            "margin": {"l": 10, "r": 20, "t": 30, "b": 90},
             "title": {"text": "Memory per rank, before activations", "font": {"size": 13}, "x": 0},
-            "yaxis": {"title": {"text": "GiB"}, "gridcolor": "#eee"},
-            "xaxis": {"tickangle": -30},
-            "legend": {"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 1, "xanchor": "right"},
+            "xaxis": {"title": {"text": "GiB"}, "gridcolor": "#eee", "rangemode": "tozero"},
+            "yaxis": {"autorange": "reversed", "automargin": True},  # the table's order, top down
+            "legend": {"orientation": "h", "x": 0, "y": 0, "yanchor": "bottom", "yref": "container"},
             "plot_bgcolor": "#fff",
             "shapes": shapes,
         },

@@ -319,16 +319,16 @@ def test_the_chart_stacks_each_strategys_bytes_against_the_free_memory() -> None
     bars = {t["name"]: t for t in p.chart["data"]}
     assert list(bars) == ["parameters", "gradients", "optimizer state"]
     assert p.chart["layout"]["barmode"] == "stack"
-    labels = bars["parameters"]["x"]
+    labels = bars["parameters"]["y"]
     assert len(labels) == len(p.estimates) and labels[0] == "★ ▶ DDP"
     for i, e in enumerate(p.estimates):  # the stack is the table's device bytes, in GiB
-        stacked = sum(bars[name]["y"][i] for name in bars) * 2**30
+        stacked = sum(bars[name]["x"][i] for name in bars) * 2**30
         assert stacked == pytest.approx(e.device_bytes)
     free, usable = p.chart["layout"]["shapes"]
-    assert free["y0"] == pytest.approx(70.0) and free["name"] == "free per GPU: 70.0 GiB"
-    assert usable["y0"] == pytest.approx(56.0) and usable["line"]["dash"] == "dash"
+    assert free["x0"] == pytest.approx(70.0) and free["name"] == "free per GPU: 70.0 GiB"
+    assert usable["x0"] == pytest.approx(56.0) and usable["line"]["dash"] == "dash"
     p.fields["strategy"].value = "fsdp"
-    assert "▶ FSDP FULL_SHARD" in p.chart["data"][0]["x"] and "★ DDP" in p.chart["data"][0]["x"]
+    assert "▶ FSDP FULL_SHARD" in p.chart["data"][0]["y"] and "★ DDP" in p.chart["data"][0]["y"]
 
 
 def test_the_chart_counts_offloaded_state_on_cpu_ranks() -> None:
@@ -336,7 +336,7 @@ def test_the_chart_counts_offloaded_state_on_cpu_ranks() -> None:
     p = make(parameters=1_000_000, memory=cpu, gpu_count=0)
     p.fields["device"].value = "cpu"
     bars = {t["name"]: t for t in p.chart["data"]} if p.chart else {}
-    total = sum(bars[name]["y"][0] for name in bars) * 2**30
+    total = sum(bars[name]["x"][0] for name in bars) * 2**30
     first = p.estimates[0]
     assert total == pytest.approx(first.device_bytes + first.host_bytes)
     assert p.chart is not None and p.chart["layout"]["shapes"][0]["name"].startswith("host RAM per rank: ")
