@@ -178,11 +178,7 @@ class Dashboard:
         bundle = self.live_bundle()
         handle: DisplayHandle | None = display(bundle, raw=True, display_id=True)
         assert handle is not None
-        self._handle, self._sent, self._live = (
-            handle,
-            bundle,
-            {k: bundle[k] for k in (LIVE_MIME, "text/plain")},
-        )
+        self._handle, self._sent, self._live = handle, bundle, bundle
         return handle
 
     def refresh(self, pool: Pool, final: bool = False) -> None:
