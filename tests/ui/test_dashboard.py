@@ -10,6 +10,7 @@ the status table is its ``table`` trace; ``data-draws`` counts the figures it ha
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,7 +175,7 @@ def _after_redraws(nb: Notebook, cell: int, count: int = 3) -> None:
 
 
 def test_hover_legend_zoom_and_log_switch_survive_redraws_and_the_saved_figure_opens_without_kernel(
-    open_nb: OpenNotebook, lab_server: lab.LabServer, tmp_path: Path
+    open_nb: OpenNotebook, lab_server: lab.LabServer, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     stop = tmp_path / "stop"
     notebook = nbformat.v4.new_notebook()
@@ -268,6 +269,15 @@ def test_hover_legend_zoom_and_log_switch_survive_redraws_and_the_saved_figure_o
     _wait_gd(reopened, train, "return !!trace('loss:0') && !!trace('loss:mean');", "the saved figure")
     _hover_reads(reopened, train, step=20, value=1.0 / 20)
     reopened.screenshot("reopened-without-kernel", show=reopened.code_cell(train).locator(".jp-OutputArea"))
+
+    # and in Notebook 7, served by the same server
+    if importlib.util.find_spec("notebook") is not None:
+        open_nb7: OpenNotebook = request.getfixturevalue("open_nb7")
+        nb7 = open_nb7(INTERACTIVE)
+        lab_server.shutdown_kernels()
+        _wait_gd(nb7, train, "return !!trace('loss:0') && !!trace('loss:mean');", "the figure in Notebook 7")
+        _hover_reads(nb7, train, step=20, value=1.0 / 20)
+        nb7.screenshot("notebook7-without-kernel", show=nb7.code_cell(train).locator(".jp-OutputArea"))
 
 
 def _hover_reads(nb: Notebook, cell: int, step: int, value: float) -> None:
