@@ -79,7 +79,8 @@ def __getattr__(name: str) -> Any:
 def history() -> History:
     """Every scalar logged with ``shard.log`` by the most recently started pool (also after it stopped).
 
-    Iterate for records ``{"rank", "step", "time", <metric>: value}``, or ``.to_csv(path)``.
+    Iterate for records ``{"rank", "step", "time", <metric>: value}``, ``.to_csv(path)``, or
+    ``.plot("loss", smooth=0.9)`` for a Plotly figure (a line per rank and their mean).
     """
     from jupyter_shard.errors import PoolError
     from jupyter_shard.kernel.pool import latest_pool
