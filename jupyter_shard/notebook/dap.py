@@ -101,6 +101,11 @@ class RankDebugRouter:
             ]
             reply.setdefault("body", {}).setdefault("threads", []).extend(threads)
             return reply
+        if command == "continue" and link.stopped and self._not_stopped_here(args.get("threadId")):
+            # JupyterLab forgets the stopped thread before it asks to continue, then names thread 1
+            # (the kernel's main thread, which runs the cell and is not stopped): the ranks go on.
+            message = {**message, "arguments": {**args, "threadId": to_global(min(link.stopped), 1)}}
+            args = message["arguments"]
         key = "threadId" if command in _BY_THREAD else "frameId" if command in _BY_FRAME else ""
         key = "variablesReference" if command == "variables" else key
         target = from_global(args.get(key)) if key else None
@@ -114,6 +119,10 @@ class RankDebugRouter:
         if command == "stackTrace":
             return await self._stack(link, message)
         return await self._ask(link, message, rank, str(command), {**args, key: local})
+
+    def _not_stopped_here(self, thread: Any) -> bool:
+        """A thread of the kernel's own that its debugger does not have stopped."""
+        return from_global(thread) is None and thread not in self.debugger.stopped_threads
 
     async def _ask(
         self,

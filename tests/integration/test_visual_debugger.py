@@ -154,7 +154,8 @@ def test_a_breakpoint_in_a_function_from_an_earlier_cell_stops_where_it_is_calle
         ("rank 1 · <module>", 2),
     ]
     assert frames[0]["source"]["path"] == path  # the defining cell's file: the gutter shows the stop
-    assert debugger.request("continue", threadId=thread)["success"]
+    # JupyterLab forgets the stopped thread before asking to continue and names the kernel's thread 1.
+    assert debugger.request("continue", threadId=1)["success"]
     reply = kernel.kc.get_shell_msg(timeout=30)
     assert reply["content"]["status"] == "ok"
     debugger.request("setBreakpoints", source={"path": path}, breakpoints=[])
