@@ -36,7 +36,7 @@ from jupyter_shard.notebook.dap import RankDebugRouter
 from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard
 from jupyter_shard.notebook.debug import PostMortem
 from jupyter_shard.notebook.display import NotebookSink, in_kernel
-from jupyter_shard.notebook.panel import register_comm, unregister_comm
+from jupyter_shard.notebook.panel import PromptNotice, register_comm, unregister_comm
 from jupyter_shard.notebook.values import cell_value, shown_bundle
 from jupyter_shard.planner.estimate import format_bytes
 from jupyter_shard.spec import (
@@ -148,6 +148,7 @@ class DistributedMagics(Magics):
         pool = self.pool
         if pool is None:
             pool = self.pool = Pool(spec=spec, sink=NotebookSink() if in_kernel() else None)
+            pool.observers.append(PromptNotice())  # the side panel hears of prompts while the kernel is busy
         try:
             if spec != pool.spec:
                 if pool.started:

@@ -143,6 +143,25 @@ class PanelComm:
         return {"reply": "stacks", "text": text}
 
 
+class PromptNotice:
+    """A pool observer that tells the open panels at once when a rank starts or stops waiting at a
+    prompt: the panel's own requests go unanswered while the kernel runs the cell (it is busy), so
+    the status is sent without one."""
+
+    def __init__(self) -> None:
+        self._waiting: tuple[int, ...] = ()
+
+    def refresh(self, pool: Pool, final: bool) -> None:
+        waiting = tuple(r.rank for r in pool.ranks if r.waiting)
+        if waiting == self._waiting or not _open:
+            return
+        self._waiting = waiting
+        reply = status_reply(pool)
+        reply["message"] = ""
+        for panel in list(_open):
+            panel.comm.send(reply)
+
+
 def _refuse_while_running(pool: Pool, action: str) -> None:
     """The kernel may answer the panel between steps of a running cell: not the moment to replace ranks."""
     if any(row.state is RankState.RUNNING for row in pool.activity()):

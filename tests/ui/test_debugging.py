@@ -8,6 +8,7 @@ import pytest
 
 from tests.ui.conftest import OpenNotebook
 from tests.ui.notebook import SECOND, Notebook
+from tests.ui.test_extension import open_panel
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,8 +42,12 @@ def _answer(nb: Notebook, prompt: str, text: str) -> None:
 def test_breakpoint_on_a_rank_is_a_pdb_session_in_the_input_box(open_nb: OpenNotebook) -> None:
     nb = open_nb(NOTEBOOK)
     _setup(nb)
+    open_panel(nb)
     cell = nb.find_code_cell("breakpoint()")
     nb.run_cell(cell)
+    # While rank 1 waits at pdb's prompt the kernel is busy in the cell; the panel is told anyway.
+    nb.wait_panel_says("waiting for input (rank 1)", timeout=30 * SECOND, what="the panel to show the prompt")
+    nb.wait_panel_ranks("at a prompt", 1, timeout=10 * SECOND, what="rank 1 at a prompt in the panel")
     _answer(nb, "[rank 1] (Pdb)", "p local")
     nb.wait_for(
         "return codeCells()[arg].querySelector('.jp-OutputArea').innerText.includes('tensor(3.)');",
