@@ -164,6 +164,9 @@ def test_a_background_run_says_it_waits_and_dist_wait_asks(dk: Kernel) -> None:
     said = dk.drain(3.0)
     text = "".join(m["content"].get("text", "") for m in said if m["msg_type"] == "stream")
     assert "rank 0 is waiting at a prompt (bg?): %dist_wait shows it" in text
+    status = dk.execute("%dist_status").data("execute_result")[0]["text/plain"]
+    row = next(line for line in status.splitlines() if line.startswith("0 "))
+    assert "at a prompt" in row and "at bg?" in row, status
     run = dk.execute("%dist_wait", stdin=answers("later"))
     assert run.ok, run.outputs
     assert run.prompts == ["[rank 0] bg? "]
