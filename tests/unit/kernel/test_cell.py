@@ -16,26 +16,9 @@ from jupyter_shard.kernel.escalation import Escalation
 from jupyter_shard.kernel.history import History
 from jupyter_shard.kernel.output import ConsoleSink
 from jupyter_shard.kernel.ranks import RankRecord, RankTable
-from jupyter_shard.launchers.base import RankHandle
 from jupyter_shard.protocol import Wire, io_identity, new_key
 from jupyter_shard.rank.output import RankStream
-
-
-class _Handle(RankHandle):
-    def __init__(self, rank: int) -> None:
-        self.rank, self.pid, self.host = rank, 0, "elsewhere"
-
-    def poll(self) -> int | None:
-        return None
-
-    def send_signal(self, sig: int) -> None:
-        raise AssertionError("not used")
-
-    def kill_tree(self) -> None:
-        raise AssertionError("not used")
-
-    def wait(self, timeout: float) -> int | None:
-        return None
+from tests.unit.kernel.handles import IdleHandle
 
 
 class _Link:
@@ -50,7 +33,7 @@ class _Link:
         self.conn = Connection(self.ranks)
         escalation = Escalation(self.conn, self.ranks, sink.notice, lambda ranks: {})
         self.cells = CellGathering(self.conn, self.ranks, escalation, lambda: sink)
-        record = RankRecord(_Handle(0), tmp_path / "rank-0.log")
+        record = RankRecord(IdleHandle(0), tmp_path / "rank-0.log")
         self.ranks.add(record)
         self.gathering = self.cells.open("print()", [record], None, 0, None, record=False)
         self.log = io.StringIO()

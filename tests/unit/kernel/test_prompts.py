@@ -17,25 +17,8 @@ from jupyter_shard.kernel.output import ConsoleSink
 from jupyter_shard.kernel.prompts import Prompts, refusal
 from jupyter_shard.kernel.ranks import RankRecord, RankState, RankTable
 from jupyter_shard.kernel.stdin import EOF, CallbackStdin, NoStdin, StdinSource, default_stdin
-from jupyter_shard.launchers.base import RankHandle
 from jupyter_shard.protocol import Message
-
-
-class _Handle(RankHandle):
-    def __init__(self, rank: int) -> None:
-        self.rank, self.pid, self.host = rank, 0, "here"
-
-    def poll(self) -> int | None:
-        return None
-
-    def send_signal(self, sig: int) -> None:
-        raise AssertionError("not used")
-
-    def kill_tree(self) -> None:
-        raise AssertionError("not used")
-
-    def wait(self, timeout: float) -> int | None:
-        return None
+from tests.unit.kernel.handles import IdleHandle
 
 
 class Scripted(StdinSource):
@@ -56,7 +39,7 @@ class Scripted(StdinSource):
 def table(tmp_path: Path) -> RankTable:
     ranks = RankTable(History())
     for k in range(3):
-        record = RankRecord(_Handle(k), tmp_path / f"rank-{k}.log")
+        record = RankRecord(IdleHandle(k, host="here"), tmp_path / f"rank-{k}.log")
         record.state = RankState.RUNNING
         ranks.add(record)
     return ranks
