@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024], help="MiB")
-    parser.add_argument("--gather-sizes", type=int, nargs="*", default=[64, 256], help="MiB; none skips")
+    parser.add_argument("--gather-sizes", type=int, nargs="*", default=[64, 256, 1024], help="MiB; none skips")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--big-repeats", type=int, default=2, help="repeats at 1 GiB and over")
     parser.add_argument("--no-messages", dest="messages", action="store_false", help="skip the message path")

@@ -144,10 +144,17 @@ def read(
     _read_into(pid, address_of(seen), token_address, TOKEN_BYTES)
     if bytes(seen).hex() != token:
         raise PeerMemoryError("the process with the rank's pid is not the rank that replied")
+    # One region for every buffer (a model's hundreds of parameters cost one mapping, not hundreds),
+    # each buffer at a 64-byte boundary in it; the region is freed with the last value over it.
+    starts, end = [], 0
+    for size in sizes:
+        starts.append(end)
+        end += -(-size // 64) * 64
+    region = _fresh(end)
+    base = address_of(region) if end else 0
     out = []
-    for address, size in zip(addresses, sizes, strict=True):
-        buffer = _fresh(size)
+    for address, size, start in zip(addresses, sizes, starts, strict=True):
         if size:
-            _read_into(pid, address_of(buffer), address, size)
-        out.append(buffer)
+            _read_into(pid, base + start, address, size)
+        out.append(region[start : start + size])
     return out

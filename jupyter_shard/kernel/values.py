@@ -30,6 +30,7 @@ from jupyter_shard.kernel.connection import Connection
 from jupyter_shard.kernel.ranks import RankRecord, RankTable
 from jupyter_shard.kernel.transcript import Held, PushEntry, Transcript
 from jupyter_shard.messages import PULL, PUSH, PullBody, PushBody
+from jupyter_shard.planner.estimate import format_bytes
 from jupyter_shard.protocol import MAX_FRAME, Message
 from jupyter_shard.spec import format_ranks
 
@@ -228,6 +229,7 @@ class Values:
             raise ValueError("the reply carries no pickle")
         if "addresses" in msg.body:
             body = msg.body
+            _check_room(sum(sizes))
             try:
                 addresses, token = [int(a) for a in body["addresses"]], str(body["token"])
                 return peer_memory.read(
@@ -302,8 +304,8 @@ def _check_memory(names: list[str], packs: list[Packed]) -> None:
     need, free = sum(sum(p.sizes) for p in packs), psutil.virtual_memory().available
     if need > free:
         raise PoolError(
-            f"pushing {', '.join(names)} needs {need / 2**30:.1f} GiB of shared memory and "
-            f"{free / 2**30:.1f} GiB is free; push smaller pieces, or save it to a file and load it "
+            f"pushing {', '.join(names)} needs {format_bytes(need)} of shared memory and "
+            f"{format_bytes(free)} is free; push smaller pieces, or save it to a file and load it "
             "on the ranks"
         )
 
@@ -315,7 +317,7 @@ def _check_room(nbytes: int) -> None:
     free = psutil.virtual_memory().available
     if nbytes > free:
         raise PoolError(
-            f"the value is {nbytes / 2**30:.1f} GiB and the kernel's machine has {free / 2**30:.1f} GiB "
+            f"the value is {format_bytes(nbytes)} and the kernel's machine has {format_bytes(free)} "
             "free; pull a part of it, or save it to a file on the ranks"
         )
 

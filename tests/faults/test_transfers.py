@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -190,6 +191,27 @@ def test_forged_truncated_and_malformed_pushes_are_refused_and_the_pool_works(po
     assert pool.pull_all("forged") == {0: "untouched", 1: "untouched"}, "nothing refused was kept"
     pool.push(again=data)
     assert np.array_equal(pool.pull("again", rank=1), data)
+
+
+def test_a_value_the_machine_has_no_room_for_is_refused_in_one_line(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psutil
+
+    class Full(NamedTuple):
+        available: int
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Full(1 << 20))
+    with pytest.raises(
+        PoolError, match=r"needs 32\.0 MiB of shared memory and 1\.0 MiB is free; push smaller"
+    ):
+        pool.push(huge=torch.zeros(BIG // 2))
+    pool.run(f"import torch; huge = torch.ones({BIG // 2})", ranks=[0])
+    with pytest.raises(PoolError, match=r"the value is 32\.0 MiB and the kernel's machine has 1\.0 MiB free"):
+        pool.pull("huge", rank=0)
+    monkeypatch.undo()
+    assert float(pool.pull("huge", rank=0).sum()) == BIG // 2, "the pool works on"
+    assert open_segments() == []
 
 
 def _stop(pid: int) -> None:
