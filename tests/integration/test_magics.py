@@ -75,8 +75,8 @@ def test_a_value_that_is_not_copied_says_why(nb: Any) -> None:
     assert big.data("execute_result") == [{"text/plain": "tensor([0., 0., 0.,  ..., 0., 0., 0.])"}]
     said = nb.execute("_").data("execute_result")[0]["text/plain"]
     assert said.startswith(
-        "<rank 0's value, shown but not copied to the kernel: rank 0's last value is 19 MiB"
-    )
+        "<rank 0's value, shown but not copied to the kernel: rank 0's last value holds 19 MiB of tensors"
+    )  # refused from its tensors' size, before anything is pickled
     assert "over the 16 MiB limit of this copy (last_values() copies it)" in said
     lock = nb.execute("%%distributed\nimport threading\nthreading.Lock()")
     assert lock.ok and "lock object" in lock.data("execute_result")[0]["text/plain"]
