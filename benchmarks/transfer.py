@@ -187,6 +187,7 @@ def measure_tcp(args: argparse.Namespace, res: dict[Any, Any]) -> None:
 
 def measure_gather(n: int, args: argparse.Namespace, res: dict[Any, Any]) -> None:
     from jupyter_shard import Pool
+    from jupyter_shard.errors import PoolError
     from jupyter_shard.kernel.output import ConsoleSink
     from jupyter_shard.spec import LaunchSpec
 
@@ -201,17 +202,23 @@ def measure_gather(n: int, args: argparse.Namespace, res: dict[Any, Any]) -> Non
                 totals, gathers, nbytes = [], [], 0
                 for _ in range(repeats_for(size, args) + 1):
                     t0 = time.perf_counter()
-                    model = pool.pull("model", gather=True)
+                    try:
+                        model = pool.pull("model", gather=True)
+                    except PoolError as exc:  # no room on a busy machine: said, not measured
+                        res.setdefault("refused", []).append(f"{label}, {n} ranks, {size} MiB: {exc}")
+                        break
                     totals.append(time.perf_counter() - t0)
                     last = pool.values.last
                     assert last is not None
                     gathers.append(last.gather)
                     nbytes = sum(p.nbytes for p in model.parameters())
                     del model
+                pool.run("del model, opt", timeout=300)
+                if len(totals) < 2:
+                    continue
                 total, gather = statistics.median(totals[1:]), statistics.median(gathers[1:])
                 row = res.setdefault(n, {}).setdefault(size, {})
                 row[f"gather-{label}"] = (nbytes / max(total - gather, 1e-9) / GB, gather, total)
-                pool.run("del model, opt", timeout=300)
                 print(f"{label}, {n} ranks, {size} MiB: {row[f'gather-{label}']}", flush=True)
 
 
@@ -331,6 +338,9 @@ def report(res: dict[Any, Any], args: argparse.Namespace, machine: dict[str, Any
             *[f"| {size} MiB | {_f(row, 'push')} | {_f(row, 'pull')} |" for size, row in sorted(tcp.items())],
             "",
         ]
+    if res.get("refused"):
+        lines += ["Not measured: the pull was refused (the machine had no room for it then):", ""]
+        lines += [f"- {line}" for line in res["refused"]] + [""]
     lines += [f"![Transfer rates]({p})" for p in plots] + [""]
     goals = targets(res, args)
     lines += [
@@ -429,7 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024], help="MiB")
-    parser.add_argument("--gather-sizes", type=int, nargs="*", default=[64, 256, 1024], help="MiB; none skips")
+    parser.add_argument(
+        "--gather-sizes", type=int, nargs="*", default=[64, 256, 1024], help="MiB; none skips"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--big-repeats", type=int, default=2, help="repeats at 1 GiB and over")
     parser.add_argument("--no-messages", dest="messages", action="store_false", help="skip the message path")
