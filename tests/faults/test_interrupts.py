@@ -46,15 +46,28 @@ def test_an_interrupted_dataloader_cell_reads_at_a_glance(kernel: Any) -> None:
         "    def __getitem__(self, i):\n        time.sleep(0.01); return torch.ones(4)\n"
     )
     assert kernel.execute(setup).ok
-    fired = interrupt_after(kernel, 3.0)
+    # Interrupt once both ranks are in the loop (their workers started), as a person would: where a
+    # fixed delay falls while a loaded machine still starts workers, the two tracebacks differ.
+    iterating: set[str] = set()
+
+    def on_output(out: dict[str, Any]) -> None:
+        for rank in ("0", "1"):
+            if f"[rank {rank}] iterating" in out.get("text", ""):
+                iterating.add(rank)
+        if len(iterating) == 2 and "sent" not in iterating:
+            iterating.add("sent")
+            kernel.km.interrupt_kernel()
+
     run = kernel.execute(
-        "%%distributed\nfor batch in DataLoader(Slow(), batch_size=8, num_workers=2):\n    pass"
+        "%%distributed\nfor i, batch in enumerate(DataLoader(Slow(), batch_size=8, num_workers=2)):\n"
+        "    if i == 2:\n        print('iterating', flush=True)",
+        on_output=on_output,
     )
-    fired.join()
+    assert "sent" in iterating, run.outputs
     text = run.error_text()
     assert text.splitlines()[0] == "interrupted: KeyboardInterrupt on rank 0-1"
     assert text.count("Traceback (most recent call last)") == 1, text
-    assert "----> 2 for batch in DataLoader" in text
+    assert "----> 2 for i, batch in enumerate(DataLoader" in text
     assert len(text) < 6000, len(text)
     after = kernel.execute("%%distributed\nshard.world_size")
     assert after.data("execute_result") == [{"text/plain": "2"}]
