@@ -93,6 +93,8 @@ class _PushOptions(TypedDict, total=False):
     stream: str  # one push sent in parts: its id; a part's buffers are the bytes from ``offset`` of
     offset: int  # the out-of-band buffers laid end to end, and the ``final`` part has the pickles
     final: bool
+    land: bool  # offer fresh memory of ``sizes`` for the kernel to write into (a reply with addresses)
+    landed: bool  # the buffers were written into the memory offered: build the values over it
 
 
 class PushBody(_PushOptions):
@@ -243,14 +245,21 @@ class OutcomeReply(Reply):
     error: str
 
 
-class _PullReplyOptions(TypedDict, total=False):
+class _LentMemory(TypedDict, total=False):
+    addresses: list[int]  # where the buffers are (or go) in the rank, sizes as the transfer's sizes
+    token: str  # random bytes (hex) the rank holds at ``token_address`` while it lends the memory
+    token_address: int
+
+
+class _PullReplyOptions(_LentMemory, total=False):
     sizes: list[int]  # the out-of-band buffers' sizes, in order
     in_segment: bool  # they were written into the request's segment, else they follow the pickle
     seconds: float  # how long getting the value took on the rank (for --gather: the all-gather)
-    addresses: list[int]  # where the buffers are in the rank (a ``direct`` pull), sizes as ``sizes``
-    token: str  # random bytes (hex) the rank holds at ``token_address`` while it lends the buffers
-    token_address: int
     streamed: bool  # the buffers are lent, to be read in parts with ``chunk`` requests
+
+
+class PushReply(OutcomeReply, _LentMemory):
+    """To a push with ``land``: where the rank's fresh memory for it is (none: use a segment)."""
 
 
 class PullReply(OutcomeReply, _PullReplyOptions):
@@ -331,7 +340,7 @@ RESULT = _to_kernel("result", ResultBody, io=True)
 DONE = _to_kernel("done", DoneBody)
 METRICS = _to_kernel("metrics", MetricsBody, io=True)
 HEARTBEAT = _to_kernel("heartbeat", HeartbeatBody, io=True)
-PUSH_REPLY = _to_kernel("push_reply", OutcomeReply)
+PUSH_REPLY = _to_kernel("push_reply", PushReply)
 PULL_REPLY = _to_kernel("pull_reply", PullReply)
 STACKS_REPLY = _to_kernel("stacks_reply", StacksReply, io=True)
 STATUS_REPLY = _to_kernel("status_reply", StatusReply, io=True)

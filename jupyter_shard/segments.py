@@ -1,4 +1,5 @@
-"""Shared-memory segments that carry a transfer's bulk data between processes on one machine.
+"""Shared-memory segments that carry a transfer's bulk data between processes on one machine, where
+the kernel may not copy into or out of a rank's memory itself (:mod:`.peer_memory`, the faster path).
 
 A push or pull moves a value's out-of-band buffers (:mod:`jupyter_shard.buffers`) through one
 segment: an anonymous ``memfd`` that the notebook kernel creates and owns, for both directions.

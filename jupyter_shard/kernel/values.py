@@ -1,10 +1,11 @@
 """Moving Python values between the kernel and the ranks: ``push`` and ``pull``.
 
 A value travels as an in-band pickle, in the signed message, and out-of-band buffers: views of its
-arrays' and tensors' memory (:mod:`jupyter_shard.buffers`). To ranks on this machine the buffers go
-through one shared-memory segment that every rank maps copy-on-write (:mod:`jupyter_shard.segments`,
-which says why that is safe); to ranks elsewhere, where a rank cannot reach the segment, or with
-``JUPYTER_SHARD_SHARED_MEMORY=0``, they follow the pickle as message frames. Nothing is unpickled
+arrays' and tensors' memory (:mod:`jupyter_shard.buffers`). Between the kernel and ranks on this
+machine the kernel copies the buffers straight into or out of the rank's memory
+(:mod:`jupyter_shard.peer_memory`, which says why that is safe); where it may not, through one
+shared-memory segment (:mod:`jupyter_shard.segments`); to ranks elsewhere, where a rank cannot reach
+the segment, or with ``JUPYTER_SHARD_SHARED_MEMORY=0``, they follow the pickle as message frames. Nothing is unpickled
 before its message was authenticated.
 
 A pushed value is also kept in the pool's transcript for ``%dist_export``: as bytes when small, by
@@ -40,6 +41,8 @@ SEGMENT_OVER = 1 << 20  # out-of-band bytes from which a local transfer goes thr
 CHUNK = 16 << 20  # bytes per part of a transfer in parts (to or from ranks on other machines)
 _RECORD_UP_TO = 16 << 20  # values up to this size are recorded for %dist_export as bytes
 _SECONDS_PER_BYTE = 1 / 50e6  # request timeouts allow this, past their base, for big values
+# a rank lets go of what it lent or offered for the last transfer (no reply)
+_RELEASE = {"name": "", "gather": False, "release": True, "req_id": "release"}
 
 
 @dataclass(frozen=True)
@@ -84,9 +87,16 @@ class Values:
         local = _local(targets) if sum(sum(p.sizes) for p in packs) >= SEGMENT_OVER else []
         errors: dict[int, str] = {}
         inline = [r for r in targets if r not in local]
+        paths: list[str] = []
         if local:
-            _check_memory(names, packs)
-            inline += self._push_shared(names, packs, local, errors)
+            direct = peer_memory.supported()
+            _check_memory(names, packs, len(local) if direct else 1)
+            if direct:
+                written, local = self._push_direct(names, packs, local, errors)
+                paths += ["direct"] if written else []
+            if local:
+                inline += self._push_shared(names, packs, local, errors)
+                paths.append("segment")
         if inline:
             self._push_inline(names, packs, inline, errors)
         if errors:
@@ -97,9 +107,35 @@ class Values:
             asked = None if ranks is None else tuple(sorted(set(ranks)))
             recorded = tuple((n, _recorded(values[n], p)) for n, p in zip(names, packs, strict=True))
             self.transcript.add(PushEntry(recorded, asked))
-        path = "+".join(p for p, used in (("messages", inline), ("segment", local)) if used)
+        path = "+".join(sorted(set(paths + (["messages"] if inline else []))))
         self.last = Transfer("push", size, len(targets), time.perf_counter() - started, path)
         return size
+
+    def _push_direct(
+        self, names: list[str], packs: list[Packed], targets: list[RankRecord], errors: dict[int, str]
+    ) -> tuple[list[RankRecord], list[RankRecord]]:
+        """Push by writing into memory each rank offers (:mod:`jupyter_shard.peer_memory`); the
+        ranks written, and those that could not be (to be pushed through a segment)."""
+        oob = [b for p in packs for b in p.buffers]
+        body: PushBody = {
+            "names": names,
+            "counts": [len(p.buffers) for p in packs],
+            "sizes": [b.nbytes for b in oob],
+        }
+        offers = self._request(PUSH({**body, "land": True}), targets, [], 0)
+        errors.update(_failures(offers, targets, "push"))
+        offered = [r for r in targets if r.rank in offers and "addresses" in offers[r.rank].body]
+        try:
+            failed = peer_memory.write([_target(r, offers[r.rank].body) for r in offered], oob)
+        except BaseException:  # an interrupt: the ranks let their half-written landings go
+            if self.conn.open:
+                self.conn.send(offered, PULL, _RELEASE)
+            raise
+        written = [r for r in offered if r.handle.pid not in failed]
+        if written:
+            replies = self._request(PUSH({**body, "landed": True}), written, [p.inband for p in packs], 0)
+            errors.update(_failures(replies, written, "push"))
+        return written, [r for r in targets if r.rank not in errors and r not in written]
 
     def _push_shared(
         self, names: list[str], packs: list[Packed], targets: list[RankRecord], errors: dict[int, str]
@@ -207,8 +243,7 @@ class Values:
                 gather = max(gather, float(msg.body.get("seconds", 0.0)))
         finally:
             if lent and self.conn.open:  # the ranks may let go of what they lent
-                release = {"name": "", "gather": False, "release": True, "req_id": "release"}  # no reply
-                self.conn.send(lent, PULL, release)
+                self.conn.send(lent, PULL, _RELEASE)
             for segment in owned.values():
                 segment.close()
         missing = sorted({r.rank for r in targets} - set(out))
@@ -231,10 +266,7 @@ class Values:
             body = msg.body
             _check_room(sum(sizes))
             try:
-                addresses, token = [int(a) for a in body["addresses"]], str(body["token"])
-                return peer_memory.read(
-                    r.handle.pid, addresses, sizes, token, int(body["token_address"])
-                ), "direct"
+                return peer_memory.read(_target(r, body), sizes), "direct"
             except peer_memory.PeerMemoryError:
                 if segment is None:
                     raise
@@ -297,17 +329,25 @@ def _failures(replies: Mapping[int, Message], targets: list[RankRecord], what: s
     return errors
 
 
-def _check_memory(names: list[str], packs: list[Packed]) -> None:
-    """Refuse a push the machine has no memory for, before anything is written."""
+def _check_memory(names: list[str], packs: list[Packed], copies: int) -> None:
+    """Refuse a push the machine has no memory for (``copies``: one per rank here, or one shared),
+    before anything is written."""
     import psutil
 
-    need, free = sum(sum(p.sizes) for p in packs), psutil.virtual_memory().available
+    need, free = copies * sum(sum(p.sizes) for p in packs), psutil.virtual_memory().available
     if need > free:
+        each = f" ({copies} copies, one per rank on this machine)" if copies > 1 else ""
         raise PoolError(
-            f"pushing {', '.join(names)} needs {format_bytes(need)} of shared memory and "
+            f"pushing {', '.join(names)} needs {format_bytes(need)} of memory{each} and "
             f"{format_bytes(free)} is free; push smaller pieces, or save it to a file and load it "
             "on the ranks"
         )
+
+
+def _target(r: RankRecord, body: Mapping[str, Any]) -> peer_memory.Target:
+    """Rank ``r``'s memory as its signed reply ``body`` names it, in the pid recorded at its start."""
+    addresses = [int(a) for a in body["addresses"]]
+    return peer_memory.Target(r.handle.pid, addresses, str(body["token"]), int(body["token_address"]))
 
 
 def _check_room(nbytes: int) -> None:

@@ -23,7 +23,7 @@ from jupyter_shard.messages import (
     REGROUP_REPLY,
     RELEASE_REPLY,
     DebugSetup,
-    OutcomeReply,
+    PushReply,
     RegroupReply,
     handler_table,
 )
@@ -197,9 +197,12 @@ class Runner:
         """An answer to a prompt the rank no longer waits at (its cell was stopped): dropped."""
 
     def push(self, msg: Message) -> None:
-        from jupyter_shard.rank.transfer import pushed_values
+        from jupyter_shard.rank.transfer import landing_reply, pushed_values
 
-        reply: OutcomeReply = {"req_id": str(msg.body["req_id"]), "ok": True, "error": ""}
+        if msg.body.get("land"):
+            self.sock.send(*PUSH_REPLY(landing_reply(msg)))
+            return
+        reply: PushReply = {"req_id": str(msg.body["req_id"]), "ok": True, "error": ""}
         try:
             self.shell.user_ns.update(pushed_values(msg))
         except Exception as exc:

@@ -1,9 +1,13 @@
 """A rank's end of ``push`` and ``pull``: values built from, and sent as, in-band pickles and
-out-of-band buffers (:mod:`jupyter_shard.buffers`). A pushed value's buffers come through the
-kernel's shared-memory segment when it offers one (:mod:`jupyter_shard.segments`), else in the
-message. A pulled value's buffers are lent to the kernel to read from this process's memory when it
-asks for that (:mod:`jupyter_shard.peer_memory`; kept alive until it says it is done, or the next
-push or pull), else written into the segment it offers, else sent in the message.
+out-of-band buffers (:mod:`jupyter_shard.buffers`).
+
+- A pushed value's buffers are written by the kernel into fresh memory the rank offers when asked
+  (``land``; :mod:`jupyter_shard.peer_memory`), else come through the kernel's shared-memory segment
+  (:mod:`jupyter_shard.segments`), else in the message.
+- A pulled value's buffers are lent to the kernel to read from this process's memory when it asks for
+  that, else written into the segment it offers, else sent in the message.
+
+What is lent or offered is kept until the kernel says it is done, or the next push or pull.
 
 Every check here answers a message that was already authenticated with the pool key; a malformed or
 oversized transfer is refused with a reply that says why, and the rank goes on."""
@@ -13,28 +17,52 @@ from __future__ import annotations
 from typing import Any
 
 from jupyter_shard import buffers, peer_memory, segments
-from jupyter_shard.messages import PullReply
+from jupyter_shard.messages import PullReply, PushReply
 from jupyter_shard.protocol import MAX_FRAME, Message
 
-__all__ = ["chunk_reply", "pulled_reply", "pushed_values", "release", "resent_reply"]
+__all__ = ["chunk_reply", "landing_reply", "pulled_reply", "pushed_values", "release", "resent_reply"]
 
 SEGMENT_OVER = 1 << 20  # out-of-band bytes from which a pull goes through shared memory
 CHUNK = 16 << 20  # bytes per part of a transfer in parts (the kernel's pushes use the same)
 
 _lent: peer_memory.Lent | None = None  # what the kernel may be reading out of this process
+_landing: peer_memory.Lent | None = None  # fresh memory the kernel may be writing a push into
 _incoming: tuple[str, buffers.Assembly] | None = None  # a push in parts: its id and what came
 
 
 def release() -> None:
-    """The kernel read what it was lent (or a new transfer began): let it go."""
-    global _lent
-    _lent = None
+    """The kernel is done with what it was lent or offered (or a new transfer began): let it go."""
+    global _lent, _landing
+    _lent = _landing = None
+
+
+def landing_reply(msg: Message) -> PushReply:
+    """Fresh memory for the push ``msg`` announces, offered for the kernel to write into; a reply
+    without addresses where this process cannot offer it (the kernel then uses a segment)."""
+    global _landing
+    release()
+    reply: PushReply = {"req_id": str(msg.body["req_id"]), "ok": True, "error": ""}
+    if not peer_memory.supported():
+        return reply
+    try:
+        sizes = [int(s) for s in msg.body["sizes"]]
+        if min(sizes, default=0) < 0:
+            raise ValueError("malformed push: a buffer size below zero")
+        _check_room(sum(sizes))
+        _landing = peer_memory.landing(sizes)
+    except (ValueError, MemoryError) as exc:
+        reply["ok"], reply["error"] = False, f"{type(exc).__name__}: {exc}"
+        return reply
+    reply["addresses"], reply["token"] = _landing.addresses, _landing.token.hex()
+    reply["token_address"] = _landing.token_address
+    return reply
 
 
 def pushed_values(msg: Message) -> dict[str, Any]:
     """The values a ``push`` carries, by name (none for a part of a push in parts); a ``ValueError``
     (or :class:`~.segments.SegmentError`) for one that does not hold together."""
     global _incoming
+    landed = _landing
     release()
     body = msg.body
     names = [str(n) for n in body["names"]]
@@ -54,6 +82,10 @@ def pushed_values(msg: Message) -> dict[str, Any]:
         if incoming is None or incoming[0] != body["stream"] or not incoming[1].complete:
             raise ValueError("a push in parts ended before all its parts came")
         oob: list[Any] = incoming[1].buffers
+    elif body.get("landed"):
+        if landed is None or [b.nbytes for b in landed.buffers] != [int(s) for s in body["sizes"]]:
+            raise ValueError("a push names memory this rank did not offer for it")
+        oob = landed.buffers
     elif "segment" in body:
         sizes = [int(s) for s in body["sizes"]]
         with segments.opened(body["segment"]) as fd:

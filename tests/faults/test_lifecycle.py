@@ -99,7 +99,7 @@ def test_start_stop_cycles_leak_nothing(tmp_path: Path, monkeypatch: pytest.Monk
     directory, temp file (ranks inherit ``TMPDIR``) or /dev/shm entry behind."""
     import torch
 
-    from jupyter_shard import Pool
+    from jupyter_shard import Pool, peer_memory
 
     runtime = Path(tempfile.mkdtemp(prefix="jsrt-"))
     tmp = tmp_path / "tmp"
@@ -115,12 +115,18 @@ def test_start_stop_cycles_leak_nothing(tmp_path: Path, monkeypatch: pytest.Monk
     cycles = int(os.environ.get("JUPYTER_SHARD_CYCLES", "50"))
     cell = "import torch, torch.distributed as dist\ndist.all_reduce(torch.ones(1))\ndist.barrier()"
     payload = torch.randn(1 << 20)
-    for _ in range(cycles):
+    for cycle in range(cycles):
+        # 4 MiB: copied straight into and out of the ranks' memory, and in every other cycle (as
+        # where the system forbids that) through a shared-memory segment
+        direct = cycle % 2 == 0
+        path = "direct" if direct else "segment"
+        monkeypatch.setattr(peer_memory, "supported", lambda direct=direct: direct)
         with Pool(nproc=nproc, device="cpu", log_dir=logs) as pool:
             assert pool.run(cell).ok
-            pool.push(payload=payload)  # 4 MiB: through a shared-memory segment
+            pool.push(payload=payload)
+            assert pool.values.last is not None and pool.values.last.path == path
             assert torch.equal(pool.pull("payload", rank=nproc - 1), payload)
-            assert pool.values.last is not None and pool.values.last.shared
+            assert pool.values.last is not None and pool.values.last.path == path
     after = _snapshot(runtime, tmp)
     assert after.children == before.children, "leaked child processes"
     assert after.fds <= before.fds, f"leaked fds: {before.fds} -> {after.fds}"

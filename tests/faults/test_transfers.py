@@ -2,8 +2,9 @@
 the middle of a transfer leaves no segment behind and a pool that works, and a forged, truncated or
 malformed transfer is refused without anything being built from it.
 
-Transfers to local ranks go through a sealed memfd (jupyter_shard/segments.py); with
-``JUPYTER_SHARD_SHARED_MEMORY=0`` they travel in the signed messages, the path of ranks on other
+Transfers to local ranks are copied straight into or out of the rank's memory
+(jupyter_shard/peer_memory.py), or where that fails through a sealed memfd (jupyter_shard/segments.py);
+with ``JUPYTER_SHARD_SHARED_MEMORY=0`` they travel in the signed messages, the path of ranks on other
 machines. A rank is held still with SIGSTOP so that the kernel is surely waiting mid-transfer when it
 is killed or interrupted."""
 
@@ -107,7 +108,7 @@ def test_values_round_trip_exactly_and_each_rank_owns_its_copy(
     monkeypatch.setenv("JUPYTER_SHARD_SHARED_MEMORY", "1" if shared else "0")
     value = sample()
     pool.push(value=value)
-    assert pool.values.last is not None and pool.values.last.shared is shared
+    assert pool.values.last is not None and pool.values.last.path == ("direct" if shared else "messages")
     pool.run(ON_RANK)
     digests = pool.pull_all("digest")
     assert digests[0] == digests[1]
@@ -150,6 +151,49 @@ def test_a_pull_read_from_the_rank_falls_back_to_a_segment_and_the_rank_lets_go(
     assert torch.equal(again, lent)
     assert pool.run(held, ranks=[1]).value == {"text/plain": "True"}
     assert open_segments() == []
+
+
+def test_a_push_that_cannot_be_written_into_a_rank_goes_through_a_segment(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the kernel may not write a rank's memory (another pid namespace, a pid reused: here the
+    write is made to fail for rank 1 as those fail it), that rank gets the value through a segment."""
+    from jupyter_shard import peer_memory
+
+    real = peer_memory.write
+    pid = next(s.pid for s in pool.status() if s.rank == 1)
+
+    def refused_for_rank_1(targets: list[peer_memory.Target], sources: list[memoryview]) -> dict[int, str]:
+        failed = real([t for t in targets if t.pid != pid], sources)
+        return {**failed, pid: "the process with the rank's pid is not the rank that replied"}
+
+    monkeypatch.setattr(peer_memory, "write", refused_for_rank_1)
+    value = sample()
+    pool.push(fallback=value)
+    assert pool.values.last is not None and pool.values.last.path == "direct+segment"
+    assert same(pool.pull("fallback", rank=0), value) and same(pool.pull("fallback", rank=1), value)
+    held = "from jupyter_shard.rank import transfer; transfer._landing is None"
+    assert all(r.result == {"text/plain": "True"} for r in pool.run(held).ranks.values())
+    assert open_segments() == []
+
+
+def test_an_interrupt_while_the_kernel_writes_lets_the_ranks_drop_their_landing(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jupyter_shard import peer_memory
+
+    def interrupted(targets: list[peer_memory.Target], sources: list[memoryview]) -> dict[int, str]:
+        raise KeyboardInterrupt
+
+    value = torch.randn(BIG)
+    monkeypatch.setattr(peer_memory, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pool.push(dropped=value)
+    monkeypatch.undo()
+    held = "from jupyter_shard.rank import transfer; (transfer._landing is None, 'dropped' in dir())"
+    assert all(r.result == {"text/plain": "(True, False)"} for r in pool.run(held).ranks.values())
+    pool.push(kept=value)
+    assert torch.equal(pool.pull("kept", rank=1), value)
 
 
 def test_forged_truncated_and_malformed_pushes_are_refused_and_the_pool_works(pool: Pool) -> None:
@@ -203,7 +247,9 @@ def test_a_value_the_machine_has_no_room_for_is_refused_in_one_line(
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Full(1 << 20))
     with pytest.raises(
-        PoolError, match=r"needs 32\.0 MiB of shared memory and 1\.0 MiB is free; push smaller"
+        PoolError,
+        match=r"needs 64\.0 MiB of memory \(2 copies, one per rank on this machine\) and 1\.0 MiB is "
+        r"free; push smaller",
     ):
         pool.push(huge=torch.zeros(BIG // 2))
     pool.run(f"import torch; huge = torch.ones({BIG // 2})", ranks=[0])
