@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import mmap
 import os
 import secrets
 import sys
 import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from jupyter_shard._mapping import MappingError, mapped
 
 __all__ = ["Lent", "PeerMemoryError", "Target", "address_of", "landing", "read", "supported", "write"]
 
@@ -69,17 +69,6 @@ def _libc() -> Any:
             ctypes.c_ulong,
             ctypes.c_ulong,
         ]
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc
 
 
@@ -146,15 +135,10 @@ def _fresh(size: int) -> memoryview:
     """``size`` bytes of fresh anonymous memory (huge pages when large), freed with its last user."""
     if size < _HUGE_OVER:
         return memoryview(bytearray(size))
-    assert _LIBC is not None
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    address = _LIBC.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
-    if address in (None, ctypes.c_void_p(-1).value):
-        raise MemoryError(f"no memory for {size} bytes: {os.strerror(ctypes.get_errno())}")
-    _LIBC.madvise(address, size, mmap.MADV_HUGEPAGE)
-    region = (ctypes.c_char * size).from_address(address)
-    weakref.finalize(region, _LIBC.munmap, address, size)
-    return memoryview(region).cast("B")
+    try:
+        return mapped(size, huge=True)
+    except MappingError as exc:
+        raise MemoryError(f"no memory for {size} bytes: {exc.strerror}") from None
 
 
 _Piece = tuple[int, int, int, int]  # pid, local address, remote address, bytes

@@ -38,17 +38,16 @@ here) and cap the transfer below memory speed; the checks above cost microsecond
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import mmap
 import os
 import secrets
 import stat
-import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from jupyter_shard._mapping import MappingError, mapped
 from jupyter_shard.messages import SegmentRef
 
 __all__ = [
@@ -175,34 +174,13 @@ def map_buffers(fd: int, sizes: Sequence[int]) -> list[Any]:
     return out
 
 
-def _libc() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return libc
-
-
-_LIBC = _libc()
-
-
 def _map_private(fd: int, size: int, offset: int) -> memoryview:
     """``size`` bytes of ``fd`` from ``offset``, mapped copy-on-write; unmapped when the last object
     over the view is gone. (``mmap.mmap`` would keep a duplicate of ``fd`` open per mapping.)"""
-    address = _LIBC.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, offset)
-    if address in (None, ctypes.c_void_p(-1).value):
-        error = ctypes.get_errno()
-        raise SegmentError(f"the transfer's segment could not be mapped: {os.strerror(error)}")
-    region = (ctypes.c_char * size).from_address(address)
-    weakref.finalize(region, _LIBC.munmap, address, size)
-    return memoryview(region).cast("B")
+    try:
+        return mapped(size, fd=fd, offset=offset)
+    except MappingError as exc:
+        raise SegmentError(f"the transfer's segment could not be mapped: {exc.strerror}") from None
 
 
 @contextlib.contextmanager

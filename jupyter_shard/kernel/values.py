@@ -5,8 +5,8 @@ arrays' and tensors' memory (:mod:`jupyter_shard.buffers`). Between the kernel a
 machine the kernel copies the buffers straight into or out of the rank's memory
 (:mod:`jupyter_shard.peer_memory`, which says why that is safe); where it may not, through one
 shared-memory segment (:mod:`jupyter_shard.segments`); to ranks elsewhere, where a rank cannot reach
-the segment, or with ``JUPYTER_SHARD_SHARED_MEMORY=0``, they follow the pickle as message frames. Nothing is unpickled
-before its message was authenticated.
+the segment, or with ``JUPYTER_SHARD_SHARED_MEMORY=0``, they follow the pickle as message frames.
+Nothing is unpickled before its message was authenticated.
 
 A pushed value is also kept in the pool's transcript for ``%dist_export``: as bytes when small, by
 reference when large (pickling a 1 GiB tensor again would double the push's time and memory).

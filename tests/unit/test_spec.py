@@ -731,3 +731,20 @@ def test_visible_gpus_on_wsl2_without_nvidia_device_nodes(
         assert visible_gpus() == 1
     finally:
         gpus._listed_gpus.cache_clear()
+
+
+def test_merge_spec_gives_the_last_merge_again_only_for_the_same_spec_and_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import jupyter_shard.launchers as launchers
+
+    base = resolve_spec(nproc=2, device="cpu")
+    first = merge_spec(base, {"nproc": 3})
+    calls: list[object] = []
+    real = launchers._merge
+    monkeypatch.setattr(launchers, "_merge", lambda s, c: calls.append(c) or real(s, c))
+    assert merge_spec(base, {"nproc": 3}) is first and calls == [], "the same line on the same pool"
+    assert merge_spec(base, {"nproc": 4}).nproc == 4 and len(calls) == 1
+    again = resolve_spec(nproc=2, device="cpu")  # equal, but another spec: merged anew
+    assert merge_spec(again, {"nproc": 4}).nproc == 4 and len(calls) == 2
+    assert merge_spec(again, {"nproc": 4, "strategy": "ddp"}).strategy == "ddp" and len(calls) == 3

@@ -394,3 +394,17 @@ def test_a_restart_names_the_gpus_that_changed() -> None:
     assert LaunchSpec.create(gpus="2", gpu_count=4) == LaunchSpec.create(gpus="0-1", gpu_count=4)
     cpu = LaunchSpec.create(nproc=2, device="cpu", gpu_count=4)
     assert _change(old, cpu) == "device cuda → cpu, GPUs 0-1 → none"
+
+
+def test_a_repeated_magic_line_is_parsed_once_and_each_cell_gets_its_own_options() -> None:
+    from jupyter_shard.notebook.args import distributed_parser, parse_options
+
+    parser = distributed_parser()
+    first = parse_options(parser, "--nproc 3 --timeout 5")
+    parser.parse_known_args = None  # type: ignore[assignment,method-assign]  # parsing again would fail
+    second = parse_options(parser, "--nproc 3 --timeout 5")
+    assert vars(second) == vars(first) and second is not first
+    second.nproc = 9
+    assert parse_options(parser, "--nproc 3 --timeout 5").nproc == 3
+    with pytest.raises(TypeError):  # another line is parsed
+        parse_options(parser, "--nproc 4")
