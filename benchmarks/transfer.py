@@ -19,6 +19,10 @@ one untimed run:
   call's rest on its own (it is left out of the median as every first run is).
 * **memcpy floor**: ``dst.copy_(src)`` into memory touched before (warm) and into a fresh tensor,
   which is what a transfer must fill.
+* **after idle**: at 256 MiB, the push, the pull and the fresh memcpy again, each run after 5 s of
+  nothing (medians of 3), as cells in a notebook are spaced: on a VM that hands freed memory back to
+  its host, memory that lay free that long fills several times slower than memory freed just before,
+  so back-to-back medians alone would flatter every row.
 
 Kernel peak RSS: this process is the kernel; its peak (``VmHWM``, reset through ``/proc/self/clear_refs``)
 above its RSS before one push of the largest size to N ranks, and one pull of it. Writes ``--results``
@@ -55,6 +59,7 @@ GB = 1e9
 RATE_TARGET = 4.0  # GB/s, issue 23, at 256 MiB
 RATIO_TARGET = 10.0  # × ipyparallel's rate
 RSS_TARGET = 1.2  # GiB of kernel peak RSS for 1 GiB to 4 ranks, or from one
+IDLE, IDLE_SIZE = 5.0, 256  # s of pause before each "after idle" run, and at what size (MiB)
 
 MODEL = """
 import time, torch
@@ -146,6 +151,9 @@ def measure_shard(n: int, args: argparse.Namespace, res: dict[Any, Any]) -> None
             push, pull = partial(pool.push, x=x), partial(pool.pull, "y")
             row["push"] = n * size * MIB / median_time(push, reps) / GB
             row["pull"] = size * MIB / median_time(pull, reps) / GB
+            if size == IDLE_SIZE:
+                row["push-idle"] = n * size * MIB / after_idle(push) / GB
+                row["pull-idle"] = size * MIB / after_idle(pull) / GB
             if args.messages and size <= 256:
                 with shared_memory(False):
                     row["push-msg"] = n * size * MIB / median_time(push, reps) / GB
@@ -259,6 +267,19 @@ def fresh_copy(src: Any) -> Any:
     return torch.empty_like(src).copy_(src)
 
 
+def after_idle(fn: Callable[[], object], repeats: int = 3) -> float:
+    """Median seconds of ``fn`` run after :data:`IDLE` s of nothing each time, as between notebook
+    cells: on some machines (a VM that hands freed memory back to its host) memory that lay free
+    that long costs several times more to fill again than memory freed just before."""
+    samples = []
+    for _ in range(repeats):
+        time.sleep(IDLE)
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
 def measure_memcpy(args: argparse.Namespace, res: dict[Any, Any]) -> None:
     import torch
 
@@ -270,6 +291,8 @@ def measure_memcpy(args: argparse.Namespace, res: dict[Any, Any]) -> None:
             size * MIB / median_time(partial(warm.copy_, src), reps) / GB,
             size * MIB / median_time(partial(fresh_copy, src), reps) / GB,
         )
+        if size == IDLE_SIZE:
+            res["memcpy-idle"] = size * MIB / after_idle(partial(fresh_copy, src)) / GB
 
 
 def report(res: dict[Any, Any], args: argparse.Namespace, machine: dict[str, Any], plots: list[str]) -> str:
@@ -306,6 +329,15 @@ def report(res: dict[Any, Any], args: argparse.Namespace, machine: dict[str, Any
                 f"{_f(row, 'push-msg')} | {_f(row, 'pull-msg')} | {warm:.1f} / {fresh:.1f} |"
             )
         lines.append("")
+        idle = res.get(n, {}).get(IDLE_SIZE, {})
+        if "push-idle" in idle:
+            lines += [
+                f"After {IDLE:.0f} s idle before each (as between notebook cells), {IDLE_SIZE} MiB: push "
+                f"{idle['push-idle']:.2f} GB/s, pull {idle['pull-idle']:.2f} GB/s; memcpy into fresh "
+                f"memory {res.get('memcpy-idle', 0.0):.2f} GB/s (back to back: {_f(idle, 'push')}, "
+                f"{_f(idle, 'pull')} and {res.get('memcpy', {}).get(IDLE_SIZE, (0.0, 0.0))[1]:.2f}).",
+                "",
+            ]
         gathered = [(s, res.get(n, {}).get(s, {})) for s in args.gather_sizes]
         if any(any(k.startswith("gather-") for k in row) for _, row in gathered):
             lines += [
@@ -448,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         "--gather-sizes", type=int, nargs="*", default=[64, 256, 1024], help="MiB; none skips"
     )
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--big-repeats", type=int, default=2, help="repeats at 1 GiB and over")
+    parser.add_argument("--big-repeats", type=int, default=3, help="repeats at 1 GiB and over")
     parser.add_argument("--no-messages", dest="messages", action="store_false", help="skip the message path")
     parser.add_argument("--no-ipp", dest="ipp", action="store_false", help="skip ipyparallel")
     parser.add_argument("--no-tcp", dest="tcp", action="store_false", help="skip the TCP (torchrun) pool")

@@ -89,9 +89,11 @@ class Values:
         inline = [r for r in targets if r not in local]
         paths: list[str] = []
         if local:
-            direct = peer_memory.supported()
-            _check_memory(names, packs, len(local) if direct else 1)
-            if direct:
+            # a copy for each rank when they take at most 3/4 of the free memory, else one
+            # copy-on-write segment the ranks share (each still owns its value: a page one writes
+            # becomes its own)
+            room = _check_memory(names, packs) * 3 // 4
+            if peer_memory.supported() and len(local) * sum(sum(p.sizes) for p in packs) <= room:
                 written, local = self._push_direct(names, packs, local, errors)
                 paths += ["direct"] if written else []
             if local:
@@ -329,19 +331,18 @@ def _failures(replies: Mapping[int, Message], targets: list[RankRecord], what: s
     return errors
 
 
-def _check_memory(names: list[str], packs: list[Packed], copies: int) -> None:
-    """Refuse a push the machine has no memory for (``copies``: one per rank here, or one shared),
-    before anything is written."""
+def _check_memory(names: list[str], packs: list[Packed]) -> int:
+    """Refuse a push the machine has no memory for, before anything is written; the bytes free."""
     import psutil
 
-    need, free = copies * sum(sum(p.sizes) for p in packs), psutil.virtual_memory().available
+    need, free = sum(sum(p.sizes) for p in packs), int(psutil.virtual_memory().available)
     if need > free:
-        each = f" ({copies} copies, one per rank on this machine)" if copies > 1 else ""
         raise PoolError(
-            f"pushing {', '.join(names)} needs {format_bytes(need)} of memory{each} and "
+            f"pushing {', '.join(names)} needs {format_bytes(need)} of shared memory and "
             f"{format_bytes(free)} is free; push smaller pieces, or save it to a file and load it "
             "on the ranks"
         )
+    return free
 
 
 def _target(r: RankRecord, body: Mapping[str, Any]) -> peer_memory.Target:

@@ -177,6 +177,25 @@ def test_a_push_that_cannot_be_written_into_a_rank_goes_through_a_segment(
     assert open_segments() == []
 
 
+def test_a_push_with_room_for_one_copy_but_not_one_per_rank_shares_a_segment(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psutil
+
+    class Room(NamedTuple):
+        available: int
+
+    value = torch.randn(BIG // 2)  # 32 MiB: room for one copy, not for two in 3/4 of what is free
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Room(80 << 20))
+    pool.push(roomy=value)
+    assert pool.values.last is not None and pool.values.last.path == "segment"
+    monkeypatch.undo()
+    pool.run("roomy[0] = -1.0", ranks=[0])
+    assert torch.equal(pool.pull("roomy", rank=1), value), "one rank's change reached another"
+    assert float(pool.pull("roomy", rank=0)[0]) == -1.0
+    assert open_segments() == []
+
+
 def test_an_interrupt_while_the_kernel_writes_lets_the_ranks_drop_their_landing(
     pool: Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -247,9 +266,7 @@ def test_a_value_the_machine_has_no_room_for_is_refused_in_one_line(
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Full(1 << 20))
     with pytest.raises(
-        PoolError,
-        match=r"needs 64\.0 MiB of memory \(2 copies, one per rank on this machine\) and 1\.0 MiB is "
-        r"free; push smaller",
+        PoolError, match=r"needs 32\.0 MiB of shared memory and 1\.0 MiB is free; push smaller"
     ):
         pool.push(huge=torch.zeros(BIG // 2))
     pool.run(f"import torch; huge = torch.ones({BIG // 2})", ranks=[0])
