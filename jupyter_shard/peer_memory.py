@@ -30,13 +30,12 @@ import ctypes
 import itertools
 import os
 import secrets
-import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jupyter_shard._mapping import MappingError, mapped
+from jupyter_shard._mapping import MappingError, libc, mapped
 
 __all__ = ["Lent", "PeerMemoryError", "Target", "address_of", "landing", "read", "supported", "write"]
 
@@ -55,11 +54,11 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-def _libc() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if not hasattr(libc, "process_vm_readv") or not hasattr(libc, "process_vm_writev"):
+def _process_vm(found: Any) -> Any:
+    """The C library with ``process_vm_readv``/``process_vm_writev`` declared; None without them."""
+    if found is None or not hasattr(found, "process_vm_readv") or not hasattr(found, "process_vm_writev"):
         return None
-    for call in (libc.process_vm_readv, libc.process_vm_writev):
+    for call in (found.process_vm_readv, found.process_vm_writev):
         call.restype = ctypes.c_ssize_t
         call.argtypes = [
             ctypes.c_int,
@@ -69,10 +68,10 @@ def _libc() -> Any:
             ctypes.c_ulong,
             ctypes.c_ulong,
         ]
-    return libc
+    return found
 
 
-_LIBC = _libc() if sys.platform == "linux" else None
+_LIBC = _process_vm(libc)
 
 
 def supported() -> bool:

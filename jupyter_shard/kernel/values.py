@@ -84,7 +84,8 @@ class Values:
         packs = [_packed(n, values[n]) for n in names]
         size = sum(p.nbytes for p in packs)
         targets = self.ranks.targets(ranks)
-        local = _local(targets) if sum(sum(p.sizes) for p in packs) >= SEGMENT_OVER else []
+        bulk = sum(sum(p.sizes) for p in packs)  # the out-of-band bytes, to each rank
+        local = _local(targets) if bulk >= SEGMENT_OVER else []
         errors: dict[int, str] = {}
         inline = [r for r in targets if r not in local]
         paths: list[str] = []
@@ -92,8 +93,8 @@ class Values:
             # a copy for each rank when they take at most 3/4 of the free memory, else one
             # copy-on-write segment the ranks share (each still owns its value: a page one writes
             # becomes its own)
-            room = _check_memory(names, packs) * 3 // 4
-            if peer_memory.supported() and len(local) * sum(sum(p.sizes) for p in packs) <= room:
+            room = _check_memory(names, bulk) * 3 // 4
+            if peer_memory.supported() and len(local) * bulk <= room:
                 written, local = self._push_direct(names, packs, local, errors)
                 paths += ["direct"] if written else []
             if local:
@@ -331,11 +332,12 @@ def _failures(replies: Mapping[int, Message], targets: list[RankRecord], what: s
     return errors
 
 
-def _check_memory(names: list[str], packs: list[Packed]) -> int:
-    """Refuse a push the machine has no memory for, before anything is written; the bytes free."""
+def _check_memory(names: list[str], need: int) -> int:
+    """Refuse a push of ``need`` bytes the machine has no memory for, before anything is written;
+    the bytes free."""
     import psutil
 
-    need, free = sum(sum(p.sizes) for p in packs), int(psutil.virtual_memory().available)
+    free = int(psutil.virtual_memory().available)
     if need > free:
         raise PoolError(
             f"pushing {', '.join(names)} needs {format_bytes(need)} of shared memory and "
