@@ -38,6 +38,7 @@ CURVE = PREFIX + "CURVE"  # CurveZMQ client keys of a pool whose ranks dial back
 SECRETS = (KEY, CURVE)
 
 ADDRESS = PREFIX + "ADDRESS"
+DIRECT = PREFIX + "DIRECT"  # the kernel's Unix socket for local ranks' direct links
 STORE = PREFIX + "STORE"
 MAX_FRAME_VAR = PREFIX + "MAX_FRAME"
 LIFELINE_FD = PREFIX + "LIFELINE_FD"
@@ -81,15 +82,15 @@ TORCH_PER_RANK = (
     "TORCHELASTIC_ERROR_FILE",
 )
 # Per-rank variables the pool sets for a local rank; a node agent (torchrun) sets its own.
-PER_RANK = (*TORCH_PER_RANK, LIFELINE_FD, PARENT_PID, STORE, LOG)
+PER_RANK = (*TORCH_PER_RANK, LIFELINE_FD, PARENT_PID, STORE, LOG, DIRECT)
 
 
 @dataclass(frozen=True)
 class RankEnv:
     """What one rank is told: who it is in the world, where the kernel is, what to build.
 
-    ``store``, ``lifeline_fd``, ``parent_pid`` and ``log`` are set for ranks this machine starts
-    directly; ``curve`` and ``rank_logs`` for ranks that dial back over TCP from a node agent.
+    ``store``, ``lifeline_fd``, ``parent_pid``, ``log`` and ``direct`` are set for ranks this machine
+    starts directly; ``curve`` and ``rank_logs`` for ranks that dial back over TCP from a node agent.
     """
 
     rank: int
@@ -116,6 +117,7 @@ class RankEnv:
     curve: str | None = None
     rank_logs: str | None = None
     node: int | None = None
+    direct: str | None = None  # where the kernel accepts direct links (:mod:`jupyter_shard.kernel.links`)
     check_protocol: str | None = None  # a file: every message signed is checked and recorded there
 
     def to_env(self) -> dict[str, str]:
@@ -153,6 +155,7 @@ class RankEnv:
             CURVE: self.curve,
             RANK_LOGS: self.rank_logs,
             NODE: self.node,
+            DIRECT: self.direct,
             CHECK_PROTOCOL_VAR: self.check_protocol,
         }
         env.update({name: str(value) for name, value in optional.items() if value is not None})
@@ -191,6 +194,7 @@ class RankEnv:
             curve=environ.get(CURVE) or None,
             rank_logs=environ.get(RANK_LOGS),
             node=number(NODE),
+            direct=environ.get(DIRECT) or None,
             check_protocol=environ.get(CHECK_PROTOCOL_VAR) or None,
         )
 

@@ -45,9 +45,11 @@ __all__ = [
     "Message",
     "MsgType",
     "ProtocolError",
+    "StreamReader",
     "Wire",
     "new_key",
     "pack",
+    "stream_record",
     "unpack",
 ]
 
@@ -100,6 +102,63 @@ def unpack(frames: Sequence[bytes | memoryview]) -> list[bytes]:
         first[_HEAD + size :],
         *(bytes(f) for f in frames[1:]),
     ]
+
+
+# A stream (a local rank's direct link, :mod:`jupyter_shard.kernel.links`) carries the same frames as
+# records: a frame count, each frame's length, then the frames.
+_COUNT = 4
+_LENGTH = 8
+MAX_STREAM_FRAMES = 1 << 20
+
+
+def stream_record(frames: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """``frames`` as one record of a stream: its head (count, lengths), then the frames themselves."""
+    head = [len(frames).to_bytes(_COUNT, "big")]
+    head.extend(memoryview(f).nbytes.to_bytes(_LENGTH, "big") for f in frames)
+    return [b"".join(head), *frames]
+
+
+class StreamReader:
+    """Cuts the bytes read from a stream back into records; only the layout is checked here.
+
+    A record's frames are handed out as they were sent; a peer's message is authenticated by
+    :meth:`Wire.from_socket` afterwards, as one from a ZeroMQ socket is.
+    """
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        self._data = bytearray()
+        self._max_frame = max_frame + _HEAD + MAX_HEADER + MAX_BODY
+
+    def feed(self, data: bytes | memoryview) -> list[list[bytes]]:
+        """Add ``data``; the records it completed, oldest first. Raises :class:`ProtocolError`."""
+        self._data += data
+        records: list[list[bytes]] = []
+        while (record := self._next()) is not None:
+            records.append(record)
+        return records
+
+    def _next(self) -> list[bytes] | None:
+        data = self._data
+        if len(data) < _COUNT:
+            return None
+        count = int.from_bytes(data[:_COUNT], "big")
+        if not 0 < count <= MAX_STREAM_FRAMES:
+            raise ProtocolError(f"a stream record of {count} frames")
+        start = _COUNT + count * _LENGTH
+        if len(data) < start:
+            return None
+        lengths = [int.from_bytes(data[at : at + _LENGTH], "big") for at in range(_COUNT, start, _LENGTH)]
+        if any(n > self._max_frame for n in lengths):
+            raise ProtocolError("a stream record's frame is over the size limit")
+        if len(data) < start + sum(lengths):
+            return None
+        frames = []
+        with memoryview(data) as view:
+            for n in lengths:
+                frames.append(bytes(view[start : start + n]))
+                start += n
+        del data[:start]
+        return frames
 
 
 def _mac(key: bytes, frames: Sequence[bytes]) -> bytes:

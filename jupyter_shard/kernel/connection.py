@@ -1,11 +1,14 @@
-"""The kernel's end of the wire: one ROUTER socket, the pool key, and dispatch by message type.
+"""The kernel's end of the wire: one ROUTER socket, the local ranks' direct links, the pool key, and
+dispatch by message type.
 
 :class:`Connection` signs and sends to ranks, waits for replies to requests, and receives: every frame
 is authenticated by :class:`~jupyter_shard.protocol.Wire` and handed to the handler registered for its
 type; the table is checked against the registry (:mod:`jupyter_shard.messages`) when the pool starts.
 A message from an unknown peer, with a bad signature or replayed is dropped and counted, never fatal.
 What a message *means* is decided elsewhere: the rank table (:mod:`.ranks`) and the running cell
-(:mod:`.cell`) register their handlers; replies to requests are kept here.
+(:mod:`.cell`) register their handlers; replies to requests are kept here. A rank on this machine has a
+direct link too (:mod:`.links`): once it serves the rank, it carries every message to and from the
+rank's main thread, and the socket only the I/O thread's.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 import zmq
 
 from jupyter_shard.errors import PoolError, ProtocolError
+from jupyter_shard.kernel.links import Link, Links
 from jupyter_shard.kernel.ranks import RankRecord, RankTable
 from jupyter_shard.messages import MESSAGES, REPLIES, handler_table
 from jupyter_shard.protocol import Message, Wire, parse_identity
@@ -41,6 +45,8 @@ class Connection:
         self.on_io: Callable[[RankRecord], None] = lambda r: None  # after each message on a rank's I/O
         self.table: dict[str, Handler] = dict.fromkeys(REPLIES, self._on_reply)  # by message type
         self._replies: dict[str, dict[int, Message]] = {}
+        self.links = Links()
+        self._poller: zmq.Poller | None = None  # the socket and the links, rebuilt when they change
 
     @property
     def open(self) -> bool:
@@ -55,6 +61,8 @@ class Connection:
         if self.socket is not None:
             self.socket.close(linger=0)
         self.socket, self.wire = None, None
+        self.links.close()
+        self._poller = None
 
     def handle(self, handlers: Mapping[str, Handler]) -> None:
         """Register what to do with each type of message the ranks send."""
@@ -83,6 +91,8 @@ class Connection:
         io = MESSAGES[msg_type].io
         with self.lock:
             for r in targets:
+                if not io and self.links.send(r.rank, frames):
+                    continue
                 try:
                     self.socket.send_multipart([r.io_identity if io else r.identity, *frames])
                 except zmq.ZMQError as exc:
@@ -125,22 +135,48 @@ class Connection:
             return
         wait_ms = int(timeout * 1000)
         with self.lock:
-            while sock.poll(wait_ms, zmq.POLLIN):
+            if not self.links.listening:
+                while sock.poll(wait_ms, zmq.POLLIN):
+                    wait_ms = 0
+                    self.dispatch(wire, sock.recv_multipart(copy=True))
+                return
+            while events := self._poll(sock, wait_ms):
                 wait_ms = 0
-                self.dispatch(wire, sock.recv_multipart(copy=True))
+                for item, event in events:
+                    if item is sock:
+                        self.dispatch(wire, sock.recv_multipart(copy=True))
+                        continue
+                    assert isinstance(item, int)
+                    for link, frames in self.links.ready(item, bool(event & zmq.POLLOUT)):
+                        self.dispatch(wire, [link.identity or b"", *frames], link)
 
-    def dispatch(self, wire: Wire, frames: list[bytes]) -> None:
-        """Authenticate one message as received on the socket and hand it to its handler."""
+    def _poll(self, sock: zmq.Socket[bytes], wait_ms: int) -> list[tuple[Any, int]]:
+        """What is ready among the socket and the links (the poller follows the links as they change)."""
+        if self._poller is None or self.links.changed:
+            self._poller = zmq.Poller()
+            self._poller.register(sock, zmq.POLLIN)
+            for fd, writing in self.links.watched():
+                self._poller.register(fd, zmq.POLLIN | (zmq.POLLOUT if writing else 0))
+        return self._poller.poll(wait_ms)
+
+    def dispatch(self, wire: Wire, frames: list[bytes], link: Link | None = None) -> None:
+        """Authenticate one message as received on the socket (or on ``link``) and hand it to its handler."""
         rank, is_io = parse_identity(frames[0])
         r = self.ranks.get(rank)
         try:
             if r is None:
                 raise ProtocolError(f"message from an unknown peer {frames[0][:40]!r}")
+            if link is not None and is_io:
+                raise ProtocolError(f"a direct link named itself {frames[0][:40]!r}, an I/O thread's")
             msg = wire.from_socket(frames[1:], expect_sender=frames[0].decode())
         except ProtocolError as exc:
             self.dropped += 1
             print(f"jupyter_shard: dropped a message on the pool socket: {exc}", file=sys.__stderr__)
+            if link is not None:
+                self.links.refuse(link, str(exc))
             return
+        if link is not None:  # before its handler runs, so that any answer takes the link too
+            self.links.bind(link, r.rank)
         r.handle.heard()
         handler = self.table.get(msg.type)
         if handler is None:  # a kernel-bound type (the wire checked that it is one) sent by a rank

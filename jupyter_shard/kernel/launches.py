@@ -64,6 +64,7 @@ def rank_launch(
     curve: CurveKeys | None,
     pool_dir: Path,
     log_dir: Path,
+    direct: str | None = None,
 ) -> RankLaunch:
     """Everything the launcher needs to start ``rank``: its environment, log file and directory."""
     nproc = spec.world_size
@@ -92,6 +93,7 @@ def rank_launch(
         check_protocol=os.environ.get(CHECK_PROTOCOL_VAR) or None,
         run_id=pool_dir.name,
         error_file=str(log_dir / f"rank-{rank}-error.json"),
+        direct=direct,
     )
     env = without_pool_variables(os.environ)
     env.update(

@@ -154,6 +154,7 @@ class Lifecycle:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
         curve: CurveKeys | None = None
+        direct: str | None = None  # where local ranks open their direct links
         try:
             if launcher.remote:
                 # Ranks elsewhere dial back over TCP, on the address the user chose, and only through
@@ -166,6 +167,7 @@ class Lifecycle:
             else:
                 self.address = f"ipc://{self.directory / 'pool.sock'}"
                 sock.bind(self.address)
+                direct = self.conn.links.listen(self.directory / "direct.sock")
         except BaseException:  # an option only the launcher checks (no --interface): nothing left open
             sock.close(linger=0)
             self.teardown()
@@ -185,6 +187,7 @@ class Lifecycle:
                 curve=curve,
                 pool_dir=self.directory,
                 log_dir=self.log_dir,
+                direct=direct,
             )
             for rank in range(spec.world_size)
         ]

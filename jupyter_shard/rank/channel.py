@@ -1,7 +1,9 @@
 """A rank's two links to the kernel, one per thread, so that a no-op cell costs one wake-up each way.
 
 - :class:`ShellSocket` (identity ``rank-k``) belongs to the main thread: it receives cells, pushes
-  and pulls and sends their replies directly, with no thread hand-off on the hot path.
+  and pulls and sends their replies directly. A rank on the kernel's machine does that over its
+  direct link, a Unix stream (:mod:`jupyter_shard.kernel.links`), so no thread hands a message on
+  between the kernel's main thread and the rank's; a rank elsewhere over the ZeroMQ socket.
 - :class:`Channel` (identity ``rank-k.io``) belongs to an I/O thread: it sends output (flushed on a
   timer, so a cell blocked in native code still streams), metrics, a heartbeat every second (memory,
   what runs), and answers stack and status requests while a cell runs.
@@ -19,11 +21,13 @@ kernel) and the loop goes on, so the rank keeps answering instead of looking stu
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import queue
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -35,9 +39,20 @@ import zmq
 
 from jupyter_shard._curve import secure_client
 from jupyter_shard.messages import STREAM, Outgoing
-from jupyter_shard.protocol import KERNEL, MAX_FRAME, TEXT_ERRORS, Message, ProtocolError, Wire
+from jupyter_shard.protocol import (
+    KERNEL,
+    MAX_FRAME,
+    TEXT_ERRORS,
+    Message,
+    ProtocolError,
+    StreamReader,
+    Wire,
+    stream_record,
+)
 
 FLUSH_INTERVAL = 0.05
+READ_SIZE = 1 << 18  # one read from the direct link at most
+SOCKET_BUFFER = 4 << 20  # asked of the system for the direct link's buffers
 HEARTBEAT_INTERVAL = 1.0
 
 Handler = Callable[[Message], None]
@@ -74,7 +89,12 @@ def _decode(wire: Wire, frames: list[bytes]) -> Message | None:
 
 
 class ShellSocket:
-    """Main-thread requests and replies."""
+    """Main-thread requests and replies: over the direct link once it is up, else the socket.
+
+    Before the link is up (and on a rank elsewhere) the kernel writes to the socket; once a message
+    on the link has been authenticated, the kernel writes only to the link. So a message waiting on
+    the socket is always older than any on the link, and is read first.
+    """
 
     def __init__(
         self,
@@ -85,7 +105,31 @@ class ShellSocket:
         curve: Curve = None,
     ) -> None:
         self.wire = Wire(key, identity)
+        self.identity = identity
         self._sock = _connect(ctx, address, identity, curve)
+        self._direct: socket.socket | None = None
+        self._reader = StreamReader()
+        self._buffer = bytearray(READ_SIZE)
+        self._read: collections.deque[list[bytes]] = collections.deque()  # records read, not yet taken
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+
+    def connect_direct(self, path: str) -> None:
+        """Open the direct link to the kernel's ``path`` and name this rank on it; before any send."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+            sock.connect(path)
+            sock.sendall(b"".join(stream_record([self.identity.encode()])))
+        except OSError as exc:
+            sock.close()
+            why = f"jupyter_shard: no direct link to the kernel ({exc}); using the socket"
+            print(why, file=sys.__stderr__)
+            return
+        self._direct = sock
+        self._poller.register(sock, zmq.POLLIN)
 
     def monitor(self) -> zmq.Socket[bytes]:
         """A socket of connection events (connected, disconnected) for :func:`watch_kernel`."""
@@ -93,19 +137,68 @@ class ShellSocket:
 
     def recv(self) -> Message:
         while True:
-            msg = _decode(self.wire, self._sock.recv_multipart())
+            msg = self.poll_recv(-1)
             if msg is not None:
                 return msg
 
     def poll_recv(self, timeout_ms: int) -> Message | None:
-        """The next message if one comes within ``timeout_ms`` (a wait that SIGINT can end)."""
-        if not self._sock.poll(timeout_ms):
+        """The next message if one comes within ``timeout_ms`` (-1: no limit; a wait SIGINT can end)."""
+        if self._direct is None:
+            if not self._sock.poll(timeout_ms):
+                return None
+            return _decode(self.wire, self._sock.recv_multipart())
+        if not self._read and not self._poller.poll(timeout_ms):
             return None
-        return _decode(self.wire, self._sock.recv_multipart())
+        with contextlib.suppress(zmq.Again):  # an older message, sent before the link was up
+            return _decode(self.wire, self._sock.recv_multipart(zmq.NOBLOCK))
+        if not self._read:
+            self._read_direct()
+        return _decode(self.wire, self._read.popleft()) if self._read else None
+
+    def _read_direct(self) -> None:
+        assert self._direct is not None
+        view = memoryview(self._buffer)
+        try:
+            n = self._direct.recv_into(view)
+            if n == 0:
+                raise ConnectionError("the kernel closed it")
+            self._read.extend(self._reader.feed(view[:n]))
+        except (OSError, ProtocolError) as exc:  # the kernel is gone, or closed the link
+            self._drop_direct(exc)
+
+    def _drop_direct(self, exc: Exception) -> None:
+        if self._direct is None:
+            return
+        why = f"jupyter_shard: the direct link to the kernel closed ({exc}); using the socket"
+        print(why, file=sys.__stderr__)
+        self._poller.unregister(self._direct)
+        self._direct.close()
+        self._direct = None
 
     def send(self, msg_type: str, body: Mapping[str, Any], buffers: list[bytes] | None = None) -> None:
         """Send now; ``send(*DONE(body))`` has mypy check the body (:mod:`jupyter_shard.messages`)."""
-        self._sock.send_multipart(self.wire.to_socket(msg_type, body, buffers or []), copy=False)
+        frames = self.wire.to_socket(msg_type, body, buffers or [])
+        if self._direct is not None:
+            try:
+                _send_all(self._direct, stream_record(frames))
+                return
+            except OSError as exc:
+                self._drop_direct(exc)
+        self._sock.send_multipart(frames, copy=False)
+
+
+def _send_all(sock: socket.socket, pieces: list[bytes | memoryview]) -> None:
+    """Write every piece, however many writes it takes (the link is blocking: the kernel reads)."""
+    views = [memoryview(p).cast("B") for p in pieces]
+    while views:
+        sent = sock.sendmsg(views[:512], [], socket.MSG_NOSIGNAL)
+        while sent and views:
+            if sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
 
 
 class Channel:

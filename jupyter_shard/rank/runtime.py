@@ -52,6 +52,8 @@ def main() -> None:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     channel = Channel(ctx, env.address, key, io_identity(rank), curve)
     shell_sock = ShellSocket(ctx, env.address, key, rank_identity(rank), curve)
+    if env.direct:
+        shell_sock.connect_direct(env.direct)
     if env.lifeline_fd is not None:
         watch_lifeline(env.lifeline_fd, env.parent_pid or os.getppid())
     else:  # started by an agent: live while the agent and the kernel connection do

@@ -2,8 +2,9 @@
 lines, and forged, replayed, truncated or oversized frames refused without running or unpickling
 anything, while the pool keeps working.
 
-Where a frame can be injected: the kernel's ROUTER socket, ``ipc://{pool dir}/pool.sock``, is the
-only endpoint a pool listens on. Ranks only connect out (two DEALER sockets each, see
+Where a frame can be injected: the kernel's ROUTER socket, ``ipc://{pool dir}/pool.sock``, and the
+local ranks' direct links, ``{pool dir}/direct.sock`` (jupyter_shard/kernel/links.py), are the only
+endpoints a pool listens on. Ranks only connect out (two DEALER sockets each, see
 jupyter_shard/rank/channel.py) and listen on nothing of their own but gloo's loopback TCP pairs, so
 the only way into a rank is through the kernel, which never forwards what it receives. The rank's
 own checks are still tested, by sending through the kernel's socket.
@@ -211,7 +212,10 @@ def test_ranks_have_no_listening_socket_of_their_own(pool: Pool) -> None:
     assert pool.directory is not None
     for pid in _rank_pids(pool):
         assert _listening_unix_sockets(pid) == [], f"rank process {pid} listens on a UNIX socket"
-    assert _listening_unix_sockets(os.getpid()) == [str(pool.directory / "pool.sock")]
+    assert sorted(_listening_unix_sockets(os.getpid())) == [
+        str(pool.directory / "direct.sock"),
+        str(pool.directory / "pool.sock"),
+    ]
 
 
 def test_private_directory_and_ipc_socket(pool: Pool) -> None:
@@ -220,6 +224,8 @@ def test_private_directory_and_ipc_socket(pool: Pool) -> None:
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     assert directory.stat().st_uid == os.getuid()
     assert (directory / "pool.sock").exists()
+    direct = (directory / "direct.sock").stat()
+    assert stat.S_ISSOCK(direct.st_mode) and stat.S_IMODE(direct.st_mode) == 0o600
 
 
 def test_key_not_on_command_line_nor_inherited_by_rank_children(pool: Pool) -> None:
@@ -445,11 +451,24 @@ def _rank0_rejected(pool: Pool) -> int:
     return int(value["text/plain"])
 
 
-def _to_rank0(pool: Pool, messages: Sequence[list[bytes]]) -> None:
+def _to_rank0(pool: Pool, messages: Sequence[list[bytes]], via: str = "link") -> None:
+    """Send as the kernel does: on rank 0's direct link (in order with the cells that follow), or on
+    the pool socket, which the rank still reads (what it gets there arrives in its own time)."""
     assert pool.connection.socket is not None
     with pool.connection.lock:
         for frames in messages:
-            pool.connection.socket.send_multipart([rank_identity(0).encode(), *_framed(frames)])
+            if via == "link":
+                assert pool.connection.links.send(0, _framed(frames))
+            else:
+                pool.connection.socket.send_multipart([rank_identity(0).encode(), *_framed(frames)])
+
+
+def _rank0_rejects(pool: Pool, before: int, count: int) -> int:
+    """How many more messages rank 0 rejected, waiting up to 10 s for ``count`` of them."""
+    deadline = time.monotonic() + 10
+    while (seen := _rank0_rejected(pool) - before) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return seen
 
 
 def _from_kernel(
@@ -464,10 +483,11 @@ def _resigned(frames: list[bytes], key: bytes) -> list[bytes]:
     return [TAG, protocol._mac(key, [TAG, *frames[2:]]), *frames[2:]]
 
 
-def test_rank_drops_forged_kernel_frames_without_running_them(pool: Pool, marker: Path) -> None:
-    """Sent through the kernel's own socket, as no other way reaches a rank. Each frame carries the
-    kernel's next ``seq`` (built in sending order, after the last cell), so only the signature or
-    layout check stands between it and the rank."""
+@pytest.mark.parametrize("via", ["link", "socket"])
+def test_rank_drops_forged_kernel_frames_without_running_them(pool: Pool, marker: Path, via: str) -> None:
+    """Sent through the kernel's own link or socket, as no other way reaches a rank. Each frame
+    carries the kernel's next ``seq`` (built in sending order, after the last cell), so only the
+    signature or layout check stands between it and the rank."""
     code = f"open({str(marker)!r}, 'w')"
 
     def execute() -> list[bytes]:
@@ -489,8 +509,8 @@ def test_rank_drops_forged_kernel_frames_without_running_them(pool: Pool, marker
         _resigned(push(), new_key()),
         execute()[:3],
     ]
-    _to_rank0(pool, attempts)
-    assert _rank0_rejected(pool) - before == len(attempts)
+    _to_rank0(pool, attempts, via)
+    assert _rank0_rejects(pool, before, len(attempts)) == len(attempts)
     assert not marker.exists(), "rank 0 ran forged code or unpickled a forged buffer"
 
 
@@ -513,8 +533,9 @@ def test_rank_drops_a_replayed_genuine_execute(
     monkeypatch.undo()
     assert marker.read_text() == "x" and len(captured) == 1
     before = _rank0_rejected(pool)
-    _to_rank0(pool, [captured[0], captured[0]])
-    assert _rank0_rejected(pool) - before == 2
+    _to_rank0(pool, [captured[0]], "link")
+    _to_rank0(pool, [captured[0]], "socket")
+    assert _rank0_rejects(pool, before, 2) == 2
     assert marker.read_text() == "x", "a replayed execute ran the cell again"
     dropped = pool.dropped
     _send(pool, [captured[0]])  # and on the kernel's socket it is not a rank's message at all
@@ -635,6 +656,7 @@ def test_other_user_cannot_connect_to_the_pool_socket(pool: Pool) -> None:
                 _CONNECT_PROBE,
                 str(open_dir / "control.sock"),
                 str(pool.directory / "pool.sock"),
+                str(pool.directory / "direct.sock"),
             ],
             user=nobody,
             group=nobody,
@@ -647,5 +669,66 @@ def test_other_user_cannot_connect_to_the_pool_socket(pool: Pool) -> None:
         control.close()
         shutil.rmtree(open_dir, ignore_errors=True)
     assert probe.returncode == 0, probe.stderr
-    assert probe.stdout.split() == ["connected", "refused"]
+    assert probe.stdout.split() == ["connected", "refused", "refused"]
     assert pool.run("6 * 7", timeout=30).value == {"text/plain": "42"}
+
+
+# -- F15 on the direct links --------------------------------------------------------------------------
+
+
+def _link_record(*frames: bytes) -> bytes:
+    return b"".join(bytes(piece) for piece in protocol.stream_record(list(frames)))
+
+
+def _send_on_a_link(pool: Pool, name: bytes, records: Sequence[list[bytes]]) -> bytes:
+    """Open a direct link as a peer without the key, send, and return what the kernel sent back
+    before it closed the link (it must close it: nothing forged may be served)."""
+    assert pool.directory is not None
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    peer.settimeout(10)
+    try:
+        peer.connect(str(pool.directory / "direct.sock"))
+        peer.sendall(_link_record(name) + b"".join(_link_record(*_framed(r)) for r in records))
+        received = b""
+        while chunk := peer.recv(65536):
+            received += chunk
+        return received
+    finally:
+        peer.close()
+
+
+def test_local_ranks_talk_over_their_direct_links(pool: Pool) -> None:
+    links = pool.connection.links
+    assert [links.serves(r) for r in range(2)] == [True, True]
+    assert pool.run("6 * 7", timeout=30).value == {"text/plain": "42"}
+
+
+@pytest.mark.parametrize("name", [b"rank-0", b"rank-1.io", b"rank-7", b"intruder"])
+def test_forged_messages_on_a_direct_link_are_dropped_and_the_link_closed(
+    pool: Pool, marker: Path, name: bytes
+) -> None:
+    """Whatever name a link claims, its first message must be signed with the pool key as that
+    rank's main thread, or it is dropped (counted once) and the link closed unread; the rank's own
+    link keeps serving it."""
+    dropped = pool.dropped
+    links = pool.connection.links
+    own = links._by_rank[0]
+    wrong_key = Wire(new_key(), "rank-0")
+    records = [
+        wrong_key.to_socket("done", {"cell_id": "forged", "status": "ok"}),
+        wrong_key.to_socket("ready", {"rank": 0, "pid": os.getpid()}),
+        [TAG, b"s" * 32, b"{}", b"{}"],
+        _execute(new_key(), marker, "rank-0"),
+        _execute(new_key(), marker, "kernel"),
+    ]
+    assert _send_on_a_link(pool, name, records) == b""
+    _assert_refused(pool, dropped, 1, marker)
+    assert links._by_rank[0] is own
+
+
+def test_a_link_that_names_no_rank_is_closed_and_nothing_is_counted(pool: Pool) -> None:
+    dropped = pool.dropped
+    assert _send_on_a_link(pool, b"x" * 65, [[b"anything"]]) == b""
+    assert pool.dropped == dropped
+    assert pool.run("6 * 7", timeout=30).value == {"text/plain": "42"}
+    assert pool.connection.links.serves(0)

@@ -637,3 +637,61 @@ def test_random_socket_frames_are_only_ever_protocol_errors(rest: list[bytes], d
     with pytest.raises(ProtocolError):
         receiver.from_socket([first, *rest])
     assert receiver.rejected == 1
+
+
+# -- stream records (a local rank's direct link) ------------------------------------------------------
+
+
+def _joined(frames: list[bytes | memoryview]) -> bytes:
+    return b"".join(bytes(piece) for piece in protocol.stream_record(frames))
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(
+    st.lists(st.lists(st.binary(max_size=300), min_size=1, max_size=5), min_size=1, max_size=6),
+    st.lists(st.integers(min_value=1, max_value=700), min_size=1, max_size=40),
+)
+def test_stream_records_come_back_whole_however_the_bytes_are_cut(
+    records: list[list[bytes]], cuts: list[int]
+) -> None:
+    data = b"".join(_joined(list(r)) for r in records)
+    reader = protocol.StreamReader()
+    got: list[list[bytes]] = []
+    at, i = 0, 0
+    while at < len(data):
+        size = cuts[i % len(cuts)]
+        got.extend(reader.feed(memoryview(data)[at : at + size]))
+        at, i = at + size, i + 1
+    assert got == records
+
+
+def test_a_signed_message_crosses_a_stream_and_is_authenticated_after(sender: Wire, receiver: Wire) -> None:
+    buffer = bytearray(b"\x01\x02\x03")
+    frames = sender.to_socket("done", {"cell_id": "c", "status": "ok"}, [memoryview(buffer), b""])
+    (record,) = protocol.StreamReader().feed(_joined(frames))
+    msg = receiver.from_socket(record, expect_sender="rank-0")
+    assert (msg.type, msg.body["cell_id"], msg.buffers) == ("done", "c", [b"\x01\x02\x03", b""])
+    forged = protocol.StreamReader().feed(_joined([flip(bytes(frames[0]), 50)]))
+    with pytest.raises(ProtocolError, match="bad signature"):
+        receiver.from_socket(forged[0])
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        (0).to_bytes(4, "big"),  # no frames
+        (protocol.MAX_STREAM_FRAMES + 1).to_bytes(4, "big"),
+        (1).to_bytes(4, "big") + (1 << 62).to_bytes(8, "big"),  # a frame no message may have
+    ],
+)
+def test_a_stream_record_that_no_sender_makes_is_refused_before_its_frames_are_read(head: bytes) -> None:
+    with pytest.raises(ProtocolError, match="stream record"):
+        protocol.StreamReader().feed(head)
+
+
+def test_a_partial_stream_record_waits_for_the_rest() -> None:
+    data = _joined([b"abc", b"defg"])
+    reader = protocol.StreamReader()
+    assert reader.feed(data[:-1]) == []
+    assert reader.feed(data[-1:]) == [[b"abc", b"defg"]]
+    assert reader.feed(b"") == []
