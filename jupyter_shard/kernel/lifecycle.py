@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -167,7 +168,7 @@ class Lifecycle:
             else:
                 self.address = f"ipc://{self.directory / 'pool.sock'}"
                 sock.bind(self.address)
-                direct = self.conn.links.listen(self.directory / "direct.sock")
+                direct = self._listen_for_links(self.directory / "direct.sock")
         except BaseException:  # an option only the launcher checks (no --interface): nothing left open
             sock.close(linger=0)
             self.teardown()
@@ -205,6 +206,14 @@ class Lifecycle:
             records.append(record)
         record_pool(self.directory, [h.pid for h in handles if h.pid] + launcher.local_pids())
         return records
+
+    def _listen_for_links(self, path: Path) -> str | None:
+        """Where local ranks open their direct links; ``None`` (they use the socket) if it cannot be."""
+        try:
+            return self.conn.links.listen(path)
+        except OSError as exc:  # e.g. a runtime directory whose path is too long for a Unix socket
+            print(f"jupyter_shard: ranks talk over the pool socket only ({path}: {exc})", file=sys.__stderr__)
+            return None
 
     def wait_ready(self, notice: Callable[[str], None]) -> None:
         """Receive until every rank said ``ready``; a rank that failed or took too long raises."""

@@ -115,3 +115,42 @@ def test_a_pool_driven_from_a_script_loads_no_ui_module(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "UI modules: []" in done.stdout, done.stdout
+
+
+# -- the local ranks' direct links (jupyter_shard/kernel/links.py) ---------------------------------
+
+
+def _rank_log(pool: Pool, rank: int) -> str:
+    assert pool.log_dir is not None
+    return (pool.log_dir / f"rank-{rank}.log").read_text(errors="replace")
+
+
+def test_a_rank_whose_link_closes_goes_on_over_the_socket(pool: Pool) -> None:
+    links = pool.connection.links
+    assert links.serves(0) and links.serves(1)
+    with pool.connection.lock:
+        links._drop(links._by_rank[0])  # as when the link fails on the kernel's side
+    assert not links.serves(0)
+    for _ in range(3):
+        result = pool.run("print('still', shard.rank)\nshard.rank + 40", timeout=30)
+        assert [result.ranks[r].stdout for r in (0, 1)] == ["still 0\n", "still 1\n"]
+        assert result.ranks[0].result == {"text/plain": "40"}
+    assert pool.push(y=list(range(3))) > 0
+    assert pool.pull("y", rank=0) == [0, 1, 2]
+    assert "the direct link to the kernel closed" in _rank_log(pool, 0)
+    assert not links.serves(0) and links.serves(1)
+
+
+def test_a_pool_whose_links_cannot_listen_runs_over_the_socket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jupyter_shard.kernel.links import Links
+
+    def refuse(self: Links, path: Path) -> str:
+        raise OSError(36, "File name too long")
+
+    monkeypatch.setattr(Links, "listen", refuse)
+    with Pool(nproc=2, device="cpu", log_dir=tmp_path) as p:
+        assert p.run("6 * 7", timeout=60).value == {"text/plain": "42"}
+        assert not p.connection.links.serves(0) and not p.connection.links.serves(1)
+        assert p.directory is not None and not (p.directory / "direct.sock").exists()
