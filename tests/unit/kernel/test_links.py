@@ -40,6 +40,15 @@ def _connect(links: Links, name: bytes | None = b"rank-0") -> socket.socket:
     return peer
 
 
+def _serving(links: Links, rank: int = 0) -> tuple[socket.socket, Link]:
+    """A peer whose link serves ``rank``, as after its first authenticated message."""
+    peer = _connect(links, f"rank-{rank}".encode())
+    peer.sendall(_record(b"ready"))
+    ((link, _),) = _pump(links)
+    links.bind(link, rank)
+    return peer, link
+
+
 def _pump(links: Links, rounds: int = 3) -> list[tuple[Link, list[bytes]]]:
     """What a kernel's pump would do with every ready descriptor, a few times over."""
     got: list[tuple[Link, list[bytes]]] = []
@@ -99,10 +108,7 @@ def test_garbage_on_a_link_drops_it_and_no_other(links: Links) -> None:
 
 
 def test_a_rank_that_does_not_read_never_blocks_the_kernel(links: Links) -> None:
-    peer = _connect(links)
-    peer.sendall(_record(b"ready"))
-    ((link, _),) = _pump(links)
-    links.bind(link, 0)
+    peer, link = _serving(links)
     big = os.urandom(1 << 20)
     for _ in range(24):  # far more than both sockets' buffers hold
         assert links.send(0, [big])
@@ -120,14 +126,8 @@ def test_a_rank_that_does_not_read_never_blocks_the_kernel(links: Links) -> None
 
 
 def test_a_second_link_for_the_same_rank_replaces_the_first(links: Links) -> None:
-    old = _connect(links)
-    old.sendall(_record(b"a"))
-    ((old_link, _),) = _pump(links)
-    links.bind(old_link, 0)
-    new = _connect(links)
-    new.sendall(_record(b"b"))
-    ((new_link, _),) = _pump(links)
-    links.bind(new_link, 0)
+    old, _ = _serving(links)
+    new, _ = _serving(links)
     assert old.recv(16) == b""
     assert links.send(0, [b"to the new one"])
     assert StreamReader().feed(new.recv(1024)) == [[b"to the new one"]]
@@ -136,10 +136,7 @@ def test_a_second_link_for_the_same_rank_replaces_the_first(links: Links) -> Non
 
 
 def test_a_closed_rank_end_lets_the_kernel_fall_back(links: Links) -> None:
-    peer = _connect(links)
-    peer.sendall(_record(b"ready"))
-    ((link, _),) = _pump(links)
-    links.bind(link, 0)
+    peer, _ = _serving(links)
     peer.close()
     _pump(links, 1)
     assert not links.serves(0)
