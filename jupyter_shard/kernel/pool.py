@@ -14,7 +14,7 @@ import atexit
 import os
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
@@ -320,8 +320,23 @@ class Pool:
 
     # -- moving values --------------------------------------------------------------------------
 
-    def push(self, ranks: Sequence[int] | None = None, **values: Any) -> int:
-        """Copy kernel values to every rank (or ``ranks``) under the given names; bytes sent to each."""
+    def push(
+        self, namespace: Mapping[str, Any] | None = None, *, ranks: Sequence[int] | None = None, **values: Any
+    ) -> int:
+        """Copy kernel values to every rank (or ``ranks``) under the given names; bytes sent to each.
+
+        ``push(x=x, y=y)``, or a dict of names as ipyparallel's ``view.push`` takes it:
+        ``push({"x": x, "y": y})``.
+        """
+        if namespace is not None and not isinstance(namespace, Mapping):
+            raise TypeError(
+                "push takes its values by name: pool.push(x=value) or pool.push({'x': value}); "
+                "the ranks to push to go in ranks=[...]"
+            )
+        values = {**(namespace or {}), **values}
+        bad = [repr(n) for n in values if not (isinstance(n, str) and n.isidentifier())]
+        if bad:
+            raise PoolError(f"cannot push under {', '.join(bad)}: each name must be a Python identifier")
         self._refuse_while_background("push values")
         self.start()
         return self.values.push(ranks, values)

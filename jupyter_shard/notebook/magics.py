@@ -247,7 +247,7 @@ class DistributedMagics(Magics):
         if missing:
             raise UsageError(f"%dist_push: {missing[0]!r} is not defined in the notebook")
         pool = self._require_pool()
-        sent = pool.push(**{n: ns[n] for n in names})
+        sent = pool.push({n: ns[n] for n in names})  # a user variable may be called ranks
         ranks = format_ranks(list(range(pool.world_size)))
         print(f"jupyter_shard: pushed {', '.join(names)} to rank {ranks} ({format_bytes(sent)} each)")
 

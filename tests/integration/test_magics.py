@@ -135,7 +135,8 @@ def test_push_and_pull_values(nb: Any) -> None:
     assert run.data("execute_result") == [{"text/plain": "{0: (3, 6.0, [1, 2]), 1: (4, 6.0, [1, 2])}"}]
     run = nb.execute("%dist_pull mine --rank 1\nmine")
     assert run.data("execute_result") == [{"text/plain": "(4, 6.0, [1, 2])"}]
-    run = nb.execute("%%distributed\nt = torch.full((2,), float(shard.rank))")
+    run = nb.execute("%%distributed\nimport torch\nt = torch.full((2,), float(shard.rank))")
+    assert run.ok, run.outputs
     run = nb.execute("%dist_pull t --rank 1\nt")
     assert run.data("execute_result") == [{"text/plain": "tensor([1., 1.])"}], run.outputs
     run = nb.execute("%dist_pull t --all --device\nt")  # as they are on the ranks' device (the CPU here)

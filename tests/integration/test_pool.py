@@ -81,6 +81,17 @@ def test_push_pull_and_missing_ranks(pool: Pool) -> None:
         pool.run("1", ranks=[5])
 
 
+def test_push_takes_a_dict_as_ipyparallel_does_and_ranks_by_keyword(pool: Pool) -> None:
+    pool.push({"a": 1, "ranks": "a variable called ranks"}, b=2)
+    pool.push(a=10, ranks=[1])
+    assert pool.pull_all("a") == {0: 1, 1: 10}
+    assert pool.pull("ranks", rank=1) == "a variable called ranks" and pool.pull("b", rank=0) == 2
+    with pytest.raises(TypeError, match=r"pool.push\(x=value\) or pool.push\(\{'x': value\}\)"):
+        pool.push([0, 1])  # type: ignore[arg-type]
+    with pytest.raises(PoolError, match="cannot push under 'not a name', 3: each name must be"):
+        pool.push({"not a name": 1, 3: 2})  # type: ignore[dict-item]
+
+
 def test_interrupt_from_another_thread_reaches_running_ranks(pool: Pool) -> None:
     def later() -> None:
         time.sleep(1.0)
