@@ -147,11 +147,14 @@ class ShellSocket:
             if not self._sock.poll(timeout_ms):
                 return None
             return _decode(self.wire, self._sock.recv_multipart())
-        if not self._read and not self._poller.poll(timeout_ms):
-            return None
+        ready: dict[Any, int] = {}  # the socket, and the link by its file descriptor
+        if not self._read:
+            ready = dict(self._poller.poll(timeout_ms))
+            if not ready:
+                return None
         with contextlib.suppress(zmq.Again):  # an older message, sent before the link was up
             return _decode(self.wire, self._sock.recv_multipart(zmq.NOBLOCK))
-        if not self._read:
+        if not self._read and self._direct.fileno() in ready:  # blocking: read only when ready
             self._read_direct()
         return _decode(self.wire, self._read.popleft()) if self._read else None
 
