@@ -14,7 +14,7 @@ import atexit
 import os
 import sys
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,7 +32,7 @@ from jupyter_shard.kernel.ranks import RankSnapshot, RankTable
 from jupyter_shard.kernel.results import DistributedError, RunResult
 from jupyter_shard.kernel.stdin import CallbackStdin
 from jupyter_shard.kernel.transcript import CellEntry, Transcript
-from jupyter_shard.kernel.values import Values
+from jupyter_shard.kernel.values import Namespace, Values, named_values
 from jupyter_shard.launchers import Launcher
 from jupyter_shard.messages import SIGNAL, STACKS, STATUS
 from jupyter_shard.spec import DEFAULT_TIMEOUT, LaunchSpec
@@ -320,26 +320,12 @@ class Pool:
 
     # -- moving values --------------------------------------------------------------------------
 
-    def push(
-        self, namespace: Mapping[str, Any] | None = None, *, ranks: Sequence[int] | None = None, **values: Any
-    ) -> int:
-        """Copy kernel values to every rank (or ``ranks``) under the given names; bytes sent to each.
-
-        ``push(x=x, y=y)``, or a dict of names as ipyparallel's ``view.push`` takes it:
-        ``push({"x": x, "y": y})``.
-        """
-        if namespace is not None and not isinstance(namespace, Mapping):
-            raise TypeError(
-                "push takes its values by name: pool.push(x=value) or pool.push({'x': value}); "
-                "the ranks to push to go in ranks=[...]"
-            )
-        values = {**(namespace or {}), **values}
-        bad = [repr(n) for n in values if not (isinstance(n, str) and n.isidentifier())]
-        if bad:
-            raise PoolError(f"cannot push under {', '.join(bad)}: each name must be a Python identifier")
+    def push(self, namespace: Namespace = None, *, ranks: Sequence[int] | None = None, **values: Any) -> int:
+        """Copy values to every rank (or ``ranks``): ``push(x=x)``, or ``push({"x": x})`` as ipyparallel."""
+        named = named_values(namespace, values)
         self._refuse_while_background("push values")
         self.start()
-        return self.values.push(ranks, values)
+        return self.values.push(ranks, named)
 
     def pull(self, name: str, rank: int = 0, *, gather: bool = False, device: bool = False) -> Any:
         """A copy of the rank's variable ``name``, its tensors on the CPU (``device=True``: where

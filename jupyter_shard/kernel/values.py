@@ -316,6 +316,24 @@ class Values:
         return self.conn.request(*message, targets, buffers=frames, timeout=60.0 + size * _SECONDS_PER_BYTE)
 
 
+Namespace = Mapping[str, Any] | None  # what ``Pool.push`` may be given besides keywords
+
+
+def named_values(namespace: Namespace, values: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``Pool.push`` was given (a dict as ipyparallel's ``view.push``, keywords), as one dict of
+    names; a name that is not one is refused."""
+    if namespace is not None and not isinstance(namespace, Mapping):
+        raise TypeError(
+            "push takes its values by name: pool.push(x=value) or pool.push({'x': value}); "
+            "the ranks to push to go in ranks=[...]"
+        )
+    named = {**(namespace or {}), **values}
+    bad = [repr(n) for n in named if not (isinstance(n, str) and n.isidentifier())]
+    if bad:
+        raise PoolError(f"cannot push under {', '.join(bad)}: each name must be a Python identifier")
+    return named
+
+
 def _local(targets: list[RankRecord]) -> list[RankRecord]:
     """The targets on this machine, which can share memory with the kernel."""
     if not segments.supported() or os.environ.get(SHARED_MEMORY_VAR) == "0":
