@@ -24,12 +24,15 @@ With ``JUPYTER_SHARD_CHECK_PROTOCOL`` naming a file (tests set it; ranks inherit
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import hmac
 import itertools
 import json
 import os
 import secrets
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -109,13 +112,41 @@ def unpack(frames: Sequence[bytes | memoryview]) -> list[bytes]:
 _COUNT = 4
 _LENGTH = 8
 MAX_STREAM_FRAMES = 1 << 20
+STREAM_BUFFER = 4 << 20  # asked of the system for a stream's send and receive buffers
+_IOV_MAX = 512  # pieces per sendmsg
 
 
-def stream_record(frames: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+def size_stream(sock: socket.socket) -> None:
+    """Ask for large buffers on a stream's socket (the system may give less)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_BUFFER)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, STREAM_BUFFER)
+
+
+def write_stream(sock: socket.socket, pieces: collections.deque[memoryview]) -> None:
+    """Write ``pieces`` from the left until they are all written or a non-blocking ``sock`` would
+    block; what is written leaves ``pieces``. A broken stream raises ``OSError``."""
+    while pieces:
+        batch = [pieces[i] for i in range(min(len(pieces), _IOV_MAX))]
+        try:
+            sent = sock.sendmsg(batch, [], socket.MSG_NOSIGNAL)
+        except BlockingIOError:
+            return
+        while sent:
+            head = pieces[0]
+            if sent >= head.nbytes:
+                sent -= head.nbytes
+                pieces.popleft()
+            else:
+                pieces[0] = head[sent:]
+                sent = 0
+
+
+def stream_record(frames: Sequence[bytes | memoryview]) -> list[memoryview]:
     """``frames`` as one record of a stream: its head (count, lengths), then the frames themselves."""
     head = [len(frames).to_bytes(_COUNT, "big")]
     head.extend(memoryview(f).nbytes.to_bytes(_LENGTH, "big") for f in frames)
-    return [b"".join(head), *frames]
+    return [memoryview(b"".join(head)), *(memoryview(f).cast("B") for f in frames)]
 
 
 class StreamReader:

@@ -135,11 +135,6 @@ class Connection:
             return
         wait_ms = int(timeout * 1000)
         with self.lock:
-            if not self.links.listening:
-                while sock.poll(wait_ms, zmq.POLLIN):
-                    wait_ms = 0
-                    self.dispatch(wire, sock.recv_multipart(copy=True))
-                return
             while events := self._poll(sock, wait_ms):
                 wait_ms = 0
                 for item, event in events:

@@ -32,14 +32,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from jupyter_shard.errors import ProtocolError
-from jupyter_shard.protocol import StreamReader, stream_record
+from jupyter_shard.protocol import StreamReader, size_stream, stream_record, write_stream
 
 __all__ = ["Link", "Links"]
 
 READ_SIZE = 1 << 20  # one read from a link at most
-SOCKET_BUFFER = 4 << 20  # asked of the system for each link's send and receive buffers
 MAX_UNNAMED = 256  # connections that have not yet named themselves; past this the newest is refused
-_IOV_MAX = 512  # pieces per sendmsg
 
 
 class Link:
@@ -47,9 +45,7 @@ class Link:
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+        size_stream(sock)
         self.sock = sock
         self.identity: bytes | None = None  # claimed by the first record; proved by the first message
         self.rank = -1  # the rank it serves, once a message on it was authenticated
@@ -71,26 +67,12 @@ class Link:
 
     def queue(self, frames: Sequence[bytes | memoryview]) -> None:
         """Write ``frames`` as one record, now as far as the link takes it; the rest waits."""
-        self._outbox.extend(memoryview(piece).cast("B") for piece in stream_record(frames))
+        self._outbox.extend(stream_record(frames))
         self.flush()
 
     def flush(self) -> None:
         """Write what waits until the link would block; a broken link raises ``OSError``."""
-        outbox = self._outbox
-        while outbox:
-            pieces = [outbox[i] for i in range(min(len(outbox), _IOV_MAX))]
-            try:
-                sent = self.sock.sendmsg(pieces, [], socket.MSG_NOSIGNAL)
-            except BlockingIOError:
-                return
-            while sent:
-                head = outbox[0]
-                if sent >= head.nbytes:
-                    sent -= head.nbytes
-                    outbox.popleft()
-                else:
-                    outbox[0] = head[sent:]
-                    sent = 0
+        write_stream(self.sock, self._outbox)
 
     def read(self) -> list[list[bytes]] | None:
         """The records that have arrived, or ``None`` when the peer closed the link."""
@@ -123,10 +105,6 @@ class Links:
         self._unnamed: list[Link] = []  # accepted, not yet serving a rank
         self._by_rank: dict[int, Link] = {}
         self.changed = True  # the set of file descriptors to watch changed since :meth:`watched`
-
-    @property
-    def listening(self) -> bool:
-        return self._listener is not None
 
     def listen(self, path: Path) -> str:
         """Accept links at ``path`` (inside the pool's private directory); returns the path."""

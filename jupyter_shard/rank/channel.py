@@ -47,12 +47,13 @@ from jupyter_shard.protocol import (
     ProtocolError,
     StreamReader,
     Wire,
+    size_stream,
     stream_record,
+    write_stream,
 )
 
 FLUSH_INTERVAL = 0.05
 READ_SIZE = 1 << 18  # one read from the direct link at most
-SOCKET_BUFFER = 4 << 20  # asked of the system for the direct link's buffers
 HEARTBEAT_INTERVAL = 1.0
 
 Handler = Callable[[Message], None]
@@ -118,9 +119,7 @@ class ShellSocket:
         """Open the direct link to the kernel's ``path`` and name this rank on it; before any send."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+            size_stream(sock)
             sock.connect(path)
             sock.sendall(b"".join(stream_record([self.identity.encode()])))
         except OSError as exc:
@@ -183,25 +182,11 @@ class ShellSocket:
         frames = self.wire.to_socket(msg_type, body, buffers or [])
         if self._direct is not None:
             try:
-                _send_all(self._direct, stream_record(frames))
+                write_stream(self._direct, collections.deque(stream_record(frames)))  # blocking: all
                 return
             except OSError as exc:
                 self._drop_direct(exc)
         self._sock.send_multipart(frames, copy=False)
-
-
-def _send_all(sock: socket.socket, pieces: list[bytes | memoryview]) -> None:
-    """Write every piece, however many writes it takes (the link is blocking: the kernel reads)."""
-    views = [memoryview(p).cast("B") for p in pieces]
-    while views:
-        sent = sock.sendmsg(views[:512], [], socket.MSG_NOSIGNAL)
-        while sent and views:
-            if sent >= views[0].nbytes:
-                sent -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
 
 
 class Channel:
