@@ -54,6 +54,11 @@ class BackgroundRun:
         return not self._done.is_set()
 
     @property
+    def unsettled(self) -> bool:
+        """Running, or failed where nobody has seen it yet (the next cell first says so)."""
+        return self.running or (self.error is not None and not self.reported)
+
+    @property
     def elapsed(self) -> float:
         return (self.ended or time.monotonic()) - self.started
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from jupyter_shard._curve import CurveServer
 from jupyter_shard.errors import PoolError
+from jupyter_shard.kernel.ahead import Ahead
 from jupyter_shard.kernel.background import BackgroundRun, Watcher
 from jupyter_shard.kernel.cell import POST_MORTEM, CellGathering, Gathering
 from jupyter_shard.kernel.connection import Connection
@@ -92,6 +93,8 @@ class Pool:
         self._watcher = Watcher(
             conn.lock, lambda: conn.open, self._idle_step, self._background_step, lambda: self.background
         )
+        self.ahead = Ahead(self.cells, self.ranks, self.escalation, self._watcher, self._begin, self._end)
+        self.ahead.ready = lambda: self.started and not (self.background and self.background.unsettled)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -201,11 +204,7 @@ class Pool:
     # -- running cells --------------------------------------------------------------------------
 
     def run(
-        self,
-        code: str,
-        ranks: Sequence[int] | None = None,
-        timeout: float | None = None,
-        exec_count: int = 0,
+        self, code: str, ranks: Sequence[int] | None = None, timeout: float | None = None, exec_count: int = 0
     ) -> RunResult:
         """Run ``code`` on ``ranks`` (default: all); raise :class:`DistributedError` if any fails."""
         return self._run_foreground(code, ranks, timeout, exec_count, record=True)
@@ -213,10 +212,12 @@ class Pool:
     def _run_foreground(
         self, code: str, ranks: Sequence[int] | None, timeout: float | None, exec_count: int, record: bool
     ) -> RunResult:
-        self._refuse_while_background("run a cell")
-        foreground, self._watcher.foreground = self._watcher.foreground, True  # the watcher stands aside
+        ahead = self.ahead.take(code, ranks, timeout) if record else None
+        if ahead is None:  # else it was sent ahead (the notebook's head start), as checked there
+            self._refuse_while_background("run a cell")
+        foreground, self._watcher.foreground = (ahead.foreground if ahead else self._watcher.foreground), True
         try:
-            gathering = self._begin(code, ranks, timeout, exec_count, record)
+            gathering = ahead.taken() if ahead else self._begin(code, ranks, timeout, exec_count, record)
             try:
                 self.cells.gather(gathering)
             finally:
@@ -330,8 +331,7 @@ class Pool:
     def pull(self, name: str, rank: int = 0, *, gather: bool = False, device: bool = False) -> Any:
         """A copy of the rank's variable ``name``, its tensors on the CPU (``device=True``: where
         they were on the rank). ``gather=True``: ``name`` is the model returned by ``shard.prepare``;
-        every rank takes part in gathering its shards and rank 0 returns it as a plain ``nn.Module``.
-        """
+        every rank takes part in gathering its shards and rank 0 returns it as a plain ``nn.Module``."""
         if gather:
             return self.pull_all(name, gather=True, device=device)[0]
         return self.pull_all(name, ranks=[rank], device=device)[rank]

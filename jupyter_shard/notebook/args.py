@@ -197,6 +197,13 @@ def _matched(found: list[str], typed: str, suppress: bool) -> SimpleMatcherResul
     }
 
 
+def rank_code(magic: str, cell: str) -> str:
+    """The code the ranks run for a cell magic's body. The magic line, as a comment, keeps traceback
+    line numbers equal to the notebook's; a body that starts with a cell magic of its own (%%time)
+    keeps it on its first line."""
+    return cell if cell.startswith("%%") else f"# {magic}\n{cell}"
+
+
 def parse_options(parser: MagicParser, line: str) -> argparse.Namespace:
     try:
         namespace = parser.parse_line(line)

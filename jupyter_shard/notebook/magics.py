@@ -31,11 +31,13 @@ from jupyter_shard.notebook.args import (
     distributed_parser,
     export_magic,
     parse_options,
+    rank_code,
 )
 from jupyter_shard.notebook.dap import RankDebugRouter
 from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard
 from jupyter_shard.notebook.debug import PostMortem
 from jupyter_shard.notebook.display import NotebookSink, in_kernel
+from jupyter_shard.notebook.headstart import HeadStart, Repeat
 from jupyter_shard.notebook.panel import PromptNotice, register_comm, unregister_comm
 from jupyter_shard.notebook.values import cell_value, shown_bundle
 from jupyter_shard.planner.estimate import format_bytes
@@ -62,6 +64,8 @@ class DistributedMagics(Magics):
         self._dashboard: tuple[Dashboard, DisplayHandle] | None = None
         self.post_mortem = PostMortem(shell, lambda: self.pool)
         self.dap: RankDebugRouter | None = None  # the frontend's debugger on the ranks
+        self.repeat: Repeat | None = None  # the last cell's line, which a cell may repeat to go ahead
+        self.head_start: HeadStart | None = None
 
     # -- running cells ---------------------------------------------------------------------------
 
@@ -78,7 +82,11 @@ class DistributedMagics(Magics):
             raise UsageError(str(exc)) from None
         if self.pool is not None:
             self.pool._refuse_while_background("run a cell")
+        unchanged = self.pool is not None and self.pool.started and spec == self.pool.spec
         pool = self._pool_for(spec)
+        self.repeat = None  # a cell with this line may be sent ahead once it ran on an unchanged pool
+        if unchanged and not opts.bg:
+            self.repeat = Repeat(line, self.default_line, pool, pool.spec, ranks, opts.timeout)
         magic = f"%%distributed {line}".strip()
         return self._run(magic, pool, cell, ranks, opts.timeout, not opts.no_dashboard, bool(opts.bg))
 
@@ -106,7 +114,7 @@ class DistributedMagics(Magics):
     ) -> Any:
         if dashboard:
             pool.observers.append(CellDashboard(pool, show_now=background or "shard.log" in cell))
-        code, count = _code(magic, cell), self._count()
+        code, count = rank_code(magic, cell), self._count()
         if not background:
             return cell_value(pool, pool.run(code, ranks, timeout=timeout, exec_count=count), self.shell)
         pool.run_background(code, ranks, timeout=timeout, exec_count=count, on_done=_report_background)
@@ -352,12 +360,6 @@ class DistributedMagics(Magics):
         print("jupyter_shard: pool shut down")
 
 
-def _code(magic: str, cell: str) -> str:
-    # The magic line, as a comment, keeps traceback line numbers equal to the notebook's; a body that
-    # starts with a cell magic of its own (%%time) must keep it on its first line.
-    return cell if cell.startswith("%%") else f"# {magic}\n{cell}"
-
-
 def _report_background(run: BackgroundRun) -> None:
     """Runs in the background cell's context when it ends: its outcome goes under that cell."""
     shell = InteractiveShell.instance() if InteractiveShell.initialized() else None
@@ -450,6 +452,9 @@ def load(shell: InteractiveShell) -> None:
     if getattr(kernel, "debugger", None) is not None:  # ipykernel with debugpy
         magics.dap = RankDebugRouter(kernel, magics)
         magics.dap.install()
+    if kernel is not None:
+        magics.head_start = HeadStart(kernel, magics)
+        magics.head_start.install()
     completer: Any = shell.Completer
     if complete_distributed not in completer.custom_matchers:
         completer.custom_matchers.append(complete_distributed)
@@ -467,6 +472,8 @@ def unload(shell: InteractiveShell) -> None:
         magics.post_mortem.uninstall()
         if magics.dap is not None:
             magics.dap.uninstall()
+        if magics.head_start is not None:
+            magics.head_start.uninstall()
         if magics.pool is not None:
             described = magics.pool.spec.describe()
             magics.pool.shutdown()

@@ -1,0 +1,145 @@
+"""A ``%%distributed`` cell's head start: the ranks get it when the kernel takes the request.
+
+Between taking an ``execute_request`` and calling the cell magic, ipykernel and IPython spend 1.5 to
+2 ms of their own (``execute_input``, history, transforming and compiling the cell); ranks idle
+since the last cell need about as long to wake up and run a short one. So a cell that repeats the
+line of the last ``%%distributed`` cell, which ran on the same pool without a restart, is sent to
+the ranks from the kernel's ``execute_request`` handler, and the magic then gathers it instead of
+sending it (:mod:`jupyter_shard.kernel.ahead`).
+
+Only a cell whose sending is certain goes ahead: IPython's own transform of the cell must be exactly
+``run_cell_magic('distributed', line, body)``, the line must name no variables for IPython to expand
+and must equal the last run's (the same pool, spec and default line), and the pool must be ready to
+run it without a word first. Anything else runs as before, from the magic. A cell sent ahead that the
+magic never takes (the kernel was interrupted before it ran) is interrupted on the ranks.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from jupyter_shard.kernel.pool import Pool
+from jupyter_shard.notebook.args import rank_code
+from jupyter_shard.spec import LaunchSpec
+
+if TYPE_CHECKING:
+    from jupyter_shard.notebook.magics import DistributedMagics
+
+__all__ = ["HeadStart", "Repeat"]
+
+Handler = Callable[[Any, Any, dict[str, Any]], Awaitable[Any]]
+_EXPANDED = ("$", "{", "}")  # IPython expands variables in a magic's line where these appear
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """The last ``%%distributed`` cell that ran on a pool without changing it: what a cell with the
+    same line sends (its ranks and timeout), and the state under which that holds."""
+
+    line: str
+    default_line: str
+    pool: Pool
+    spec: LaunchSpec
+    ranks: tuple[int, ...] | None
+    timeout: float | None
+
+
+def cell_magic_call(shell: Any, code: str) -> tuple[str, str, str] | None:
+    """``(magic, line, body)`` as IPython will call a cell magic for ``code``, or None where the
+    cell is anything else (or an AST transformer could change the call)."""
+    if shell.ast_transformers:
+        return None
+    try:
+        tree = ast.parse(shell.transform_cell(code))
+    except Exception:  # IPython says so itself when it runs the cell
+        return None
+    if len(tree.body) != 1 or not isinstance(stmt := tree.body[0], ast.Expr):
+        return None
+    call = stmt.value
+    if (
+        not isinstance(call, ast.Call)
+        or call.keywords
+        or not isinstance(call.func, ast.Attribute)
+        or call.func.attr != "run_cell_magic"
+        or not isinstance(owner := call.func.value, ast.Call)
+        or not isinstance(owner.func, ast.Name)
+        or owner.func.id != "get_ipython"
+        or len(call.args) != 3
+    ):
+        return None
+    args = [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+    return (args[0], args[1], args[2]) if len(args) == 3 else None
+
+
+class HeadStart:
+    """Wraps the kernel's ``execute_request`` handler to send repeated ``%%distributed`` cells ahead."""
+
+    PREFIX = "%%distributed"
+
+    def __init__(self, kernel: Any, magics: DistributedMagics) -> None:
+        self.kernel = kernel
+        self.magics = magics
+        self._original: Handler | None = None
+
+    def install(self) -> None:
+        handlers = getattr(self.kernel, "shell_handlers", None)
+        if not isinstance(handlers, dict) or "execute_request" not in handlers or self._original is not None:
+            return
+        self._original = handlers["execute_request"]
+        handlers["execute_request"] = self.execute_request
+
+    def uninstall(self) -> None:
+        handlers = self.kernel.shell_handlers
+        if self._original is not None and handlers.get("execute_request") == self.execute_request:
+            handlers["execute_request"] = self._original
+        self._original = None
+
+    async def execute_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> Any:
+        assert self._original is not None
+        pool = self._send(parent)
+        try:
+            return await self._original(stream, ident, parent)
+        finally:
+            if pool is not None:
+                pool.ahead.settle()  # taken by the magic in the normal course: then nothing to do
+
+    def _owns_magic(self, shell: Any) -> bool:
+        """Whether IPython's ``%%distributed`` is still this extension's."""
+        return (
+            getattr(shell.magics_manager.magics["cell"].get("distributed"), "__self__", None) is self.magics
+        )
+
+    def _send(self, parent: dict[str, Any]) -> Pool | None:
+        """Send the request's cell to the ranks if it may go ahead; the pool it went to."""
+        try:
+            content = parent.get("content") or {}
+            code = content.get("code")
+            if not isinstance(code, str) or not code.startswith(self.PREFIX):
+                return None
+            if content.get("silent", False) or not content.get("store_history", True):
+                return None  # the cell's number would differ; rare enough to run as before
+            repeat = self.magics.repeat
+            if repeat is None or self.magics.pool is not repeat.pool or repeat.pool.spec is not repeat.spec:
+                return None
+            if self.magics.default_line != repeat.default_line:
+                return None
+            shell = self.magics.shell
+            if shell is None:
+                return None
+            call = cell_magic_call(shell, code)
+            if call is None or call[0] != "distributed" or call[1] != repeat.line or call[2] == "":
+                return None
+            if any(c in repeat.line for c in _EXPANDED) or not self._owns_magic(shell):
+                return None
+            magic = f"{self.PREFIX} {repeat.line}".strip()
+            sent = repeat.pool.ahead.send(
+                rank_code(magic, call[2]), repeat.ranks, repeat.timeout, shell.execution_count
+            )
+            return repeat.pool if sent else None
+        except Exception as exc:  # the cell then runs as before, from the magic
+            print(f"jupyter_shard: could not send the cell ahead: {exc!r}", file=sys.__stderr__)
+            return None
