@@ -75,8 +75,28 @@ def cell_magic_call(shell: Any, code: str) -> tuple[str, str, str] | None:
     return (args[0], args[1], args[2]) if len(args) == 3 else None
 
 
+def transform_state(shell: Any) -> tuple[object, ...]:
+    """What IPython's transform of a cell depends on besides its text: the transformers, the
+    prefilter's parts and the automagic and autocall settings."""
+    static, prefilter = shell.input_transformer_manager, shell.prefilter_manager
+    return (
+        *static.cleanup_transforms,
+        *static.line_transforms,
+        *static.token_transformers,
+        *shell.input_transformers_post,
+        *prefilter.transformers,
+        *prefilter.checkers,
+        shell.automagic,
+        shell.autocall,
+    )
+
+
 class HeadStart:
-    """Wraps the kernel's ``execute_request`` handler to send repeated ``%%distributed`` cells ahead."""
+    """Wraps the kernel's ``execute_request`` handler to send repeated ``%%distributed`` cells ahead.
+
+    The last cell's call is kept with what the transform depended on: a cell run again (the usual
+    way of a notebook) is not transformed twice, which costs about 0.4 ms of the head start.
+    """
 
     PREFIX = "%%distributed"
 
@@ -84,6 +104,7 @@ class HeadStart:
         self.kernel = kernel
         self.magics = magics
         self._original: Handler | None = None
+        self._last: tuple[tuple[object, ...], tuple[str, str, str] | None] | None = None
 
     def install(self) -> None:
         handlers = getattr(self.kernel, "shell_handlers", None)
@@ -106,6 +127,15 @@ class HeadStart:
         finally:
             if pool is not None:
                 pool.ahead.settle()  # taken by the magic in the normal course: then nothing to do
+
+    def _call(self, shell: Any, code: str) -> tuple[str, str, str] | None:
+        """:func:`cell_magic_call`, kept for the last cell's text under the same transform."""
+        key = (code, *transform_state(shell))
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        call = cell_magic_call(shell, code)
+        self._last = (key, call)
+        return call
 
     def _owns_magic(self, shell: Any) -> bool:
         """Whether IPython's ``%%distributed`` is still this extension's."""
@@ -130,7 +160,7 @@ class HeadStart:
             shell = self.magics.shell
             if shell is None:
                 return None
-            call = cell_magic_call(shell, code)
+            call = self._call(shell, code)
             if call is None or call[0] != "distributed" or call[1] != repeat.line or call[2] == "":
                 return None
             if any(c in repeat.line for c in _EXPANDED) or not self._owns_magic(shell):

@@ -100,9 +100,19 @@ def _plain_python(cell: str) -> bool:
     autocalls (``,`` ``;`` ``/`` at a line start), pasted prompts (``>>>``, ``...``, ``In [n]:``),
     and leading blank lines or indentation; a cell with none of them is plain Python.
     """
-    if not cell or cell[0].isspace() or not _SPECIAL_CHARS.isdisjoint(cell):
+    if not cell or cell[0].isspace():
         return False
-    return not any(line.lstrip().startswith(_SPECIAL_STARTS) for line in cell.splitlines())
+    if _SPECIAL_CHARS.isdisjoint(cell):
+        return not any(line.lstrip().startswith(_SPECIAL_STARTS) for line in cell.splitlines())
+    return all(_plain_line(line.lstrip()) for line in cell.splitlines())
+
+
+def _plain_line(line: str) -> bool:
+    """A line (stripped on the left) that no static transform acts on. A line starting with ``#``
+    is one whatever follows (a comment, or text in a string), so the ``# %%distributed ...`` line
+    the magic puts first keeps its cell plain; other transforms key on a line's start or on tokens,
+    which a comment is only one of."""
+    return line.startswith("#") or (_SPECIAL_CHARS.isdisjoint(line) and not line.startswith(_SPECIAL_STARTS))
 
 
 _POOL_FILES = tuple(

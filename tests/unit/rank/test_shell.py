@@ -89,6 +89,11 @@ def test_plain_python_detection() -> None:
     assert not _plain_python(" x = 1")
     assert not _plain_python("a = b ? c")
     assert not _plain_python("x = 1\n/print 1")
+    assert _plain_python("# %%distributed --nproc 2\nx = 1")  # the magic's own first line
+    assert _plain_python("x = 1\n   # why? 100% !\ny = 2")
+    assert not _plain_python("# %%distributed\n%time x = 1")
+    assert not _plain_python("# ok\nx = 1  # 50%")  # a comment after code: not looked into
+    assert not _plain_python("# ok\nx?")
 
 
 @settings(max_examples=1000, deadline=None)
@@ -167,6 +172,8 @@ SEQUENCE = [
     "return 5",
     "class C:\n    def __repr__(self):\n        return 'C()'\nC()",
     "# only a comment",
+    "# %%distributed --nproc 2 --device cpu\nx + 2",
+    "# %%rank 0,1 (100% sure?)\n  # !ls\n_ * 2",
     "x = 5  # comment",
     "get_ipython().execution_count",
     "assert False, 'message'",
