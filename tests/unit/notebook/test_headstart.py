@@ -135,3 +135,32 @@ def test_a_failure_to_send_leaves_the_cell_to_the_magic(shell: InteractiveShell,
     asyncio.run(kernel.shell_handlers["execute_request"](None, [], request("%%distributed\npass")))
     assert kernel.handled == ["%%distributed\npass"] and pool.ahead.settled == 0
     assert "could not send the cell ahead: RuntimeError('no')" in capfd.readouterr().err
+
+
+def test_a_cell_run_again_is_not_transformed_again_unless_the_transform_changed(
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import jupyter_shard.notebook.headstart as module
+
+    calls: list[str] = []
+
+    def counting(shell: Any, code: str) -> Any:
+        calls.append(code)
+        return cell_magic_call(shell, code)
+
+    monkeypatch.setattr(module, "cell_magic_call", counting)
+    pool, kernel = StubPool(), StubKernel()
+    head = HeadStart(kernel, StubMagics(shell, pool, "--nproc 2"))  # type: ignore[arg-type]
+    head.install()
+    cell = request("%%distributed --nproc 2\nx = 1")
+    for _ in range(3):
+        asyncio.run(kernel.shell_handlers["execute_request"](None, [], cell))
+    assert len(calls) == 1 and len(pool.ahead.sent) == 3
+    shell.input_transformers_post.append(lambda lines: lines)
+    try:
+        asyncio.run(kernel.shell_handlers["execute_request"](None, [], cell))
+    finally:
+        shell.input_transformers_post.clear()
+    assert len(calls) == 2, "a new transformer: the cell is transformed again"
+    asyncio.run(kernel.shell_handlers["execute_request"](None, [], request("%%distributed --nproc 2\nx = 2")))
+    assert len(calls) == 3 and pool.ahead.sent[-1][0] == "# %%distributed --nproc 2\nx = 2\n"
