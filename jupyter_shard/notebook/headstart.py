@@ -105,6 +105,7 @@ class HeadStart:
         self.magics = magics
         self._original: Handler | None = None
         self._last: tuple[tuple[object, ...], tuple[str, str, str] | None] | None = None
+        self._sending_to: Pool | None = None  # the pool a cell may have gone ahead to, until it ended
 
     def install(self) -> None:
         handlers = getattr(self.kernel, "shell_handlers", None)
@@ -121,10 +122,11 @@ class HeadStart:
 
     async def execute_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> Any:
         assert self._original is not None
-        pool = self._send(parent)
         try:
+            self._send(parent)
             return await self._original(stream, ident, parent)
-        finally:
+        finally:  # an interrupt may come at any point, the send included
+            pool, self._sending_to = self._sending_to, None
             if pool is not None:
                 pool.ahead.settle()  # taken by the magic in the normal course: then nothing to do
 
@@ -143,33 +145,32 @@ class HeadStart:
             getattr(shell.magics_manager.magics["cell"].get("distributed"), "__self__", None) is self.magics
         )
 
-    def _send(self, parent: dict[str, Any]) -> Pool | None:
-        """Send the request's cell to the ranks if it may go ahead; the pool it went to."""
+    def _send(self, parent: dict[str, Any]) -> None:
+        """Send the request's cell to the ranks if it may go ahead."""
         try:
             content = parent.get("content") or {}
             code = content.get("code")
             if not isinstance(code, str) or not code.startswith(self.PREFIX):
-                return None
+                return
             if content.get("silent", False) or not content.get("store_history", True):
-                return None  # the cell's number would differ; rare enough to run as before
+                return  # the cell's number would differ; rare enough to run as before
             repeat = self.magics.repeat
             if repeat is None or self.magics.pool is not repeat.pool or repeat.pool.spec is not repeat.spec:
-                return None
+                return
             if self.magics.default_line != repeat.default_line:
-                return None
+                return
             shell = self.magics.shell
             if shell is None:
-                return None
+                return
             call = self._call(shell, code)
             if call is None or call[0] != "distributed" or call[1] != repeat.line or call[2] == "":
-                return None
+                return
             if any(c in repeat.line for c in _EXPANDED) or not self._owns_magic(shell):
-                return None
+                return
             magic = f"{self.PREFIX} {repeat.line}".strip()
-            sent = repeat.pool.ahead.send(
+            self._sending_to = repeat.pool
+            repeat.pool.ahead.send(
                 rank_code(magic, call[2]), repeat.ranks, repeat.timeout, shell.execution_count
             )
-            return repeat.pool if sent else None
         except Exception as exc:  # the cell then runs as before, from the magic
             print(f"jupyter_shard: could not send the cell ahead: {exc!r}", file=sys.__stderr__)
-            return None
