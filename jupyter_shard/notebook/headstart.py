@@ -2,15 +2,15 @@
 
 Between taking an ``execute_request`` and calling the cell magic, ipykernel and IPython spend 1.5 to
 2 ms of their own (``execute_input``, history, transforming and compiling the cell); ranks idle
-since the last cell need about as long to wake up and run a short one. So a cell that repeats the
-line of the last ``%%distributed`` cell, which ran on the same pool without a restart, is sent to
-the ranks from the kernel's ``execute_request`` handler, and the magic then gathers it instead of
-sending it (:mod:`jupyter_shard.kernel.ahead`).
+since the last cell need about as long to wake up and run a short one. So a cell whose line is one
+that already ran on the pool as it is now (no restart since) is sent to the ranks from the kernel's
+``execute_request`` handler, and the magic then gathers it instead of sending it
+(:mod:`jupyter_shard.kernel.ahead`).
 
 Only a cell whose sending is certain goes ahead: IPython's own transform of the cell must be exactly
 ``run_cell_magic('distributed', line, body)``, the line must name no variables for IPython to expand
-and must equal the last run's (the same pool, spec and default line), and the pool must be ready to
-run it without a word first. Anything else runs as before, from the magic. A cell sent ahead that the
+and must be one that ran before on the same pool, spec and default line, and the pool must be ready
+to run it without a word first. Anything else runs as before, from the magic. A cell sent ahead that the
 magic never takes (the kernel was interrupted before it ran) is interrupted on the ranks.
 """
 
@@ -37,8 +37,8 @@ _EXPANDED = ("$", "{", "}")  # IPython expands variables in a magic's line where
 
 @dataclass(frozen=True)
 class Repeat:
-    """The last ``%%distributed`` cell that ran on a pool without changing it: what a cell with the
-    same line sends (its ranks and timeout), and the state under which that holds."""
+    """A ``%%distributed`` line that ran on a pool without changing it: what a cell with the same
+    line sends (its ranks and timeout), and the state under which that holds."""
 
     line: str
     default_line: str
@@ -46,6 +46,27 @@ class Repeat:
     spec: LaunchSpec
     ranks: tuple[int, ...] | None
     timeout: float | None
+
+
+class Repeats:
+    """The lines run on the pool since it last started or changed, the most recent ``LIMIT``."""
+
+    LIMIT = 16
+
+    def __init__(self) -> None:
+        self._by_line: dict[str, Repeat] = {}
+
+    def add(self, repeat: Repeat) -> None:
+        self._by_line.pop(repeat.line, None)
+        self._by_line[repeat.line] = repeat
+        while len(self._by_line) > self.LIMIT:
+            del self._by_line[next(iter(self._by_line))]
+
+    def get(self, line: str) -> Repeat | None:
+        return self._by_line.get(line)
+
+    def clear(self) -> None:
+        self._by_line.clear()
 
 
 def cell_magic_call(shell: Any, code: str) -> tuple[str, str, str] | None:
@@ -154,18 +175,21 @@ class HeadStart:
                 return
             if content.get("silent", False) or not content.get("store_history", True):
                 return  # the cell's number would differ; rare enough to run as before
-            repeat = self.magics.repeat
-            if repeat is None or self.magics.pool is not repeat.pool or repeat.pool.spec is not repeat.spec:
-                return
-            if self.magics.default_line != repeat.default_line:
-                return
             shell = self.magics.shell
             if shell is None:
                 return
             call = self._call(shell, code)
-            if call is None or call[0] != "distributed" or call[1] != repeat.line or call[2] == "":
+            if (
+                call is None
+                or call[0] != "distributed"
+                or call[2] == ""
+                or any(c in call[1] for c in _EXPANDED)
+            ):
                 return
-            if any(c in repeat.line for c in _EXPANDED) or not self._owns_magic(shell):
+            repeat = self.magics.repeats.get(call[1])
+            if repeat is None or self.magics.pool is not repeat.pool or repeat.pool.spec is not repeat.spec:
+                return
+            if self.magics.default_line != repeat.default_line or not self._owns_magic(shell):
                 return
             magic = f"{self.PREFIX} {repeat.line}".strip()
             self._sending_to = repeat.pool

@@ -37,7 +37,7 @@ from jupyter_shard.notebook.dap import RankDebugRouter
 from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard
 from jupyter_shard.notebook.debug import PostMortem
 from jupyter_shard.notebook.display import NotebookSink, in_kernel
-from jupyter_shard.notebook.headstart import HeadStart, Repeat
+from jupyter_shard.notebook.headstart import HeadStart, Repeat, Repeats
 from jupyter_shard.notebook.panel import PromptNotice, register_comm, unregister_comm
 from jupyter_shard.notebook.values import cell_value, shown_bundle
 from jupyter_shard.planner.estimate import format_bytes
@@ -64,7 +64,7 @@ class DistributedMagics(Magics):
         self._dashboard: tuple[Dashboard, DisplayHandle] | None = None
         self.post_mortem = PostMortem(shell, lambda: self.pool)
         self.dap: RankDebugRouter | None = None  # the frontend's debugger on the ranks
-        self.repeat: Repeat | None = None  # the last cell's line, which a cell may repeat to go ahead
+        self.repeats = Repeats()  # the lines that ran on the pool as it is: a cell repeating one goes ahead
         self.head_start: HeadStart | None = None
 
     # -- running cells ---------------------------------------------------------------------------
@@ -84,9 +84,10 @@ class DistributedMagics(Magics):
             self.pool._refuse_while_background("run a cell")
         unchanged = self.pool is not None and self.pool.started and spec == self.pool.spec
         pool = self._pool_for(spec)
-        self.repeat = None  # a cell with this line may be sent ahead once it ran on an unchanged pool
-        if unchanged and not opts.bg:
-            self.repeat = Repeat(line, self.default_line, pool, pool.spec, ranks, opts.timeout)
+        if not unchanged:
+            self.repeats.clear()  # a cell with this line may be sent ahead once it ran on the pool as it is
+        elif not opts.bg:
+            self.repeats.add(Repeat(line, self.default_line, pool, pool.spec, ranks, opts.timeout))
         magic = f"%%distributed {line}".strip()
         return self._run(magic, pool, cell, ranks, opts.timeout, not opts.no_dashboard, bool(opts.bg))
 

@@ -64,6 +64,14 @@ def test_a_cell_repeating_the_last_line_starts_on_the_ranks_before_the_magic_run
     assert nb.execute(f"Out[{count}] + 2").data("execute_result") == [{"text/plain": "42"}]
 
 
+def test_cells_alternating_between_lines_that_ran_before_both_go_ahead(nb: Any) -> None:
+    assert nb.execute(f"%%distributed --timeout 60\n{STAMP}").ok  # a new line: from the magic
+    assert not went_ahead(nb)
+    for line in [LINE, "%%distributed --timeout 60", LINE, "%%distributed --timeout 60"]:
+        assert nb.execute(f"{line}\n{STAMP}").ok
+        assert went_ahead(nb), line
+
+
 def test_a_cell_sent_ahead_fails_under_its_own_cell_number(nb: Any) -> None:
     nb.execute(f"{LINE}\npass")
     failed = nb.execute(f"{LINE}\n{STAMP}raise ValueError(f'bad {{shard.rank}}')")

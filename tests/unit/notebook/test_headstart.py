@@ -12,7 +12,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
-from jupyter_shard.notebook.headstart import HeadStart, Repeat, cell_magic_call
+from jupyter_shard.notebook.headstart import HeadStart, Repeat, Repeats, cell_magic_call
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,8 @@ class StubPool:
 class StubMagics:
     def __init__(self, shell: InteractiveShell, pool: StubPool, line: str) -> None:
         self.shell, self.pool, self.default_line = shell, pool, ""
-        self.repeat = Repeat(line, "", pool, pool.spec, (1,), 9.0)  # type: ignore[arg-type]
+        self.repeats = Repeats()
+        self.repeats.add(Repeat(line, "", pool, pool.spec, (1,), 9.0))  # type: ignore[arg-type]
 
 
 @pytest.fixture(autouse=True)
@@ -164,3 +165,16 @@ def test_a_cell_run_again_is_not_transformed_again_unless_the_transform_changed(
     assert len(calls) == 2, "a new transformer: the cell is transformed again"
     asyncio.run(kernel.shell_handlers["execute_request"](None, [], request("%%distributed --nproc 2\nx = 2")))
     assert len(calls) == 3 and pool.ahead.sent[-1][0] == "# %%distributed --nproc 2\nx = 2\n"
+
+
+def test_the_lines_kept_are_the_most_recent_ones() -> None:
+    repeats = Repeats()
+    made = [Repeat(f"--timeout {n}", "", None, None, None, float(n)) for n in range(Repeats.LIMIT + 1)]  # type: ignore[arg-type]
+    for repeat in made[:-1]:
+        repeats.add(repeat)
+    repeats.add(made[0])  # run again: the most recent now
+    repeats.add(made[-1])
+    assert repeats.get("--timeout 0") is made[0] and repeats.get("--timeout 1") is None
+    assert repeats.get(f"--timeout {Repeats.LIMIT}") is made[-1]
+    repeats.clear()
+    assert repeats.get("--timeout 0") is None
