@@ -5,24 +5,17 @@ from __future__ import annotations
 
 import ast
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
-from traitlets.config import Config
 
 from jupyter_shard.notebook.headstart import HeadStart, Repeat, Repeats, cell_magic_call
 
 
 @pytest.fixture(scope="module")
-def shell(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InteractiveShell]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("IPYTHONDIR", str(tmp_path_factory.mktemp("ipython")))
-        config = Config()
-        config.HistoryManager.hist_file = ":memory:"
-        yield InteractiveShell.instance(config=config)
-    InteractiveShell.clear_instance()
+def shell(ipython: InteractiveShell) -> InteractiveShell:
+    return ipython
 
 
 @pytest.mark.parametrize(

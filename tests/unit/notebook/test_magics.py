@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
-from traitlets.config import Config
 
 from jupyter_shard import spec as spec_mod
 from jupyter_shard.kernel.ranks import RankSnapshot, RankState
@@ -23,15 +22,10 @@ from jupyter_shard.spec import LaunchSpec
 
 
 @pytest.fixture(scope="module")
-def shell(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InteractiveShell]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("IPYTHONDIR", str(tmp_path_factory.mktemp("ipython")))
-        config = Config()
-        config.HistoryManager.hist_file = ":memory:"
-        sh = InteractiveShell.instance(config=config)
-        sh.run_line_magic("load_ext", "jupyter_shard")
-        yield sh
-        sh.run_line_magic("unload_ext", "jupyter_shard")
+def shell(ipython: InteractiveShell) -> Iterator[InteractiveShell]:
+    ipython.run_line_magic("load_ext", "jupyter_shard")
+    yield ipython
+    ipython.run_line_magic("unload_ext", "jupyter_shard")
 
 
 class _Tripwire:
