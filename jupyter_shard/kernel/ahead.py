@@ -57,9 +57,8 @@ class Ahead:
     ) -> None:
         self.cells, self.ranks, self.escalation, self.watcher = cells, ranks, escalation, watcher
         self._begin, self._end = begin, end
-        self.ready: Callable[[], bool] = lambda: (
-            True
-        )  # the pool's own conditions (started, no background run)
+        # The pool's own conditions (started, no background run), which the pool sets.
+        self.ready: Callable[[], bool] = lambda: True
         self.cell: SentCell | None = None
 
     def send(self, code: str, ranks: Sequence[int] | None, timeout: float | None, exec_count: int) -> bool:

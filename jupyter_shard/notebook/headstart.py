@@ -125,24 +125,31 @@ class HeadStart:
         self.kernel = kernel
         self.magics = magics
         self._original: Handler | None = None
+        self.active = False
         self._last: tuple[tuple[object, ...], tuple[str, str, str] | None] | None = None
         self._sending_to: Pool | None = None  # the pool a cell may have gone ahead to, until it ended
 
     def install(self) -> None:
         handlers = getattr(self.kernel, "shell_handlers", None)
-        if not isinstance(handlers, dict) or "execute_request" not in handlers or self._original is not None:
+        if not isinstance(handlers, dict) or "execute_request" not in handlers:
             return
-        self._original = handlers["execute_request"]
-        handlers["execute_request"] = self.execute_request
+        if self._original is None:  # else still in another wrapper's chain: in use again
+            self._original = handlers["execute_request"]
+            handlers["execute_request"] = self.execute_request
+        self.active = True
 
     def uninstall(self) -> None:
+        """Put the kernel's handler back; where another wrapper came after this one, this one stays
+        in its chain and passes every request on untouched."""
+        self.active = False
         handlers = self.kernel.shell_handlers
         if self._original is not None and handlers.get("execute_request") == self.execute_request:
-            handlers["execute_request"] = self._original
-        self._original = None
+            handlers["execute_request"], self._original = self._original, None
 
     async def execute_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> Any:
-        assert self._original is not None
+        assert self._original is not None  # set while this handler is anywhere in the chain
+        if not self.active:
+            return await self._original(stream, ident, parent)
         try:
             self._send(parent)
             return await self._original(stream, ident, parent)

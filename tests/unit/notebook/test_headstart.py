@@ -171,3 +171,22 @@ def test_the_lines_kept_are_the_most_recent_ones() -> None:
     assert repeats.get(f"--timeout {Repeats.LIMIT}") is made[-1]
     repeats.clear()
     assert repeats.get("--timeout 0") is None
+
+
+def test_unloaded_under_another_wrapper_it_passes_requests_on_untouched(shell: InteractiveShell) -> None:
+    pool, kernel = StubPool(), StubKernel()
+    head = HeadStart(kernel, StubMagics(shell, pool, ""))  # type: ignore[arg-type]
+    head.install()
+    ours = kernel.shell_handlers["execute_request"]
+
+    async def later(stream: Any, ident: Any, parent: dict[str, Any]) -> None:  # another extension's
+        await ours(stream, ident, parent)
+
+    kernel.shell_handlers["execute_request"] = later
+    head.uninstall()
+    assert kernel.shell_handlers["execute_request"] is later
+    asyncio.run(later(None, [], request("%%distributed\npass")))
+    assert kernel.handled == ["%%distributed\npass"] and pool.ahead.sent == []
+    head.install()  # %reload_ext: in the chain again, and sending
+    asyncio.run(kernel.shell_handlers["execute_request"](None, [], request("%%distributed\npass")))
+    assert len(pool.ahead.sent) == 1
