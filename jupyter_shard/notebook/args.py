@@ -197,6 +197,11 @@ def _matched(found: list[str], typed: str, suppress: bool) -> SimpleMatcherResul
     }
 
 
+def magic_line(name: str, line: str) -> str:
+    """A cell magic's first line as written: ``%%distributed --nproc 2``, ``%%rank 0``."""
+    return f"%%{name} {line}".strip()
+
+
 def rank_code(magic: str, cell: str) -> str:
     """The code the ranks run for a cell magic's body. The magic line, as a comment, keeps traceback
     line numbers equal to the notebook's; a body that starts with a cell magic of its own (%%time)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jupyter_shard.kernel.pool import Pool
-from jupyter_shard.notebook.args import rank_code
+from jupyter_shard.notebook.args import magic_line, rank_code
 from jupyter_shard.spec import LaunchSpec
 
 if TYPE_CHECKING:
@@ -61,6 +61,14 @@ class Repeats:
         self._by_line[repeat.line] = repeat
         while len(self._by_line) > self.LIMIT:
             del self._by_line[next(iter(self._by_line))]
+
+    def ran(self, repeat: Repeat, pool_kept: bool, background: bool) -> None:
+        """After a ``%%distributed`` cell: a cell with its line may go ahead once it ran on the pool
+        as it is; a start or restart forgets every line, and a background cell is not repeated."""
+        if not pool_kept:
+            self.clear()
+        elif not background:
+            self.add(repeat)
 
     def get(self, line: str) -> Repeat | None:
         return self._by_line.get(line)
@@ -198,10 +206,8 @@ class HeadStart:
                 return
             if self.magics.default_line != repeat.default_line or not self._owns_magic(shell):
                 return
-            magic = f"{self.PREFIX} {repeat.line}".strip()
+            code = rank_code(magic_line("distributed", repeat.line), call[2])  # as the magic makes it
             self._sending_to = repeat.pool
-            repeat.pool.ahead.send(
-                rank_code(magic, call[2]), repeat.ranks, repeat.timeout, shell.execution_count
-            )
+            repeat.pool.ahead.send(code, repeat.ranks, repeat.timeout, shell.execution_count)
         except Exception as exc:  # the cell then runs as before, from the magic
             print(f"jupyter_shard: could not send the cell ahead: {exc!r}", file=sys.__stderr__)

@@ -30,6 +30,7 @@ from jupyter_shard.notebook.args import (
     complete_distributed,
     distributed_parser,
     export_magic,
+    magic_line,
     parse_options,
     rank_code,
 )
@@ -84,11 +85,9 @@ class DistributedMagics(Magics):
             self.pool._refuse_while_background("run a cell")
         unchanged = self.pool is not None and self.pool.started and spec == self.pool.spec
         pool = self._pool_for(spec)
-        if not unchanged:
-            self.repeats.clear()  # a cell with this line may be sent ahead once it ran on the pool as it is
-        elif not opts.bg:
-            self.repeats.add(Repeat(line, self.default_line, pool, pool.spec, ranks, opts.timeout))
-        magic = f"%%distributed {line}".strip()
+        repeat = Repeat(line, self.default_line, pool, pool.spec, ranks, opts.timeout)
+        self.repeats.ran(repeat, pool_kept=unchanged, background=bool(opts.bg))
+        magic = magic_line("distributed", line)
         return self._run(magic, pool, cell, ranks, opts.timeout, not opts.no_dashboard, bool(opts.bg))
 
     @cell_magic
@@ -101,7 +100,7 @@ class DistributedMagics(Magics):
             ranks = parse_ranks(line.strip(), pool.world_size)
         except SpecError as exc:
             raise UsageError(str(exc)) from None
-        return self._run(f"%%rank {line}".strip(), pool, cell, ranks, None, True)
+        return self._run(magic_line("rank", line), pool, cell, ranks, None, True)
 
     def _run(
         self,
