@@ -290,8 +290,11 @@ def _hover_reads(nb: Notebook, cell: int, step: int, value: float) -> None:
         nb.page.mouse.move(x, y, steps=4)
         label = nb.code_cell(cell).locator(".jp-ShardFigure .hoverlayer .hovertext").first
         label.wait_for(timeout=10_000)
-        text = label.text_content() or ""
-        if text in expected:
-            return
-        nb.page.wait_for_timeout(500)
+        # Plotly throttles hover events: the label first shown may be for a point passed on the way,
+        # and the one for where the mouse stopped follows within its throttle (50 ms) on a busy page
+        for _ in range(20):
+            text = label.text_content() or ""
+            if text in expected:
+                return
+            nb.page.wait_for_timeout(100)
     raise AssertionError(f"hovering rank 0 at step {step} shows {text!r}, not {expected[0]!r}")
