@@ -86,6 +86,7 @@ except ImportError as exc:  # kept out of the venv (its server extension takes o
 
 NOOP = "pass"
 POOL_IN_KERNEL = "_bench_pool"  # the magic's pool, as a name in the kernel
+IDLE = 0.010  # `shard-paced`: how long the ranks sit idle before each run, as between notebook cells
 FIRST_CELL = "import torch; x = 1"
 ENGINE_TIMEOUT = 120.0
 CELL_TIMEOUT = 180.0
@@ -95,6 +96,7 @@ ROUND_TRIP = {
     "floor": "pyzmq floor",
     "kernel": "ipykernel `pass`, no ranks (kernel)",
     "shard": "jupyter_shard `Pool.run`",
+    "shard-paced": f"jupyter_shard `Pool.run`, ranks idle {IDLE * 1e3:g} ms before each",
     "shard-nb": "jupyter_shard `%%distributed --nproc N --device cpu` (kernel)",
     "shard-nb-bare": "jupyter_shard bare `%%distributed` (kernel)",
     "shard-nb-run": "jupyter_shard `Pool.run` called in a cell (kernel)",
@@ -300,7 +302,8 @@ INTERRUPTS = Interrupts()
 
 
 def time_loops(fns: dict[str, Callable[[], object]], warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Samples of each function; several are interleaved, so drift on the machine hits them all."""
+    """Samples of each function; several are interleaved, so drift on the machine hits them all.
+    A function with a ``before`` attribute has it called, untimed, before each of its samples."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -308,6 +311,9 @@ def time_loops(fns: dict[str, Callable[[], object]], warmup: int, repeats: int) 
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            before = getattr(fn, "before", None)
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - t0)
@@ -509,7 +515,9 @@ class ShardSession:
             raise
 
     def round_trips(self, warmup: int, repeats: int) -> dict[str, list[float]]:
-        return time_loops({"shard": lambda: self.pool.run(NOOP)}, warmup, repeats)
+        paced = partial(self.pool.run, NOOP)
+        paced.before = partial(time.sleep, IDLE)  # type: ignore[attr-defined]
+        return time_loops({"shard": lambda: self.pool.run(NOOP), "shard-paced": paced}, warmup, repeats)
 
     def _restart(self, fork: bool) -> tuple[float, float]:
         with zygote_switch(fork):
@@ -1071,9 +1079,10 @@ def targets(res: Results) -> list[Target]:
 
 def magic_overhead(trips: dict[str, list[float]], run: str = "shard") -> float | None:
     """What a no-op ``%%distributed`` cell costs (p50s, seconds) over ipykernel's own ``pass`` cell
-    and ``Pool.run`` run back to back (``run="shard"``, issue 23's measure), or over a kernel cell that
-    calls ``Pool.run`` on the same pool (``run="shard-nb-run"``: the magic's own work, the wake-up of
-    ranks idle between cells counted on both sides); None when one of them was not measured."""
+    and ``Pool.run`` run back to back (``run="shard"``, issue 23's measure) or after the ranks sat idle
+    (``run="shard-paced"``), or over a kernel cell that calls ``Pool.run`` on the same pool
+    (``run="shard-nb-run"``: the magic's own work, the wake-up of ranks idle between cells counted on
+    both sides); None when one of them was not measured."""
     if run == "shard-nb-run":
         keys: tuple[str, ...] = ("shard-nb", "shard-nb-run")
     else:
@@ -1102,6 +1111,14 @@ def overhead_lines(res: Results) -> list[str]:
                 f"- {n} ranks: the magic's own work p50 {own * 1e3:+.2f} ms (= {ms(cell)} − a cell calling "
                 f"`Pool.run` {ms(run)}; that cell − ipykernel `pass` = {ms(run - kernel)}: `Pool.run` once "
                 "per cell, after the ranks sat idle)"
+            )
+        paced = magic_overhead(trips, run="shard-paced")
+        if paced is not None:
+            run, b2b = (percentile(trips[k], 50) for k in ("shard-paced", "shard"))
+            out.append(
+                f"- {n} ranks: `Pool.run` with no kernel, ranks idle {IDLE * 1e3:g} ms before each run, p50 "
+                f"{ms(run)} against {ms(b2b)} back to back ({(run - b2b) * 1e3:+.2f} ms); the cell over "
+                f"ipykernel `pass` + that run: {paced * 1e3:+.2f} ms"
             )
     return [*out, ""] if out else []
 
@@ -1234,6 +1251,7 @@ COLOURS = {
     "floor": "0.45",
     "kernel": "0.7",
     "shard": "tab:blue",
+    "shard-paced": "tab:blue",
     "shard-nb": "tab:cyan",
     "shard-nb-bare": "tab:purple",
     "shard-nb-run": "tab:brown",
