@@ -10,7 +10,8 @@ import os
 import sys
 import textwrap
 from collections.abc import Iterator
-from types import TracebackType
+from dataclasses import dataclass
+from types import CodeType, TracebackType
 from typing import Any
 
 from IPython.core.displayhook import DisplayHook
@@ -127,6 +128,24 @@ def _pool_frame(block: str) -> bool:
     return first.startswith("File ") and any(f"File {path}:" in first for path in _POOL_FILES)
 
 
+@dataclass(frozen=True)
+class _Compiled:
+    """A plain cell as :meth:`RankShell._run_plain` compiled it, for the same cell run again."""
+
+    cell: str  # transformed
+    codes: tuple[CodeType, ...]  # compiled under the name of the run that compiled them
+    flags: int  # the compiler's flags afterwards (a ``__future__`` import adds its own)
+
+
+COMPILED_CELLS = 32  # plain cells whose compiled code a rank keeps, the most recently run
+
+
+def _renamed(code: CodeType, name: str) -> CodeType:
+    """``code`` and the code objects in it (functions, classes, comprehensions) under file ``name``."""
+    consts = tuple(_renamed(c, name) if isinstance(c, CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=name, co_consts=consts)
+
+
 def _drive(coroutine: Any) -> Any:
     """Run a coroutine that never awaits (IPython's ``run_code`` without top-level ``await``)."""
     try:
@@ -150,6 +169,7 @@ class RankShell(InteractiveShell):
     kept_error: BaseException | None = None  # the last failed cell's exception, for a post-mortem
     _inline_said: set[str] = set()  # noqa: RUF012 (one shell per rank process)
     _default_checkers: list[str] = []  # noqa: RUF012 (set once by create)
+    _compiled: dict[tuple[object, ...], _Compiled]  # set by create
 
     @classmethod
     def create(cls, channel: Channel, user_ns: dict[str, Any]) -> RankShell:
@@ -161,6 +181,7 @@ class RankShell(InteractiveShell):
         shell.channel = channel
         assert shell.prefilter_manager is not None
         shell._default_checkers = [type(c).__name__ for c in shell.prefilter_manager.checkers]
+        shell._compiled = {}
         return shell
 
     def init_prompts(self) -> None:
@@ -271,25 +292,30 @@ class RankShell(InteractiveShell):
         expression are compiled together, so the whole cell is compiled before any of it runs; a
         cell that fails to compile returns None and goes through ``run_cell`` for IPython's report.
         """
-        try:
-            cell = self.transform_cell(raw_cell)
-        except Exception:  # run_cell shows a failed transform as the cell's error
-            return None
         compiler = self.compile
         count = exec_count if exec_count > 0 else self.execution_count
-        name = compiler.cache(cell, count, raw_code=raw_cell)
-        try:
-            tree = compiler.ast_parse(cell, filename=name)
-            assert isinstance(tree, ast.Module)
-            body = tree.body
-            last = body[-1] if body and isinstance(body[-1], ast.Expr) else None
-            codes = []
-            if last is None or len(body) > 1:
-                codes.append(compiler(ast.Module(body[:-1] if last else body, []), name, "exec"))  # type: ignore[arg-type]
-            if last is not None:
-                codes.append(compiler(ast.Interactive([last]), name, "single"))  # type: ignore[arg-type]
-        except Exception:  # SyntaxError and the rest: IPython reports them its own way
-            return None
+        key = self._compiled_key(raw_cell)
+        compiled = self._compiled.pop(key, None) if key is not None else None
+        if compiled is not None:  # run before: its code under this run's name
+            cell = compiled.cell
+            name = compiler.cache(cell, count, raw_code=raw_cell)
+            codes = [_renamed(code, name) for code in compiled.codes]
+            compiler.flags = compiled.flags
+        else:
+            try:
+                cell = self.transform_cell(raw_cell)
+            except Exception:  # run_cell shows a failed transform as the cell's error
+                return None
+            name = compiler.cache(cell, count, raw_code=raw_cell)
+            try:
+                codes = self._compile_plain(cell, name)
+            except Exception:  # SyntaxError and the rest: IPython reports them its own way
+                return None
+            compiled = _Compiled(cell, tuple(codes), compiler.flags)
+        if key is not None:  # the most recently run last: the oldest is dropped first
+            self._compiled[key] = compiled
+            while len(self._compiled) > COMPILED_CELLS:
+                del self._compiled[next(iter(self._compiled))]
         info = ExecutionInfo(raw_cell, True, False, True, cell_id, None, transformed_cell=cell)
         result = ExecutionResult(info)
         result.execution_count = count
@@ -321,6 +347,29 @@ class RankShell(InteractiveShell):
             events.trigger("post_execute")
             events.trigger("post_run_cell", result)
         return result
+
+    def _compiled_key(self, raw_cell: str) -> tuple[object, ...] | None:
+        """What a plain cell's compiled code depends on, or None where it is not kept. A cell of one
+        line is not: IPython's prefilter transforms it by what the namespace holds (``time`` is a
+        magic until a variable shadows it). Nor is a cell under a debugger's file name."""
+        if "\n" not in raw_cell.rstrip("\n") or "get_code_name" in vars(self.compile):
+            return None
+        return (raw_cell, self.compile, self.compile.flags, *self.input_transformers_post)
+
+    def _compile_plain(self, cell: str, name: str) -> list[CodeType]:
+        """The cell's code: statements before a last expression together, then that expression so
+        that the display hook shows its value."""
+        compiler = self.compile
+        tree = compiler.ast_parse(cell, filename=name)
+        assert isinstance(tree, ast.Module)
+        body = tree.body
+        last = body[-1] if body and isinstance(body[-1], ast.Expr) else None
+        codes: list[CodeType] = []
+        if last is None or len(body) > 1:
+            codes.append(compiler(ast.Module(body[:-1] if last else body, []), name, "exec"))  # type: ignore[arg-type]
+        if last is not None:
+            codes.append(compiler(ast.Interactive([last]), name, "single"))  # type: ignore[arg-type]
+        return codes
 
     def _showtraceback(self, etype: type[BaseException], evalue: BaseException, stb: list[str]) -> None:
         self.last_error = (etype.__name__, str(evalue), [block for block in stb if not _pool_frame(block)])
@@ -364,9 +413,15 @@ class RankShell(InteractiveShell):
         finally:
             if filename:
                 del self.compile.get_code_name
-        # The display hook files each result's repr under its cell; nothing here reads them back.
-        if self.history_manager is not None:
-            self.history_manager.outputs.clear()
+        history = self.history_manager
+        if history is not None:
+            # The display hook files each result's repr under its cell; nothing here reads them back.
+            history.outputs.clear()
+            # Each cell's source also waits in a cache for the history database, which a rank does
+            # not have: nothing would ever write it out (``In`` keeps the sources, as in a notebook).
+            if not history.enabled:
+                with history.db_input_cache_lock:
+                    history.db_input_cache.clear()
         if self.last_error is None and not result.success:
             exc = result.error_in_exec or result.error_before_exec
             if exc is not None:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from IPython.core.interactiveshell import InteractiveShell
 
-from jupyter_shard.rank.shell import RankShell, _plain_python
+from jupyter_shard.rank.shell import COMPILED_CELLS, RankShell, _plain_python
 
 
 class _NoChannel:
@@ -147,6 +147,18 @@ def test_printed_output_is_not_kept(shell: RankShell, capsys: pytest.CaptureFixt
     assert recorder.sent[0][1]["data"]["text/plain"] == "42"
 
 
+def test_cell_sources_are_not_cached_for_a_history_database(shell: RankShell) -> None:
+    """History is off on a rank, so nothing writes IPython's database cache out: it stays empty,
+    whichever path a cell takes, while ``In`` keeps every cell as in a notebook."""
+    assert shell.history_manager is not None and not shell.history_manager.enabled
+    cells = ["pass", "%time 1 + 1", "x_db = 1", "raise ValueError('no')"]
+    for count, cell in enumerate(cells, start=101):
+        shell.run(cell, f"cell-{count}", count)
+    assert shell.history_manager.db_input_cache == []
+    kept = ["pass", "get_ipython().run_line_magic('time', '1 + 1')", "x_db = 1", "raise ValueError('no')"]
+    assert shell.user_ns["In"][-len(cells) :] == kept
+
+
 # -- the plain-Python path must behave as IPython's run_cell ----------------------------------------
 
 SEQUENCE = [
@@ -236,6 +248,72 @@ def test_plain_path_matches_run_cell(
     assert any("1 / 0" in line for line in errors["f()"][2])  # the cell's source in the traceback
     assert errors["1 +"] is not None and errors["1 +"][0] == "SyntaxError"
     assert errors["def h(a: Undefined2):\n    pass\nh.__annotations__"] is None  # __future__ kept
+
+
+def test_plain_path_matches_run_cell_for_cells_run_again(
+    shell: RankShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The second time through, cells of more than one line run the code kept from the first."""
+    shell._compiled.clear()
+    _run_sequence(shell, fast=True, counts=True)
+    assert {key[0] for key in shell._compiled} == {cell for cell in SEQUENCE if "\n" in cell}
+    capsys.readouterr()
+    again = _run_sequence(shell, fast=True, counts=True)
+    out_again = capsys.readouterr()
+    slow = _run_sequence(shell, fast=False, counts=True)
+    out_slow = capsys.readouterr()
+    for a, b in zip(again, slow, strict=True):
+        assert a == b
+    assert out_again == out_slow
+
+
+def test_a_cell_run_again_is_not_compiled_again_and_names_its_own_run(
+    shell: RankShell, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parsed: list[str] = []
+    parse = shell.compile.ast_parse
+    monkeypatch.setattr(
+        shell.compile, "ast_parse", lambda cell, **kw: parsed.append(cell) or parse(cell, **kw)
+    )
+    recorder = _Recorder()
+    before = shell.channel
+    shell.channel = recorder  # type: ignore[assignment]
+    cell = "def g_again():\n    return 1 / 0\nx_again = 41\nx_again + 1"
+    failing = "x_again = 0\ng_again()"
+    try:
+        assert shell.run(cell, "cell-a", 401) is None
+        assert shell.run(cell, "cell-b", 402) is None
+        first = shell.run(failing, "cell-c", 403)
+        second = shell.run(failing, "cell-d", 404)
+    finally:
+        shell.channel = before
+    assert parsed == [cell + "\n", failing + "\n"]  # each compiled once
+    assert [body["data"]["text/plain"] for kind, body in recorder.sent if kind == "result"] == ["42", "42"]
+    assert shell.user_ns["Out"][402] == 42 and shell.user_ns["_i402"] == cell
+    assert first is not None and second is not None
+    # the traceback names the run it comes from, in the cell and in the function it defined
+    assert [line.split("\n")[0] for line in second[2][2:4]] == [
+        "Cell In[404], line 2",
+        "Cell In[402], line 2, in g_again()",
+    ]
+    assert [line.split("\n")[0] for line in first[2][2:4]] == [
+        "Cell In[403], line 2",
+        "Cell In[402], line 2, in g_again()",
+    ]
+
+
+def test_only_the_most_recent_cells_keep_their_code(shell: RankShell) -> None:
+    shell._compiled.clear()
+    for n in range(COMPILED_CELLS + 5):
+        assert shell.run(f"v_{n} = {n}\nw_{n} = v_{n}", f"cell-{n}", 500 + n) is None
+    assert len(shell._compiled) == COMPILED_CELLS
+    assert shell.run("one_line_kept = 1", "cell-one", 600) is None  # a cell of one line is not kept
+    assert "v_0 = 0\nw_0 = v_0" not in {key[0] for key in shell._compiled}
+    assert (
+        f"v_{COMPILED_CELLS + 4} = {COMPILED_CELLS + 4}\nw_{COMPILED_CELLS + 4} = v_{COMPILED_CELLS + 4}"
+        in {key[0] for key in shell._compiled}
+    )
+    assert len(shell._compiled) == COMPILED_CELLS
 
 
 def test_plain_path_is_taken_only_for_plain_cells(shell: RankShell) -> None:
