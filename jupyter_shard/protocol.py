@@ -34,7 +34,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,12 +192,24 @@ class StreamReader:
         return frames
 
 
+_ONE_SHOT_MAC = 64 << 10  # frames up to this size in all are signed in one call, joined
+_COMPACT = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators=...) makes one per call
+
+
 def _mac(key: bytes, frames: Sequence[bytes]) -> bytes:
-    digest = hmac.new(key, digestmod=hashlib.sha256)
-    for frame in frames:
-        digest.update(len(frame).to_bytes(8, "big"))
-        digest.update(frame)
+    """HMAC-SHA256 over each frame's length (8 bytes, big-endian) followed by the frame."""
+    if sum(len(frame) for frame in frames) <= _ONE_SHOT_MAC:  # a cell, a reply: no copy worth avoiding
+        return hmac.digest(key, b"".join(_length_prefixed(frames)), "sha256")
+    digest = hmac.new(key, digestmod=hashlib.sha256)  # large buffers are hashed where they are
+    for part in _length_prefixed(frames):
+        digest.update(part)
     return digest.digest()
+
+
+def _length_prefixed(frames: Sequence[bytes]) -> Iterator[bytes]:
+    for frame in frames:
+        yield len(frame).to_bytes(8, "big")
+        yield frame
 
 
 class Wire:
@@ -225,8 +237,8 @@ class Wire:
             "ts": time.time(),
         }
         parts = [
-            json.dumps(header, separators=(",", ":")).encode(),
-            json.dumps(body, separators=(",", ":")).encode(),
+            _COMPACT.encode(header).encode(),
+            _COMPACT.encode(body).encode(),
             *buffers,
         ]
         return [TAG, _mac(self._key, [TAG, *parts]), *parts]
@@ -264,8 +276,10 @@ class Wire:
         if not hmac.compare_digest(expected, signature):
             raise ProtocolError("bad signature")
         try:
-            header = json.loads(header_raw)
-            body = json.loads(body_raw)
+            # what was signed is this module's UTF-8 JSON: decoded as such (json.loads of bytes
+            # first guesses among UTF-8, -16 and -32); bad UTF-8 is a ValueError, as bad JSON
+            header = json.loads(header_raw.decode())
+            body = json.loads(body_raw.decode())
         except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, huge ints, deep nesting
             raise ProtocolError(
                 f"signed message is not JSON, or not JSON we accept: {type(exc).__name__}"

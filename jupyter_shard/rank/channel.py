@@ -147,12 +147,16 @@ class ShellSocket:
                 return None
             return _decode(self.wire, self._sock.recv_multipart())
         ready: dict[Any, int] = {}  # the socket, and the link by its file descriptor
-        if not self._read:
+        if self._read:  # records already read from the link: the socket is asked without waiting
+            on_socket = bool(int(self._sock.get(zmq.EVENTS)) & zmq.POLLIN)
+        else:
             ready = dict(self._poller.poll(timeout_ms))
             if not ready:
                 return None
-        with contextlib.suppress(zmq.Again):  # an older message, sent before the link was up
-            return _decode(self.wire, self._sock.recv_multipart(zmq.NOBLOCK))
+            on_socket = self._sock in ready
+        if on_socket:  # an older message, sent before the link was up
+            with contextlib.suppress(zmq.Again):
+                return _decode(self.wire, self._sock.recv_multipart(zmq.NOBLOCK))
         if not self._read and self._direct.fileno() in ready:  # blocking: read only when ready
             self._read_direct()
         return _decode(self.wire, self._read.popleft()) if self._read else None

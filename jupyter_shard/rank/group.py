@@ -121,7 +121,8 @@ class PoolGroup:
         aborted, and on NCCL one whose watchdog has not found it broken (:func:`broken_by`)."""
         if not dist.is_initialized():
             return False
-        return not broken_by(self._nccl_error(), self._error_handling())
+        error = self._nccl_error()  # "SUCCESS" on gloo: no environment to read after every cell
+        return error == "SUCCESS" or not broken_by(error, self._error_handling())
 
     def _nccl_error(self) -> str:
         """The NCCL backend's recorded error (``Backend.get_error``), or "SUCCESS" where there is
