@@ -291,6 +291,8 @@ class RankShell(InteractiveShell):
         machinery, which was half of a rank's CPU in a no-op cell. Statements before a last
         expression are compiled together, so the whole cell is compiled before any of it runs; a
         cell that fails to compile returns None and goes through ``run_cell`` for IPython's report.
+        A cell run again (the same text, under the same compiler flags) runs the code compiled the
+        first time, under this run's name (:meth:`_compiled_key` says which cells are kept).
         """
         compiler = self.compile
         count = exec_count if exec_count > 0 else self.execution_count

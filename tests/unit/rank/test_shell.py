@@ -228,10 +228,20 @@ def _run_sequence(shell: RankShell, fast: bool, counts: bool) -> list[Any]:
     return seen
 
 
-@pytest.mark.parametrize("counts", [False, True], ids=["own-count", "kernel-count"])
+@pytest.mark.parametrize(
+    ("counts", "again"),
+    [(False, False), (True, False), (True, True)],
+    ids=["own-count", "kernel-count", "again"],
+)
 def test_plain_path_matches_run_cell(
-    shell: RankShell, capsys: pytest.CaptureFixture[str], counts: bool
+    shell: RankShell, capsys: pytest.CaptureFixture[str], counts: bool, again: bool
 ) -> None:
+    """``again``: every cell ran once before, and cells of more than one line run the code kept then."""
+    if again:
+        shell._compiled.clear()
+        _run_sequence(shell, fast=True, counts=counts)
+        assert {key[0] for key in shell._compiled} == {cell for cell in SEQUENCE if "\n" in cell}
+        capsys.readouterr()
     fast = _run_sequence(shell, fast=True, counts=counts)
     out_fast = capsys.readouterr()
     slow = _run_sequence(shell, fast=False, counts=counts)
@@ -248,23 +258,6 @@ def test_plain_path_matches_run_cell(
     assert any("1 / 0" in line for line in errors["f()"][2])  # the cell's source in the traceback
     assert errors["1 +"] is not None and errors["1 +"][0] == "SyntaxError"
     assert errors["def h(a: Undefined2):\n    pass\nh.__annotations__"] is None  # __future__ kept
-
-
-def test_plain_path_matches_run_cell_for_cells_run_again(
-    shell: RankShell, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """The second time through, cells of more than one line run the code kept from the first."""
-    shell._compiled.clear()
-    _run_sequence(shell, fast=True, counts=True)
-    assert {key[0] for key in shell._compiled} == {cell for cell in SEQUENCE if "\n" in cell}
-    capsys.readouterr()
-    again = _run_sequence(shell, fast=True, counts=True)
-    out_again = capsys.readouterr()
-    slow = _run_sequence(shell, fast=False, counts=True)
-    out_slow = capsys.readouterr()
-    for a, b in zip(again, slow, strict=True):
-        assert a == b
-    assert out_again == out_slow
 
 
 def test_a_cell_run_again_is_not_compiled_again_and_names_its_own_run(
