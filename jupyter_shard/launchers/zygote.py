@@ -14,10 +14,11 @@ closes. Requests whose interpreter environment (``PYTHON*``, ``LD_*``, ``sys.exe
 from the zygote's go to a new zygote. ``JUPYTER_SHARD_ZYGOTE=0`` turns it off: ranks are then
 spawned one process each.
 
-Forking is safe only while the zygote holds no CUDA driver state: ``torch.cuda.is_initialized()``
-sees only torch's own initialisation, so after its imports the zygote also checks that it has no GPU
-device file open (``/dev/nvidia*``, WSL2's ``/dev/dxg``) and no ``libcuda`` mapped. If it has, it
-refuses to fork and says why; the launcher spawns the ranks and ``%dist_status`` shows the reason.
+Forking is safe only while the zygote holds no CUDA driver state, which exists from ``cuInit`` on:
+``torch.cuda.is_initialized()`` sees only torch's own initialisation, so after its imports the zygote
+also asks each ``libcuda`` it has mapped whether ``cuInit`` ran (:mod:`.cuda_driver`; ``import torch``
+maps the library on a GPU machine without initialising it, and that zygote forks). If one did, the
+zygote refuses to fork and says why; the launcher spawns the ranks and ``%dist_status`` shows the reason.
 Which devices a rank uses (``CUDA_VISIBLE_DEVICES``) is therefore set in the forked child, before
 anything initialises CUDA, and is not part of the interpreter environment a zygote serves.
 """
@@ -27,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import select
 import signal
 import socket
@@ -41,12 +41,11 @@ from typing import Any
 
 from jupyter_shard.env import LIFELINE_FD, PARENT_PID, PER_RANK, ZYGOTE_SWITCH, without_pool_variables
 from jupyter_shard.errors import PoolError
+from jupyter_shard.launchers import cuda_driver
 
 ENV_SWITCH = ZYGOTE_SWITCH
 READY_TIMEOUT = 120.0
 _MAX_MSG = 1 << 20
-_DRIVER_FILE = re.compile(r"/dev/(nvidia[\w-]*(/.*)?|dxg)")  # nvidia0, nvidiactl, nvidia-uvm, nvidia-caps/...
-_CUDA_LIBRARY = re.compile(r"/libcuda\.so[.\d]*$")
 _UNSHARED = ("CUDA_VISIBLE_DEVICES",)  # read by CUDA at its initialisation, which happens after the fork
 
 
@@ -70,36 +69,11 @@ def interpreter_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
     )
 
 
-def driver_files(fd_dir: str = "/proc/self/fd") -> list[str]:
-    """The GPU driver device files this process has open (``/dev/nvidiactl``, ``/dev/dxg``...)."""
-    try:
-        fds = os.listdir(fd_dir)
-    except OSError:
-        return []
-    found = []
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            target = os.readlink(os.path.join(fd_dir, fd))
-            if _DRIVER_FILE.fullmatch(target):
-                found.append(target)
-    return sorted(set(found))
-
-
-def cuda_libraries(maps: str) -> list[str]:
-    """The CUDA driver libraries (``libcuda.so*``) mapped, from the text of ``/proc/<pid>/maps``."""
-    paths = (line.split(maxsplit=5)[5] for line in maps.splitlines() if len(line.split(maxsplit=5)) == 6)
-    return sorted({p.strip() for p in paths if _CUDA_LIBRARY.search(p.strip())})
-
-
-def cuda_driver_state(fd_dir: str = "/proc/self/fd", maps_path: str = "/proc/self/maps") -> str:
+def cuda_driver_state(maps_path: str = cuda_driver.MAPS) -> str:
     """Why forking this process would hand CUDA driver state to its children ("" when it would not)."""
-    try:
-        with open(maps_path) as maps:
-            libraries = cuda_libraries(maps.read())
-    except OSError:
-        libraries = []
-    held = [f"{f} is open" for f in driver_files(fd_dir)] + [f"{lib} is loaded" for lib in libraries]
-    return "; ".join(held)
+    import torch
+
+    return "torch initialised CUDA" if torch.cuda.is_initialized() else cuda_driver.initialised(maps_path)
 
 
 # -- the kernel's side ---------------------------------------------------------------------------
@@ -303,15 +277,14 @@ def _preload() -> str:
     """Import what every rank needs; why forking now would be unsafe ("" when it is safe)."""
     import cloudpickle  # noqa: F401
     import IPython.core.interactiveshell  # noqa: F401
-    import torch
-    import torch.distributed
+    import torch.distributed  # noqa: F401
     import zmq  # noqa: F401
 
     import jupyter_shard.rank.runtime
     import jupyter_shard.rank.shard
     import jupyter_shard.rank.shell  # noqa: F401
 
-    held = "torch initialised CUDA" if torch.cuda.is_initialized() else cuda_driver_state()
+    held = cuda_driver_state()
     return f"it holds CUDA driver state after its imports ({held})" if held else ""
 
 

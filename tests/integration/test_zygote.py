@@ -3,15 +3,15 @@
 The zygote is the ranks' parent (never the kernel, which is only the zygote's parent, by exec); each
 forked rank is a fresh session with its own random state; a restart forks new ranks from the same
 zygote; a different interpreter environment gets its own zygote; ``JUPYTER_SHARD_ZYGOTE=0`` spawns
-ranks instead; ranks whose zygote is killed are reported as such; a zygote holding CUDA driver state
-refuses to fork; and the pool says which way its ranks came (the first line of ``%dist_status``).
+ranks instead; ranks whose zygote is killed are reported as such; a zygote that merely has the CUDA
+driver library loaded forks, one whose driver was initialised (``cuInit``) refuses to; and the pool
+says which way its ranks came (the first line of ``%dist_status``).
 """
 
 from __future__ import annotations
 
 import io
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -22,6 +22,7 @@ import pytest
 from jupyter_shard import Pool, PoolError
 from jupyter_shard.kernel.output import ConsoleSink
 from jupyter_shard.launchers import zygote
+from tests.unit.launchers.test_zygote import fake_driver
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -99,24 +100,37 @@ def test_status_says_which_way_the_ranks_came(tmp_path: Path, monkeypatch: pytes
         assert pool.launch_path == "spawned: JUPYTER_SHARD_ZYGOTE=0 turns the zygote off"
 
 
+def _start_up_loads_driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, then: str) -> Path:
+    """Make every new interpreter (the zygote's included) load a fake ``libcuda.so.1`` at start-up
+    (a sitecustomize), as ``import torch`` does on a GPU machine, then run ``then`` with it as ``driver``."""
+    fake = fake_driver(tmp_path / "lib")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"import ctypes\ndriver = ctypes.CDLL({str(fake)!r})\n{then}\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    return fake
+
+
+def test_a_zygote_with_the_cuda_driver_loaded_but_not_initialised_forks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _start_up_loads_driver(tmp_path, monkeypatch, then="")
+    with Pool(nproc=2, device="cpu", log_dir=tmp_path, sink=ConsoleSink()) as pool:
+        (zygote_pid,) = {int(v[1]) for v in _probe(pool).values()}
+        assert zygote_pid != os.getpid()
+        assert pool.launch_path == f"zygote (fork server, pid {zygote_pid})"
+
+
 def test_a_zygote_holding_cuda_driver_state_refuses_and_status_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import _json
-
-    # A real shared library under the CUDA driver's name, loaded as the zygote starts (sitecustomize):
-    # what a site hook or an import that initialises the driver would leave in the zygote.
-    fake = tmp_path / "lib" / "libcuda.so.1"
-    fake.parent.mkdir()
-    shutil.copy(_json.__file__, fake)
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(f"import ctypes\nctypes.CDLL({str(fake)!r})\n")
-    monkeypatch.setenv("PYTHONPATH", str(site))
+    # What a start-up hook that called the driver (torch.cuda.is_available(), say) leaves in the zygote.
+    fake = _start_up_loads_driver(tmp_path, monkeypatch, then="driver.cuInit(0)")
     err = io.StringIO()
     with Pool(nproc=2, device="cpu", log_dir=tmp_path, sink=ConsoleSink(io.StringIO(), err)) as pool:
         assert {int(v[1]) for v in _probe(pool).values()} == {os.getpid()}  # spawned by the kernel
-        why = f"the zygote refused to fork: it holds CUDA driver state after its imports ({fake} is loaded)"
+        held = f"cuInit ran in {fake}: cuDeviceGetCount answers 0, not 3"
+        why = f"the zygote refused to fork: it holds CUDA driver state after its imports ({held})"
         assert pool.launch_path == f"spawned: {why}"
         assert f"ranks were spawned, not forked from the zygote: {why}" in err.getvalue()
         assert pool.log_dir is not None and why in (pool.log_dir / "rank-0.log").read_text()

@@ -1,13 +1,18 @@
-"""jupyter_shard.launchers.zygote: which zygote serves a rank, and its check that forking is safe."""
+"""jupyter_shard.launchers.zygote and .cuda_driver: which zygote serves a rank, and its check that
+forking is safe (no CUDA driver state: ``cuInit`` has not run, though ``libcuda`` may be mapped)."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from jupyter_shard.launchers.zygote import cuda_driver_state, cuda_libraries, driver_files, interpreter_key
+import pytest
+
+from jupyter_shard.launchers import cuda_driver
+from jupyter_shard.launchers.zygote import cuda_driver_state, interpreter_key
 
 
 def test_one_zygote_serves_every_rank_and_pool_of_an_interpreter() -> None:
@@ -41,7 +46,8 @@ def test_which_gpus_a_rank_uses_does_not_need_another_zygote() -> None:
 
 # -- the no-CUDA guard ------------------------------------------------------------------------------------
 
-# /proc/<pid>/maps of a process that initialised CUDA (the driver library and its UVM mapping).
+# /proc/<pid>/maps of a process that imported a CUDA build of torch on a GPU machine: the driver
+# library (twice: native and WSL2's) and its UVM mapping, torch's CUDA library and the runtime.
 CUDA_MAPS = """\
 55d0c3a00000-55d0c3a2e000 r--p 00000000 08:01 1048602  /usr/bin/python3.11
 7f1b2c000000-7f1b2c021000 rw-p 00000000 00:00 0
@@ -54,54 +60,88 @@ CUDA_MAPS = """\
 7f1b45000000-7f1b45100000 r-xp 00000000 08:01 2363051  /opt/venv/torch/lib/libtorch_cuda.so
 7ffd8e3f1000-7ffd8e412000 rw-p 00000000 00:00 0  [stack]
 """
+NATIVE, WSL = "/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15", "/usr/lib/wsl/lib/libcuda.so.1.1"
 
-# A process that only imported a CUDA build of torch: the runtime and torch's CUDA library, no driver.
-IMPORTED_MAPS = "\n".join(line for line in CUDA_MAPS.splitlines() if "libcuda.so" not in line)
+# A process with no driver library mapped (a CPU build of torch, or no driver installed).
+NO_DRIVER_MAPS = "\n".join(line for line in CUDA_MAPS.splitlines() if "libcuda.so" not in line)
+
+# A C shared library that answers as the CUDA driver does: CUDA_ERROR_NOT_INITIALIZED (3) to
+# cuDeviceGetCount until cuInit has run, then success (0).
+FAKE_DRIVER_C = """\
+static int initialised;
+int cuInit(unsigned int flags) { (void)flags; initialised = 1; return 0; }
+int cuDeviceGetCount(int *count) { if (!initialised) return 3; *count = 1; return 0; }
+"""
+
+
+def fake_driver(folder: Path) -> Path:
+    """``folder/libcuda.so.1``, built from :data:`FAKE_DRIVER_C` (the test is skipped without gcc)."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc is missing: the fake CUDA driver library (a C shared object) cannot be built")
+    folder.mkdir(parents=True, exist_ok=True)
+    source, library = folder / "fake_cuda.c", folder / "libcuda.so.1"
+    source.write_text(FAKE_DRIVER_C)
+    subprocess.run(
+        [gcc, "-shared", "-fPIC", "-o", str(library), str(source)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return library.resolve()  # as /proc/self/maps names it
+
+
+def _maps(tmp_path: Path, text: str) -> str:
+    maps = tmp_path / "maps"
+    maps.write_text(text)
+    return str(maps)
 
 
 def test_cuda_driver_library_is_found_in_proc_maps() -> None:
-    assert cuda_libraries(CUDA_MAPS) == [
-        "/usr/lib/wsl/lib/libcuda.so.1.1",
-        "/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15",
-    ]
-    assert cuda_libraries(IMPORTED_MAPS) == []
-    assert cuda_libraries("") == []
+    assert cuda_driver.mapped_libraries(CUDA_MAPS) == [WSL, NATIVE]
+    assert cuda_driver.mapped_libraries(NO_DRIVER_MAPS) == []
+    assert cuda_driver.mapped_libraries("") == []
 
 
-def test_gpu_device_files_open_are_found(tmp_path: Path) -> None:
-    fds = tmp_path / "fd"
-    fds.mkdir()
-    targets = ["/dev/null", "pipe:[81234]", "/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia-uvm"]
-    targets += ["/dev/nvidia-caps/nvidia-cap1", "/dev/nvme0n1", "/dev/dxg", "socket:[9]", "/tmp/nvidia0"]
-    for fd, target in enumerate(targets):
-        (fds / str(fd)).symlink_to(target)  # as /proc/self/fd shows them: links to what is open
-    assert driver_files(str(fds)) == [
-        "/dev/dxg",
-        "/dev/nvidia-caps/nvidia-cap1",
-        "/dev/nvidia-uvm",
-        "/dev/nvidia0",
-        "/dev/nvidiactl",
-    ]
-    assert driver_files(str(tmp_path / "missing")) == []
+def test_no_driver_library_mapped_is_safe_to_fork(tmp_path: Path) -> None:
+    def never(library: str) -> int | str:
+        raise AssertionError(f"{library} asked, though not mapped")
+
+    assert cuda_driver.initialised(_maps(tmp_path, NO_DRIVER_MAPS), never) == ""
+    assert cuda_driver.initialised(str(tmp_path / "missing"), never) == ""
 
 
-def test_driver_state_names_what_is_held(tmp_path: Path) -> None:
-    fds = tmp_path / "fd"
-    fds.mkdir()
-    (fds / "0").symlink_to("/dev/null")
-    maps = tmp_path / "maps"
-    maps.write_text(IMPORTED_MAPS)
-    assert cuda_driver_state(str(fds), str(maps)) == ""
-    (fds / "7").symlink_to("/dev/nvidiactl")
-    maps.write_text(CUDA_MAPS)
-    assert cuda_driver_state(str(fds), str(maps)) == (
-        "/dev/nvidiactl is open; /usr/lib/wsl/lib/libcuda.so.1.1 is loaded; "
-        "/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15 is loaded"
+def test_a_mapped_driver_is_safe_to_fork_until_cuinit_ran(tmp_path: Path) -> None:
+    maps = _maps(tmp_path, CUDA_MAPS)
+    answers: dict[str, int | str] = {NATIVE: 3, WSL: 3}
+    assert cuda_driver.initialised(maps, answers.__getitem__) == ""  # mapped by import torch, no cuInit
+    answers[NATIVE] = 0
+    assert cuda_driver.initialised(maps, answers.__getitem__) == (
+        f"cuInit ran in {NATIVE}: cuDeviceGetCount answers 0, not 3"
     )
+    answers[NATIVE] = 100  # CUDA_ERROR_NO_DEVICE: cuInit ran, and failed; its state is there all the same
+    answers[WSL] = "undefined symbol: cuDeviceGetCount"  # when in doubt, spawn
+    assert cuda_driver.initialised(maps, answers.__getitem__) == (
+        f"{WSL} is loaded and cannot be asked whether cuInit ran: undefined symbol: cuDeviceGetCount; "
+        f"cuInit ran in {NATIVE}: cuDeviceGetCount answers 100, not 3"
+    )
+
+
+def test_asking_never_loads_the_driver(tmp_path: Path) -> None:
+    fake = fake_driver(tmp_path / "lib")
+    assert isinstance(cuda_driver.ask(str(fake)), str)  # not loaded here: not asked
+    assert str(fake) not in cuda_driver.mapped_libraries(Path("/proc/self/maps").read_text())
 
 
 def test_this_process_holds_no_cuda_driver_state() -> None:
     assert cuda_driver_state() == ""  # no GPU here: the check must pass (torch imported, CPU build)
+
+
+def test_torch_initialised_cuda_is_not_safe_to_fork(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert cuda_driver_state() == "torch initialised CUDA"
 
 
 def test_the_zygotes_imports_leave_it_safe_to_fork_here() -> None:
@@ -112,16 +152,30 @@ def test_the_zygotes_imports_leave_it_safe_to_fork_here() -> None:
     assert done.stdout.strip() == "''"
 
 
-def test_a_loaded_cuda_driver_library_is_detected_in_this_process(tmp_path: Path) -> None:
+def test_a_loaded_driver_is_safe_to_fork_until_cuinit_in_this_process(tmp_path: Path) -> None:
+    fake = fake_driver(tmp_path / "lib")
+    # Loaded as torch loads it (a plain dlopen), asked before and after cuInit.
+    code = f"import ctypes; driver = ctypes.CDLL({str(fake)!r}); {CHECK}; driver.cuInit(0); {CHECK}"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    before, after = done.stdout.splitlines()
+    assert before == "''"
+    assert after == repr(f"cuInit ran in {fake}: cuDeviceGetCount answers 0, not 3")
+
+
+def test_a_loaded_library_that_cannot_be_asked_is_not_safe_to_fork(tmp_path: Path) -> None:
     import _json
 
-    fake = tmp_path / "libcuda.so.1"  # any real shared library, under the driver's name
+    fake = tmp_path.resolve() / "libcuda.so.1"  # a real shared library under the driver's name, no API
     shutil.copy(_json.__file__, fake)
     code = f"import ctypes; ctypes.CDLL({str(fake)!r}); {CHECK}"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
-    assert done.stdout.strip() == repr(f"{fake} is loaded")
+    assert ast.literal_eval(done.stdout) == (
+        f"{fake} is loaded and cannot be asked whether cuInit ran: {fake}: undefined symbol: cuDeviceGetCount"
+    )
 
 
 CHECK = "from jupyter_shard.launchers.zygote import cuda_driver_state; print(repr(cuda_driver_state()))"
