@@ -12,8 +12,11 @@ numpy arrays do this by themselves under protocol 5. A CPU tensor (or ``nn.Param
 here to its storage's bytes plus size, stride and offset, so a transposed or zero-size tensor comes
 back exactly as it was; a view of a much larger storage sends only its own elements. ``host=True``
 brings device tensors to the CPU first (a pulled value must not create a CUDA context in the
-notebook). Anything else (tensor subclasses, sparse or quantized tensors, plain Python objects) is
-pickled by cloudpickle as before.
+notebook). A DTensor (an FSDP2 parameter, its gradient or optimizer state) is sent as this rank's
+local shard, a plain tensor (:func:`_local_shard`): the kernel has no device mesh or process group to
+rebuild a DTensor with, and the full tensor needs a collective of all ranks. Anything else (other
+tensor subclasses, sparse or quantized tensors, plain Python objects) is pickled by cloudpickle as
+before.
 
 The in-band pickle decides what is built and is always authenticated with the pool key before it is
 unpickled; out-of-band buffers are only ever raw element data of the arrays it describes.
@@ -66,9 +69,12 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is unt
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")  # no tensor exists where torch was never imported
         if torch is not None and isinstance(obj, torch.Tensor):
-            reduced = _reduce_tensor(torch, obj, self._host)
+            local = _local_shard(torch, obj)
+            reduced = _reduce_tensor(torch, obj if local is None else local, self._host)
             if reduced is not None:
                 return reduced
+            if local is not None:  # a shard kept on its device (or of a subclass): pickled as it is
+                return _as_is, (local,)
         return super().reducer_override(obj)
 
 
@@ -84,6 +90,23 @@ def loads(inband: bytes, buffers: list[Any]) -> Any:
     """The value :func:`dumps` made, built over ``buffers`` (writable buffers: arrays and tensors
     made over them are writable and own no copy). Only call it on an authenticated ``inband``."""
     return pickle.loads(inband, buffers=buffers)
+
+
+def _local_shard(torch: Any, tensor: Any) -> Any:
+    """This rank's part of a DTensor as a plain tensor (a parameter stays a parameter, and
+    ``requires_grad`` is kept), without autograd history; None for any other tensor."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # imported wherever a DTensor exists
+    if dtensor is None or not isinstance(tensor, dtensor.DTensor):
+        return None
+    local = tensor.to_local().detach()
+    if isinstance(tensor, torch.nn.Parameter):  # nn.Parameter(DTensor) is a DTensor marked as one
+        return torch.nn.Parameter(local, requires_grad=tensor.requires_grad)
+    return local.requires_grad_(tensor.requires_grad)
+
+
+def _as_is(value: Any) -> Any:
+    """What :func:`_local_shard` gave, rebuilt by its own pickling (see ``reducer_override``)."""
+    return value
 
 
 def _reduce_tensor(torch: Any, tensor: Any, host: bool) -> tuple[Any, ...] | None:

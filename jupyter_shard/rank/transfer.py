@@ -103,7 +103,13 @@ def pushed_values(msg: Message) -> dict[str, Any]:
 
 def pulled_reply(msg: Message, rank: int, what: str, value: Any, limit: int) -> tuple[PullReply, list[Any]]:
     """The reply to a ``pull`` of ``value`` and the buffers it carries; the out-of-band buffers go
-    into the segment the kernel offered this rank, when it did and they are large."""
+    into the segment the kernel offered this rank, when it did and they are large.
+
+    A pull is this rank's alone, so a DTensor in ``value`` (an FSDP parameter, its gradient or
+    optimizer state) arrives as this rank's local shard, a plain tensor (:mod:`~jupyter_shard.buffers`):
+    never a DTensor, which the kernel could not use without the ranks' process group. The whole
+    tensor takes all ranks: ``--gather`` of the prepared model, or the shards of ``--all`` put
+    together along the sharded dimension."""
     global _lent
     release()
     reply: PullReply = {"req_id": str(msg.body["req_id"]), "ok": False, "error": ""}

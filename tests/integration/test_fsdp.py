@@ -153,6 +153,33 @@ def test_parameters_and_optimizer_state_are_sharded(pool: Pool, config: Path) ->
     assert local[0] + local[1] == full
 
 
+def test_a_pulled_parameter_is_each_ranks_shard_as_a_plain_cpu_tensor(pool: Pool, config: Path) -> None:
+    """A DTensor never reaches the kernel (it would need the ranks' device mesh and process group):
+    a pull gives the rank's local shard, and the shards of ``pull_all`` make up the whole."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    use(pool, config, sharding="FULL_SHARD")
+    pool.run(
+        "model, opt, _ = train(1)\n"
+        "weight, detached = model[2].weight, model[2].weight.detach()\n"
+        "full = model[2].weight.full_tensor()\n"
+        "moments = {k: v['exp_avg'] for k, v in opt.state_dict()['state'].items()}"
+    )
+    weights, detached, moments = pool.pull_all("weight"), pool.pull_all("detached"), pool.pull("moments")
+    full = pool.pull("full")
+    for rank, weight in weights.items():
+        assert type(weight) is torch.nn.Parameter and weight.requires_grad, rank
+        assert type(detached[rank]) is torch.Tensor and not detached[rank].requires_grad, rank
+        assert weight.device.type == "cpu" and weight.shape == (16, 32), (rank, weight.shape)
+        assert torch.equal(weight.detach(), detached[rank])
+    assert type(full) is torch.Tensor and full.shape == (32, 32)
+    assert torch.equal(torch.cat([weights[0].detach(), weights[1].detach()]), full)
+    assert moments and not any(isinstance(v, DTensor) for v in moments.values())
+    assert all(type(v) is torch.Tensor and v.device.type == "cpu" for v in moments.values())
+    assert moments[2].shape == (16, 32), "optimizer state: rank 0's shard of model[2].weight's moment"
+
+
 def test_full_model_is_a_plain_module_with_the_same_outputs(pool: Pool, config: Path) -> None:
     use(pool, config, sharding="FULL_SHARD", auto_wrap=["Linear"])
     pool.run(

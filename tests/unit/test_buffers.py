@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pickle
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -92,6 +93,41 @@ def test_parameters_and_requires_grad_survive_and_autograd_history_does_not() ->
     same_tensor(frozen, value["f"])
     assert value["a"].grad_fn is None and value["a"].requires_grad
     assert torch.equal(value["a"].detach(), activation.detach())
+
+
+@pytest.fixture
+def mesh() -> Iterator[Any]:
+    """A 2-rank device mesh, this process rank 1, over torch's fake process group (no peers)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_dtensor_is_sent_as_this_ranks_shard_a_plain_tensor(mesh: Any) -> None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    def sharded(local: torch.Tensor) -> Any:
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+
+    shard = torch.arange(6.0).reshape(3, 2)
+    weight = torch.nn.Parameter(sharded(shard.clone()))  # an FSDP2 parameter: a DTensor marked as one
+    frozen = torch.nn.Parameter(sharded(shard.clone()), requires_grad=False)
+    state = {"exp_avg": sharded(shard * 2), "meta": sharded(torch.empty(3, 2, device="meta"))}
+    assert weight.shape == (6, 2) and isinstance(weight, DTensor)
+
+    value, packed = round_trip({"w": weight, "f": frozen, "state": state})
+    assert b"DeviceMesh" not in packed.inband, "nothing the kernel would need a process group for"
+    same_tensor(torch.nn.Parameter(shard), value["w"])
+    same_tensor(torch.nn.Parameter(shard, requires_grad=False), value["f"])
+    same_tensor(shard * 2, value["state"]["exp_avg"])
+    meta = value["state"]["meta"]  # not sent as bytes: pickled as the plain tensor it is
+    assert type(meta) is torch.Tensor and meta.is_meta and meta.shape == (3, 2)
 
 
 def test_nested_containers_of_tensors_arrays_and_objects() -> None:
