@@ -24,9 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader
 
 from jupyter_shard.messages import METRICS, MetricsBody
+from jupyter_shard.rank import captures
+from jupyter_shard.rank.loaders import distributed_loader
 from jupyter_shard.strategies import create_strategy, strategy_class
 from jupyter_shard.strategies.base import StrategyBase, StrategyContext
 
@@ -180,22 +182,9 @@ class Shard:
         return (wrapped, new_optimizer, *loaders)
 
     def _distribute(self, loader: DataLoader[Any]) -> DataLoader[Any]:
-        sampler: DistributedSampler[Any] = DistributedSampler(
-            loader.dataset,
-            num_replicas=self.world_size,
-            rank=self.rank,
-            shuffle=isinstance(loader.sampler, RandomSampler),
-        )
-        return DataLoader(
-            loader.dataset,
-            batch_size=loader.batch_size,
-            sampler=sampler,
-            num_workers=loader.num_workers,
-            collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory,
-            drop_last=loader.drop_last,
-            persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
-        )
+        """``loader`` rebuilt with all its arguments over this rank's part of its dataset
+        (:mod:`~jupyter_shard.rank.loaders`)."""
+        return distributed_loader(loader, self.rank, self.world_size)
 
     @property
     def at_boundary(self) -> bool:
@@ -410,13 +399,22 @@ def _scalar(name: str, value: object) -> float:
         ) from None
 
 
+# Counted from the rank's import of this module, before any cell can begin a capture.
+captures.watch()
+
+
 def memory_report(device: torch.device | None = None) -> dict[str, int]:
+    """Bytes: ``rss``; on a CUDA device the allocator's counters, and the device's free and total
+    memory unless a CUDA graph is being captured (:mod:`~jupyter_shard.rank.captures`: asking the
+    driver then would break the capture)."""
     report = {"rss": _rss()}
     if device is not None and device.type == "cuda" and torch.cuda.is_initialized():
         report["cuda_allocated"] = torch.cuda.memory_allocated(device)
         report["cuda_reserved"] = torch.cuda.memory_reserved(device)
         report["cuda_peak"] = torch.cuda.max_memory_allocated(device)
-        report["cuda_free"], report["cuda_total"] = torch.cuda.mem_get_info(device)
+        free_total = captures.unless_capturing(lambda: torch.cuda.mem_get_info(device))
+        if free_total is not None:
+            report["cuda_free"], report["cuda_total"] = free_total
     return report
 
 
