@@ -1,20 +1,32 @@
-"""Sharded initialisation without a process group: which modules become FSDP units by default, what
-a meta build must offer to be initialised again, the meta template, and giving up replaced storage."""
+"""Sharded initialisation without a real process group: which modules become FSDP units by default,
+that a meta build is filled with exactly the values of a plain build from the same seed (every
+``torch.nn`` layer; whole tensors and a 2-rank mesh's shards), what a meta build must offer to be
+initialised again, the meta template, and giving up replaced storage."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from jupyter_shard.rank.shard import _meta_copy
 from jupyter_shard.strategies.fsdp import SPLIT_ABOVE, default_units
 from jupyter_shard.strategies.sharded_init import (
     built_on_meta,
     check_initialisable,
+    materialise,
     meta_build,
     release_storage,
 )
+
+CPU = torch.device("cpu")
 
 
 class Block(nn.Module):
@@ -75,17 +87,216 @@ def test_meta_build_allocates_nothing_and_yields_the_generator_state() -> None:
     assert torch.equal(torch.get_rng_state(), expected)  # building on meta draws nothing
 
 
-def test_modules_without_reset_parameters_are_named() -> None:
-    class Scale(nn.Module):
+# Every torch.nn layer with parameters or buffers, small. Attention and the transformer layers have
+# initialisers that rewrite their children's tensors after the children drew them; the layers of the
+# transformer stacks are deep copies of one layer, built and then dropped.
+LAYERS: dict[str, Callable[[], nn.Module]] = {
+    "Linear": lambda: nn.Linear(6, 5),
+    "Bilinear": lambda: nn.Bilinear(4, 3, 5),
+    "Conv1d": lambda: nn.Conv1d(3, 4, 3),
+    "Conv2d": lambda: nn.Conv2d(3, 4, 3, bias=False),
+    "Conv3d": lambda: nn.Conv3d(2, 4, 2),
+    "ConvTranspose1d": lambda: nn.ConvTranspose1d(3, 4, 3),
+    "ConvTranspose2d": lambda: nn.ConvTranspose2d(4, 2, 3, groups=2),
+    "ConvTranspose3d": lambda: nn.ConvTranspose3d(2, 3, 2),
+    "Embedding": lambda: nn.Embedding(10, 4, padding_idx=2),
+    "EmbeddingBag": lambda: nn.EmbeddingBag(10, 4, padding_idx=0),
+    "LayerNorm": lambda: nn.LayerNorm(6),
+    "GroupNorm": lambda: nn.GroupNorm(2, 6),
+    "BatchNorm1d": lambda: nn.BatchNorm1d(5),
+    "BatchNorm2d": lambda: nn.BatchNorm2d(5),
+    "BatchNorm3d": lambda: nn.BatchNorm3d(5),
+    "SyncBatchNorm": lambda: nn.SyncBatchNorm(5),
+    "InstanceNorm1d": lambda: nn.InstanceNorm1d(5, affine=True, track_running_stats=True),
+    "InstanceNorm2d": lambda: nn.InstanceNorm2d(5, affine=True),
+    "InstanceNorm3d": lambda: nn.InstanceNorm3d(5, affine=True, track_running_stats=True),
+    "RMSNorm": lambda: nn.RMSNorm(6),
+    "PReLU": lambda: nn.PReLU(4),
+    "RNN": lambda: nn.RNN(4, 5, num_layers=2, bidirectional=True),
+    "LSTM": lambda: nn.LSTM(4, 5, num_layers=2, proj_size=3),
+    "GRU": lambda: nn.GRU(4, 5, bias=False),
+    "RNNCell": lambda: nn.RNNCell(4, 5),
+    "LSTMCell": lambda: nn.LSTMCell(4, 5),
+    "GRUCell": lambda: nn.GRUCell(4, 5),
+    "MultiheadAttention": lambda: nn.MultiheadAttention(8, 2),
+    "MultiheadAttention-kv": lambda: nn.MultiheadAttention(8, 2, add_bias_kv=True, kdim=6, vdim=4),
+    "TransformerEncoderLayer": lambda: nn.TransformerEncoderLayer(8, 2, 16),
+    "TransformerDecoderLayer": lambda: nn.TransformerDecoderLayer(8, 2, 16, norm_first=True),
+    "TransformerEncoder": lambda: nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2, nn.LayerNorm(8)
+    ),
+    "TransformerDecoder": lambda: nn.TransformerDecoder(nn.TransformerDecoderLayer(8, 2, 16), 2),
+    "Transformer": lambda: nn.Transformer(8, 2, 2, 1, 16, batch_first=True),
+    "AdaptiveLogSoftmaxWithLoss": lambda: nn.AdaptiveLogSoftmaxWithLoss(16, 20, [5, 10]),
+    "Sequential": lambda: nn.Sequential(
+        nn.Embedding(10, 8), nn.TransformerEncoderLayer(8, 2, 16), nn.LayerNorm(8), nn.Linear(8, 10)
+    ),
+}
+
+
+def _plain(build: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return build()
+
+
+def _on_meta(build: Callable[[], nn.Module], seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(seed)
+    with meta_build() as state:
+        model = build()
+    assert built_on_meta(model)
+    return model, state
+
+
+def _tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)  # non-persistent ones too
+
+
+def _assert_same(built: nn.Module, plain: nn.Module) -> None:
+    mine, theirs = dict(_tensors(built)), dict(_tensors(plain))
+    assert mine.keys() == theirs.keys()
+    differ = [n for n, t in theirs.items() if not torch.equal(mine[n].detach(), t.detach())]
+    assert not differ, f"not as a plain build: {differ}"
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_every_torch_nn_layer_gets_the_values_of_a_plain_build(name: str) -> None:
+    plain = _plain(LAYERS[name])
+    model, state = _on_meta(LAYERS[name])
+    materialise(model, CPU, state)
+    _assert_same(model, plain)
+    assert torch.equal(torch.get_rng_state(), state)  # the generator is left as it was
+
+
+def test_a_build_that_ties_reseeds_and_drops_a_layer() -> None:
+    class Tied(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.gain = nn.Parameter(torch.ones(8))
+            nn.Linear(64, 64)  # drawn from the generator, then dropped
+            self.embed, self.head = nn.Embedding(10, 8), nn.Linear(8, 10)
+            self.head.weight = self.embed.weight
+            torch.manual_seed(7)
+            self.body = nn.Linear(8, 8).to(torch.float64)
 
+    plain = _plain(Tied)
+    model, state = _on_meta(Tied)
+    materialise(model, CPU, state)
+    _assert_same(model, plain)
+
+
+def test_a_model_with_init_weights_is_initialised_by_it() -> None:
+    class Titan(nn.Module):  # the torchtitan way: init_weights() on the top-level model, rope buffer
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(16, 8)
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            self.out = nn.Linear(8, 16, bias=False)
+            self.register_buffer("freqs", self._freqs(), persistent=False)
+
+        def _freqs(self) -> torch.Tensor:
+            return torch.polar(torch.ones(4, 4), torch.outer(torch.arange(4.0), torch.arange(0, 8, 2.0)))
+
+        def init_weights(self, buffer_device: torch.device | None = None) -> None:
+            with torch.device(buffer_device or self.freqs.device):
+                self.freqs = self._freqs()
+            nn.init.normal_(self.tok.weight)
+            for layer in self.layers:
+                nn.init.trunc_normal_(layer.weight, std=0.02)
+                nn.init.zeros_(layer.bias)
+            nn.init.trunc_normal_(self.out.weight, std=8**-0.5)
+
+    plain = _plain(Titan)
+    plain.init_weights()
+    model, state = _on_meta(Titan)
+    materialise(model, CPU, state)
+    _assert_same(model, plain)
+
+
+def test_a_model_put_on_meta_some_other_way_runs_initialisers_children_first() -> None:
+    build = LAYERS["Sequential"]  # attention: its own initialiser after its out_projection's
+    plain = _plain(build)
+    with torch.device("meta"):
+        model = build()
+    torch.manual_seed(0)
+    materialise(model, CPU, None)
+    _assert_same(model, plain)
+
+
+def test_a_failed_build_leaves_torch_as_it_was() -> None:
+    linear = nn.Linear.reset_parameters
+    with pytest.raises(RuntimeError, match="in the block"), meta_build():
+        nn.Linear(2, 2)
+        raise RuntimeError("in the block")
+    assert nn.Linear.reset_parameters is linear
+    assert not nn.Linear(2, 2).weight.is_meta
+
+
+@pytest.fixture
+def two_rank_mesh() -> Iterator[DeviceMesh]:
+    """Rank 1 of a 2-rank mesh on a fake process group: shapes and placements, no collectives."""
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["Sequential", "Transformer", "LSTM", "Bilinear"])
+def test_each_rank_keeps_its_slice_of_the_plain_values(name: str, two_rank_mesh: DeviceMesh) -> None:
+    plain = _plain(LAYERS[name])
+    model, state = _on_meta(LAYERS[name])
+    for unit in [*model.children(), model]:
+        fully_shard(unit, mesh=two_rank_mesh)
+    materialise(model, CPU, state)
+    theirs = dict(plain.named_parameters())
+    for n, p in model.named_parameters():
+        assert isinstance(p, DTensor), n
+        assert torch.equal(p.to_local(), theirs[n].detach().chunk(2)[1]), n  # rank 1's rows
+
+
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(8))
+
+
+def test_modules_without_reset_parameters_are_named() -> None:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(8, 8), Scale())
-    with pytest.raises(ValueError, match=r"1 \(Scale\).*reset_parameters\(\)"):
+    with pytest.raises(ValueError, match=r"1 \(Scale\): gain.*reset_parameters\(\)"):
         check_initialisable(model)
+    with meta_build() as state:
+        model = nn.Sequential(nn.Linear(8, 8), Scale())
+    with pytest.raises(ValueError, match=r"1 \(Scale\): gain.*reset_parameters\(\)"):
+        materialise(model, CPU, state)
     check_initialisable(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.BatchNorm1d(8)))
+
+
+def test_a_tensor_its_initialiser_leaves_alone_is_named() -> None:
+    class Half(nn.Linear):  # its constructor sets `scale`, which meta storage cannot keep
+        def __init__(self) -> None:
+            super().__init__(8, 8)
+            self.register_buffer("scale", torch.full((8,), 0.5))
+
+    with meta_build() as state:
+        model = nn.Sequential(nn.Linear(8, 8), Half())
+    with pytest.raises(ValueError, match=r"no initialiser sets: 1 \(Half\): scale\. "):
+        check_initialisable(model, state)
+
+
+@pytest.mark.parametrize("loss", [nn.CrossEntropyLoss, nn.NLLLoss])
+def test_a_loss_weight_is_data_that_cannot_be_rebuilt(loss: Callable[..., nn.Module]) -> None:
+    why = r"holds weight as data: a loss's weight is given, not initialised.*outside shard\.init_module\(\)"
+    with meta_build(), pytest.raises(ValueError, match=rf"{loss.__name__} {why}"):
+        loss(weight=torch.ones(3))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 3), loss(weight=torch.ones(3)))
+    with pytest.raises(ValueError, match=rf"1 \({loss.__name__}\) {why}.*after shard\.prepare"):
+        check_initialisable(model)
+    with meta_build() as state:
+        criterion = loss()  # no weight: nothing to rebuild
+        model = nn.Sequential(nn.Linear(4, 3), criterion)
+    materialise(model, CPU, state)
 
 
 def test_meta_template_has_full_shapes_and_no_storage() -> None:
