@@ -214,6 +214,7 @@ class DoneBody(TypedDict):
     traceback: list[str]
     duration: float
     grouped: bool  # whether the rank still has a default process group (a cell may destroy it)
+    lost_context: str  # the CUDA error that lost the rank's CUDA context for good; "" while it works
 
 
 class MetricsBody(TypedDict):

@@ -21,7 +21,7 @@ from jupyter_shard.kernel.debugging import DebugLink
 from jupyter_shard.kernel.escalation import Escalation, Stopped
 from jupyter_shard.kernel.output import RankSink, visible_text
 from jupyter_shard.kernel.prompts import Prompts
-from jupyter_shard.kernel.ranks import RankRecord, RankState, RankTable
+from jupyter_shard.kernel.ranks import RankRecord, RankState, RankTable, lost_context_line, restart_advice
 from jupyter_shard.kernel.results import RankResult, RunResult
 from jupyter_shard.kernel.stdin import StdinSource, default_stdin
 from jupyter_shard.messages import EXECUTE, ExecuteBody
@@ -53,6 +53,7 @@ class Gathering:
     record: bool = True  # kept in the pool's transcript (what %dist_export writes out)
     stdin: StdinSource | None = None  # where prompts are answered (None: a background run, not yet)
     prompts: Prompts = field(default_factory=Prompts)
+    lost: list[int] = field(default_factory=list)  # ranks whose CUDA context this cell lost for good
 
     def __post_init__(self) -> None:
         self.pending = set(self.targets)
@@ -153,6 +154,8 @@ class CellGathering:
             gathering.result.notes.append(
                 f"rank {format_ranks(dead)} died: run %dist_restart for fresh ranks (rank state is lost)"
             )
+        if gathering.lost:  # the root cause: said first
+            gathering.result.notes[:0] = lost_context_notes([self.ranks[k] for k in gathering.lost])
         failed = [k for k, r in gathering.result.ranks.items() if r.status not in ("ok", "pending")]
         if failed and len(failed) < len(gathering.targets) and self.escalation.restart_reason is None:
             self.out_of_step = format_ranks(failed)
@@ -311,11 +314,12 @@ class CellGathering:
                     f"process group on rank {format_ranks(stopped.released)}"
                 )
         if stopped.released_from:
-            dead = any(r.status == "dead" for r in result.ranks.values())  # then end() says what next
+            # a dead or broken rank needs a restart, which end() says, not a rebuilt group
+            restart = any(r.status == "dead" or self.ranks[k].broken for k, r in result.ranks.items())
             result.notes.append(
                 f"closed the process group on rank {format_ranks(stopped.released)} to release the ranks "
                 "blocked in a collective"
-                + ("" if dead else "; the next cell first rebuilds the group (rank state is kept)")
+                + ("" if restart else "; the next cell first rebuilds the group (rank state is kept)")
             )
         for k, stack in stopped.killed.items():
             self.check_exit(self.ranks[k], result)
@@ -381,10 +385,15 @@ class CellGathering:
         if not body.get("grouped", True):
             self.escalation.group_closed(r.rank)
         ok = body["status"] == "ok"
-        r.state, r.cell = _state_after(body["status"], str(body.get("ename", ""))), ""
+        lost = "" if r.broken else str(body.get("lost_context", ""))  # newly lost, by this cell
+        r.broken = r.broken or lost
+        r.state = RankState.BROKEN if r.broken else _state_after(body["status"], str(body.get("ename", "")))
+        r.cell = ""
         run = self.current
         if run is None or body["cell_id"] != run.result.cell_id or r.rank not in run.result.ranks:
             return
+        if lost:
+            run.lost.append(r.rank)
         res = run.result.ranks[r.rank]
         res.duration = float(body["duration"])
         if ok:
@@ -394,6 +403,18 @@ class CellGathering:
         res.ename, res.evalue = str(body["ename"]), str(body["evalue"])
         res.traceback = [str(line) for line in body["traceback"]]
         res.failed_at = time.monotonic()
+
+
+def lost_context_notes(broken: Sequence[RankRecord]) -> list[str]:
+    """What the cell that lost ranks' CUDA context says: what that means, and what to do."""
+    where = "that process" if len(broken) == 1 else "those processes"
+    return [
+        f"{lost_context_line(broken)}: every later CUDA call in {where} fails the same way and only a "
+        f"new process helps, so cells on it are refused from now on; {restart_advice(broken)}",
+        "to locate the failing operation: %env CUDA_LAUNCH_BLOCKING=1, then %dist_restart and run the "
+        "cells again (each CUDA call then waits for its kernels, so the error is raised at the operation "
+        "that failed)",
+    ]
 
 
 def _state_after(status: str, ename: str) -> RankState:

@@ -268,7 +268,7 @@ class Pool:
             self._notice(f"restarting the pool ({reason}); rank state is lost")
             self.restart()
         self.start()
-        if self.escalation.regroup_needed and not any(r.dead for r in self.ranks):  # dead: %dist_restart
+        if self.escalation.regroup_needed and self.ranks.groupable():  # dead or broken: %dist_restart
             assert self.directory is not None and self.launcher is not None
             if not self.escalation.regroup(
                 self.directory, self.launcher.meets_on_agent_store, self.world_size, self.spec.timeout
@@ -279,7 +279,7 @@ class Pool:
         self, code: str, ranks: Sequence[int] | None, timeout: float | None, exec_count: int, record: bool
     ) -> Gathering:
         self._prepare()
-        targets = self.ranks.targets(ranks)
+        targets = self.ranks.targets(ranks, cell=code != POST_MORTEM)  # %debug reads a broken rank too
         return self.cells.send(self.cells.open(code, targets, timeout, exec_count, ranks, record), targets)
 
     def _end(self, gathering: Gathering) -> None:

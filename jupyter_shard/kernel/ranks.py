@@ -26,7 +26,7 @@ from jupyter_shard.launchers import RankHandle
 from jupyter_shard.protocol import Message, io_identity, rank_identity
 from jupyter_shard.spec import format_ranks
 
-__all__ = ["RankRecord", "RankSnapshot", "RankState", "RankTable"]
+__all__ = ["RankRecord", "RankSnapshot", "RankState", "RankTable", "lost_context_line", "restart_advice"]
 
 STUCK_AFTER = 5.0  # seconds without a heartbeat (or a log while others log) before a rank looks stuck
 
@@ -38,6 +38,7 @@ class RankState(str, Enum):
     FAILED = "failed"
     INTERRUPTED = "interrupted"  # its last cell was stopped (an interrupt, a --timeout); idle now
     PROMPT = "at a prompt"  # running a cell that waits for an answer (input(), pdb) from the notebook
+    BROKEN = "broken"  # its CUDA context is lost (a device-side assert...): it runs no cell until a restart
     DEAD = "dead"
 
 
@@ -47,7 +48,7 @@ class RankSnapshot:
 
     ``memory`` is fresh from the rank in :meth:`~jupyter_shard.kernel.pool.Pool.status` and from
     its last heartbeat in :meth:`~jupyter_shard.kernel.pool.Pool.activity`; ``problem`` names a
-    rank that needs attention (``dead: …`` or ``stuck: …``).
+    rank that needs attention (``dead: …``, ``broken: …`` or ``stuck: …``).
     """
 
     rank: int
@@ -82,6 +83,7 @@ class RankRecord:
         self.log_path = log_path
         self.cell = ""
         self.exit = ""
+        self.broken = ""  # the CUDA error that lost its CUDA context for good ("" while it works)
         # from the rank's heartbeat (every second, sent by its I/O thread)
         self.heartbeat = 0.0
         self.memory: dict[str, int] = {}
@@ -139,8 +141,14 @@ class RankTable:
     def live(self) -> list[RankRecord]:
         return [r for r in self.records.values() if not r.dead and r.handle.poll() is None]
 
-    def targets(self, ranks: Sequence[int] | None) -> list[RankRecord]:
-        """The records of ``ranks`` (default: all); a missing or a dead rank is a :class:`PoolError`."""
+    def groupable(self) -> bool:
+        """Whether the process group can be rebuilt on every rank: none is dead or broken (a rebuild
+        would wait for a dead rank, and build NCCL on a lost CUDA context)."""
+        return not any(r.dead or r.broken for r in self.records.values())
+
+    def targets(self, ranks: Sequence[int] | None, cell: bool = False) -> list[RankRecord]:
+        """The records of ``ranks`` (default: all); a missing or a dead rank is a :class:`PoolError`,
+        and for a ``cell`` so is a broken one (a copy of its CPU values still works)."""
         chosen = sorted(set(ranks)) if ranks is not None else sorted(self.records)
         missing = [r for r in chosen if r not in self.records]
         if missing:
@@ -153,6 +161,9 @@ class RankTable:
             raise PoolError(
                 f"{why}. Run %dist_restart (or pool.restart()) for fresh ranks; rank state is lost"
             )
+        broken = [self.records[r] for r in chosen if self.records[r].broken] if cell else []
+        if broken:
+            raise PoolError(f"{lost_context_line(broken)} and can run no cell: {restart_advice(broken)}")
         return [self.records[r] for r in chosen]
 
     def starting(self) -> list[RankRecord]:
@@ -303,5 +314,26 @@ class RankTable:
             steps_per_s=steps_per_s,
             heartbeat_age=heartbeat_age,
             last_line=r.last_line,
-            problem=problem,
+            problem=problem or (broken_problem(r) if r.broken and not r.dead else ""),
         )
+
+
+def broken_problem(r: RankRecord) -> str:
+    """A broken rank's ``problem``, as the dashboard and the side panel show it."""
+    return f"broken: CUDA context lost ({r.broken}); %dist_restart for fresh ranks"
+
+
+def lost_context_line(broken: Sequence[RankRecord]) -> str:
+    """``rank 1 lost its CUDA context (CUDA error: …)``: the first words of what a broken rank means."""
+    names = format_ranks([r.rank for r in broken])
+    whose = "its" if len(broken) == 1 else "their"
+    return f"rank {names} lost {whose} CUDA context ({broken[0].broken})"
+
+
+def restart_advice(broken: Sequence[RankRecord]) -> str:
+    """What to do about broken ranks: only new processes help; CPU values can be copied out first."""
+    rank = str(broken[0].rank) if len(broken) == 1 else "K"
+    return (
+        "run %dist_restart for fresh ranks (rank state is lost; values on the CPU can be copied out "
+        f"first with %dist_pull NAME --rank {rank})"
+    )

@@ -52,6 +52,9 @@ def status_reply(pool: Pool | None) -> dict[str, Any]:
         state = f"waiting for input (rank {asking})"
     elif RankState.RUNNING in states or (pool.background is not None and pool.background.running):
         state = "running"
+    elif RankState.BROKEN in states and RankState.DEAD not in states:  # only a restart helps: say so
+        broken = ", ".join(str(r.rank) for r in rows if r.state is RankState.BROKEN)
+        state = f"broken (rank {broken}: CUDA context lost; restart)"
     elif states & {RankState.DEAD, RankState.FAILED}:
         state = "failed"
     elif RankState.INTERRUPTED in states:  # the last cell was stopped; the ranks are idle and well

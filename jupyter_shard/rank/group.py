@@ -14,7 +14,8 @@ On CUDA ranks the group is device-mapped (``"cpu:gloo,cuda:nccl"``, see :mod:`.d
 to the rank's GPU (``device_id``), so NCCL starts, and fails, at ``init_process_group`` rather than
 in the first collective. Freeing ranks blocked in a collective differs by backend
 (:meth:`PoolGroup.release_steps`), and so does telling that a group is still usable
-(:meth:`PoolGroup.alive`).
+(:meth:`PoolGroup.alive`): NCCL's watchdog records an error where gloo records none, and where that
+record cannot be read the group is rebuilt after a cell that failed inside torch.distributed.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import FileStore, PrefixStore
 
+from jupyter_shard.rank.cuda_errors import exception_chain
 from jupyter_shard.rank.device import device_backends
 
 _DEVICE_NAMES = {"cpu": "CPU", "cuda": "CUDA GPUs"}
@@ -43,6 +45,8 @@ Step = Literal["destroy", "abort", "close"]
 # process); ProcessGroupNCCL.hpp in torch's include directory documents them.
 _ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
 _ERROR_HANDLING_DEFAULT = "3"
+UNKNOWN = "UNKNOWN"  # the NCCL backend's health where it cannot be read
+_DISTRIBUTED_DIR = os.path.dirname(dist.__file__) + os.sep
 
 
 def broken_by(error: str, handling: str) -> bool:
@@ -56,6 +60,21 @@ def broken_by(error: str, handling: str) -> bool:
     if error == "TIMEOUT":
         return handling.strip() != "0"
     return True
+
+
+def collective_failed(failure: BaseException) -> bool:
+    """Whether a cell's ``failure`` came out of torch.distributed: a ``DistError`` (NCCL's errors,
+    a watchdog's timeout), or any exception raised inside a torch.distributed call (a collective, a
+    barrier, FSDP's gathers), found in the tracebacks of the chain. Read from the exception alone."""
+    for exc in exception_chain(failure):
+        if isinstance(exc, dist.DistError):
+            return True
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.startswith(_DISTRIBUTED_DIR):
+                return True
+            tb = tb.tb_next
+    return False
 
 
 class PoolGroup:
@@ -116,24 +135,32 @@ class PoolGroup:
             options["device_id"] = self.device_id
         return options
 
-    def alive(self) -> bool:
-        """Whether this rank still has a usable default group: one no cell destroyed and no release
-        aborted, and on NCCL one whose watchdog has not found it broken (:func:`broken_by`)."""
+    def alive(self, failure: BaseException | None = None) -> bool:
+        """Whether this rank still has a usable default group after a cell that raised ``failure``
+        (None: it succeeded): one no cell destroyed and no release aborted, and on NCCL one whose
+        watchdog has not found it broken (:func:`broken_by`). Where the watchdog's record cannot be
+        read (:data:`UNKNOWN`), the group is trusted only after a cell whose failure did not come
+        from torch.distributed (:func:`collective_failed`); else the kernel rebuilds it."""
         if not dist.is_initialized():
             return False
         error = self._nccl_error()  # "SUCCESS" on gloo: no environment to read after every cell
-        return error == "SUCCESS" or not broken_by(error, self._error_handling())
+        if error == "SUCCESS":
+            return True
+        if error == UNKNOWN:
+            return failure is None or not collective_failed(failure)
+        return not broken_by(error, self._error_handling())
 
     def _nccl_error(self) -> str:
-        """The NCCL backend's recorded error (``Backend.get_error``), or "SUCCESS" where there is
-        none to ask: gloo does not record one, and a torch built without NCCL has no such call."""
+        """The NCCL backend's recorded error (an ``ErrorType`` name from ``Backend.get_error``);
+        "SUCCESS" on a group without NCCL (gloo records none); :data:`UNKNOWN` where it cannot be
+        read (a torch without ``get_error``, a group without an NCCL backend for CUDA)."""
         if "nccl" not in device_backends(self.backend).values():
             return "SUCCESS"
         try:
             backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
             return str(backend.get_error().name)
         except Exception:
-            return "SUCCESS"
+            return UNKNOWN
 
     @staticmethod
     def _error_handling() -> str:

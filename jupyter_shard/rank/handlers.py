@@ -29,6 +29,7 @@ from jupyter_shard.messages import (
 )
 from jupyter_shard.protocol import Message, cell_head
 from jupyter_shard.rank.channel import Channel, ShellSocket
+from jupyter_shard.rank.cuda_errors import lost_context
 
 if TYPE_CHECKING:
     from jupyter_shard.rank.group import PoolGroup
@@ -89,6 +90,7 @@ class Runner:
             },
         )
         self.deferred: list[Message] = []  # came while a cell waited at a prompt; handled after it
+        self.lost_context = ""  # the CUDA error that lost this process's context for good, once seen
         # One SIGINT handler for the rank's life: it interrupts a running cell and is a no-op between
         # cells, so a cell costs no sigaction calls; a cell that installs its own is undone after it.
         self._sigint = self._on_sigint
@@ -126,6 +128,7 @@ class Runner:
         _follow_directory(str(body.get("cwd", "")))
         self.group.free_retired()
         self.state.begin(cell_id, code)
+        failure: BaseException | None = None
         try:  # the handler is put back after every cell, so it is ours here
             if body.get("post_mortem"):
                 error = self.shell.post_mortem(cell_id)
@@ -133,10 +136,14 @@ class Runner:
                 error = self._run_traced(code, cell_id, int(body.get("exec_count", 0)), body["debug"])
             else:
                 error = self.shell.run(code, cell_id, int(body.get("exec_count", 0)))
-        except KeyboardInterrupt:
-            error = ("KeyboardInterrupt", "", ["KeyboardInterrupt"])
+        except KeyboardInterrupt as exc:
+            error, failure = ("KeyboardInterrupt", "", ["KeyboardInterrupt"]), exc
         finally:
             self.state.end()
+        if error and failure is None:
+            failure = self.shell.kept_error
+        if failure is not None and not self.lost_context:
+            self.lost_context = lost_context(failure)  # from the exception: the device is not asked
         if self.state.stopped_at_prompt:  # pdb was left by the kernel's interrupt: say so, trace off
             self.state.stopped_at_prompt = False
             sys.settrace(None)
@@ -153,7 +160,8 @@ class Runner:
                     "evalue": value,
                     "traceback": tb,
                     "duration": time.perf_counter() - started,
-                    "grouped": self.group.alive(),
+                    "grouped": self.group.alive(failure),
+                    "lost_context": self.lost_context,
                 }
             )
         )
@@ -242,6 +250,11 @@ class Runner:
             self.sock.send(*PULL_REPLY({"req_id": str(msg.body["req_id"]), "ok": False, "error": error}))
             return
         reply, buffers = pulled_reply(msg, self.rank, what, value, limit)
+        if not reply["ok"] and self.lost_context and "CUDA" in reply["error"]:  # a CUDA tensor's copy
+            first = reply["error"].split("\n", 1)[0]  # without torch's paragraph about debugging
+            reply["error"] = (
+                f"{first}; rank {self.rank}'s CUDA context is lost: only CPU values can be copied"
+            )
         reply["seconds"] = seconds
         self.sock.send(*PULL_REPLY(reply), buffers)
 

@@ -99,9 +99,12 @@ export function rankCells(row: IRankRow): string[] {
 
 export const RANK_COLUMNS = ['rank', 'state', 'step', 'memory', 'heartbeat', 'cell / problem'];
 
+/** States of a rank that the panel draws red: a broken rank lost its CUDA context and needs a restart. */
+const ERROR_STATES = ['dead', 'failed', 'broken'];
+
 /** Whether a rank row needs attention (drawn red or yellow): a rank at a prompt waits for the person. */
 export function rankLevel(row: IRankRow): 'ok' | 'warn' | 'error' {
-  if (row.state === 'dead' || row.state === 'failed' || row.problem.startsWith('dead')) {
+  if (ERROR_STATES.includes(row.state) || /^(dead|broken):/.test(row.problem)) {
     return 'error';
   }
   return row.problem || row.state === 'at a prompt' ? 'warn' : 'ok';

@@ -57,6 +57,13 @@ describe('rank rows', () => {
     expect(rankCells(stuck)[5]).toBe('stuck: no heartbeat for 7 s');
     expect(rankLevel(stuck)).toBe('warn');
     expect(rankLevel(row({ state: 'dead', problem: 'dead: exit 1' }))).toBe('error');
+    const broken = row({
+      state: 'broken',
+      problem: 'broken: CUDA context lost (CUDA error: device-side assert triggered); %dist_restart for fresh ranks'
+    });
+    expect(rankLevel(broken)).toBe('error');
+    expect(rankCells(broken)[1]).toBe('broken');
+    expect(rankCells(broken)[5]).toContain('CUDA context lost');
     expect(rankLevel(row())).toBe('ok');
     expect(rankLevel(row({ state: 'at a prompt', cell: 'breakpoint() · at (Pdb)' }))).toBe('warn');
   });

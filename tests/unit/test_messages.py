@@ -54,6 +54,7 @@ def _done(**changes: Any) -> dict[str, Any]:
         "traceback": [],
         "duration": 0.01,
         "grouped": True,
+        "lost_context": "",
     }
     return {**body, **changes}
 

@@ -10,13 +10,15 @@ from typing import Any
 
 import pytest
 
-from jupyter_shard.kernel.cell import CellGathering
+from jupyter_shard.kernel.cell import POST_MORTEM, CellGathering
 from jupyter_shard.kernel.connection import Connection
 from jupyter_shard.kernel.escalation import Escalation
 from jupyter_shard.kernel.history import History
 from jupyter_shard.kernel.output import ConsoleSink
-from jupyter_shard.kernel.ranks import RankRecord, RankTable
-from jupyter_shard.protocol import Wire, io_identity, new_key
+from jupyter_shard.kernel.ranks import RankRecord, RankState, RankTable
+from jupyter_shard.kernel.results import DistributedError
+from jupyter_shard.messages import check_body
+from jupyter_shard.protocol import Message, Wire, io_identity, new_key
 from jupyter_shard.rank.output import RankStream
 from tests.unit.kernel.handles import IdleHandle
 
@@ -79,3 +81,50 @@ def test_malformed_output_is_dropped_and_counted(
     link.stream.write("after\n")
     link.stream.flush()
     assert link.gathering.result.ranks[0].stdout == "after\n"  # the link still works
+
+
+LOST = "CUDA error: device-side assert triggered"
+
+
+def _done(cell_id: str, status: str = "ok", lost_context: str = "") -> Message:
+    body = {
+        "io_count": 0,
+        "cell_id": cell_id,
+        "status": status,
+        "ename": "AcceleratorError" if status == "error" else "",
+        "evalue": f"{LOST}\nSearch for `cudaErrorAssert'" if status == "error" else "",
+        "traceback": [],
+        "duration": 0.1,
+        "grouped": True,
+        "lost_context": lost_context,
+    }
+    assert check_body("done", body) == []
+    return Message("done", body)
+
+
+def test_a_rank_whose_cuda_context_is_lost_is_broken_and_the_cell_says_what_to_do(tmp_path: Path) -> None:
+    link = _Link(tmp_path)
+    link.ranks.add(RankRecord(IdleHandle(1), tmp_path / "rank-1.log"))
+    cells, ranks = link.cells, link.ranks
+    gathering = cells.open("x[7]", [ranks[0], ranks[1]], None, 0, None, record=False)
+    cell_id = gathering.result.cell_id
+    cells.on_done(ranks[0], _done(cell_id))
+    cells.on_done(ranks[1], _done(cell_id, "error", LOST))
+    cells.end(gathering, [])
+
+    assert ranks[1].state is RankState.BROKEN and ranks[1].broken == LOST
+    assert ranks[0].state is RankState.IDLE and ranks[0].broken == ""
+    assert gathering.lost == [1]
+    notes = gathering.result.notes
+    assert notes[0].startswith(f"rank 1 lost its CUDA context ({LOST}): every later CUDA call")
+    assert "only a new process helps" in notes[0]
+    assert "%dist_restart for fresh ranks (rank state is lost" in notes[0]
+    assert "%dist_pull NAME --rank 1" in notes[0]
+    assert "CUDA_LAUNCH_BLOCKING=1" in notes[1]
+    assert DistributedError(gathering.result).render()[1:3] == notes[:2]
+
+    # %debug on the broken rank (the pool lets it through) ends with the rank still broken, said once
+    again = cells.open(POST_MORTEM, [ranks[1]], None, 0, [1], record=False)
+    cells.on_done(ranks[1], _done(again.result.cell_id, "ok", LOST))
+    cells.end(again, [])
+    assert ranks[1].state is RankState.BROKEN and again.lost == [] and again.result.notes == []

@@ -38,6 +38,9 @@ class FakeComm:
         return self.sent[-1]
 
 
+PROBLEMS = {"dead": "dead: exit 1", "broken": "broken: CUDA context lost (CUDA error: …)"}
+
+
 class FakePool:
     def __init__(self, states: list[RankState]) -> None:
         self.started = True
@@ -54,7 +57,7 @@ class FakePool:
                 step=3.0,
                 memory={"rss": 2**20},
                 heartbeat_age=0.4,
-                problem="dead: exit 1" if s == "dead" else "",
+                problem=PROBLEMS.get(s.value, ""),
             )
             for k, s in enumerate(self.states)
         ]
@@ -112,6 +115,16 @@ def test_a_stopped_cell_leaves_the_ranks_interrupted_not_failed() -> None:
     assert reply["state"] == "interrupted"
     assert [r["state"] for r in reply["ranks"]] == ["interrupted", "interrupted"]
     comm, _ = _panel(FakePool([RankState.INTERRUPTED, RankState.FAILED]))
+    assert comm.request("status")["state"] == "failed"
+
+
+def test_a_rank_that_lost_its_cuda_context_shows_the_pool_broken_until_a_restart() -> None:
+    comm, _ = _panel(FakePool([RankState.IDLE, RankState.BROKEN, RankState.FAILED]))
+    reply = comm.request("status")
+    assert reply["state"] == "broken (rank 1: CUDA context lost; restart)"
+    assert reply["ranks"][1]["state"] == "broken"
+    assert reply["ranks"][1]["problem"].startswith("broken: CUDA context lost")
+    comm, _ = _panel(FakePool([RankState.DEAD, RankState.BROKEN]))  # a dead rank is said first
     assert comm.request("status")["state"] == "failed"
 
 

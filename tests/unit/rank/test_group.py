@@ -5,8 +5,9 @@ rank and when a group counts as broken; the NCCL settings every rank starts with
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,8 +15,9 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import BackendConfig
 
 from jupyter_shard.kernel.launches import NCCL_KEEP_RANKS_ALIVE, rank_launch
+from jupyter_shard.rank import group as group_module
 from jupyter_shard.rank.device import CUDA_BACKEND, device_backends
-from jupyter_shard.rank.group import PoolGroup, broken_by
+from jupyter_shard.rank.group import UNKNOWN, PoolGroup, broken_by, collective_failed
 from jupyter_shard.spec import LaunchSpec
 
 
@@ -229,3 +231,85 @@ def test_every_rank_starts_with_the_nccl_settings_that_keep_it_alive(
         assert {k: env[k] for k in NCCL_KEEP_RANKS_ALIVE if k != "TORCH_NCCL_DUMP_ON_TIMEOUT"} == {
             k: v for k, v in NCCL_KEEP_RANKS_ALIVE.items() if k != "TORCH_NCCL_DUMP_ON_TIMEOUT"
         }
+
+
+class _Backend:
+    """An NCCL backend as a torch without ``Backend.get_error`` has it (or, with ``error``, with it)."""
+
+    def __init__(self, error: str | None = None) -> None:
+        if error is not None:
+            self.get_error = lambda: SimpleNamespace(name=error)
+
+
+def _raised(call: Callable[[], object]) -> BaseException:
+    try:
+        call()
+    except BaseException as exc:
+        return exc
+    raise AssertionError("did not raise")
+
+
+def _user_error_from(cause: BaseException) -> BaseException:
+    def wrap() -> None:
+        raise KeyError("step 3 failed") from cause
+
+    return _raised(wrap)
+
+
+@pytest.fixture
+def nccl_group(monkeypatch: pytest.MonkeyPatch) -> Callable[[object], PoolGroup]:
+    """A CUDA rank's group whose default group holds ``backend`` for CUDA (no GPU needed)."""
+
+    def make(backend: object) -> PoolGroup:
+        def get_backend(device: torch.device) -> object:
+            if isinstance(backend, Exception):
+                raise backend
+            return backend
+
+        default = SimpleNamespace(_get_backend=get_backend)
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: default)
+        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        return _group("cuda")
+
+    return make
+
+
+def test_an_nccl_group_whose_health_cannot_be_read_is_rebuilt_after_a_failed_collective(
+    nccl_group: Callable[[object], PoolGroup],
+) -> None:
+    # failures made before the fake is in place: a collective without a group raises inside torch
+    in_collective = _raised(lambda: dist.all_reduce(torch.ones(1)))
+    from_backend = dist.DistBackendError("NCCL communicator was aborted on rank 0")
+    user = _raised(lambda: [][1])
+    for backend in (_Backend(), RuntimeError("no backend for cuda")):  # no get_error; no NCCL part
+        group = nccl_group(backend)
+        assert group._nccl_error() == UNKNOWN
+        assert group.alive()  # a cell that succeeded
+        assert group.alive(user)  # a Python error of the cell's own
+        assert not group.alive(in_collective)
+        assert not group.alive(from_backend)
+        assert not group.alive(_user_error_from(in_collective))  # raised again by the cell's code
+    assert collective_failed(in_collective) and not collective_failed(user)
+
+
+@pytest.mark.parametrize(("error", "alive"), [("SUCCESS", True), ("TIMEOUT", True), ("COMM_ERROR", False)])
+def test_a_readable_nccl_record_decides_whatever_the_cell_raised(
+    nccl_group: Callable[[object], PoolGroup], error: str, alive: bool
+) -> None:
+    in_collective = _raised(lambda: dist.all_reduce(torch.ones(1)))
+    group = nccl_group(_Backend(error))
+    assert group._nccl_error() == error
+    assert group.alive(in_collective) is alive and group.alive() is alive
+
+
+def test_a_gloo_group_reads_no_environment_and_no_traceback_after_a_cell(
+    solo: PoolGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(*args: object) -> bool:
+        raise AssertionError("read after a gloo cell")
+
+    in_collective = _raised(lambda: dist.all_reduce(torch.ones(1), op="not an op"))  # type: ignore[arg-type]
+    monkeypatch.setattr(PoolGroup, "_error_handling", staticmethod(boom))
+    monkeypatch.setattr(group_module, "collective_failed", boom)
+    assert solo.alive() and solo.alive(in_collective)
