@@ -9,7 +9,6 @@ gradient accumulation boundaries, the step counter, RNG state and logging.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import os
 from collections.abc import Callable, Iterator
@@ -21,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-PRECISIONS = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+from jupyter_shard.strategies.precision import PRECISIONS as PRECISIONS
+from jupyter_shard.strategies.precision import Precision
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class StrategyBase:
         #: the CPU generator state when ``shard.init_module`` began (a model built there is filled from it)
         self.built_rng: torch.Tensor | None = None
         self._ctx: StrategyContext | None = None
+        self.precision = Precision.parse("32")  # set from the context by setup()
         self.scaler: torch.amp.GradScaler | None = None
 
     @property
@@ -67,10 +68,7 @@ class StrategyBase:
         return self._ctx
 
     def setup(self, ctx: StrategyContext) -> None:
-        if ctx.precision not in PRECISIONS:
-            raise ValueError(
-                f"precision {ctx.precision!r} is not valid; choose one of: {', '.join(PRECISIONS)}"
-            )
+        self.precision = Precision.parse(ctx.precision)
         self._ctx = ctx
         if ctx.precision == "16-mixed":
             self.scaler = torch.amp.GradScaler(ctx.device.type)
@@ -111,18 +109,7 @@ class StrategyBase:
 
     def apply_autocast(self, model: nn.Module) -> None:
         """Run the model's forward under autocast for mixed precision (the instance's forward only)."""
-        dtype = PRECISIONS[self.ctx.precision]
-        if dtype is None:
-            return
-        forward = model.forward
-        device_type = self.ctx.device.type
-
-        @functools.wraps(forward)
-        def autocast_forward(*args: Any, **kwargs: Any) -> Any:
-            with torch.autocast(device_type, dtype=dtype):
-                return forward(*args, **kwargs)
-
-        model.forward = autocast_forward
+        self.precision.autocast_forward(model, self.ctx.device.type)
 
     # -- training ------------------------------------------------------------------------------
 

@@ -6,6 +6,14 @@ The pool's options become a DeepSpeed config: ``--zero-stage`` (default 0: plain
 (``gradient_accumulation_steps``) and ``clip_grad_norm`` (``gradient_clipping``). ``--config ds.json``
 is merged under them; a value set on both sides that differs is an error naming both.
 
+``--precision`` means what it means in Lightning's DeepSpeed strategy, on CPU and CUDA alike: after
+``shard.prepare`` the parameters are in the engine's dtype at every ZeRO stage (the optimizer keeps
+fp32 masters), and each forward casts its floating-point inputs to it (integer tensors untouched).
+No autocast: DeepSpeed turns a caller's autocast off inside the engine on CUDA only (it asks
+``torch.is_autocast_enabled()``, which sees CUDA), and it casts no parameter that
+``zero.Init(module=...)`` partitioned, so both are done here. A ``--config`` enabling ``bf16``,
+``fp16`` or ``torch_autocast`` itself is followed as written.
+
 The engine owns backward and the step: :meth:`backward` calls ``engine.backward`` (which divides by
 the accumulation count) on every micro-step and advances the engine's micro-step counter before an
 accumulation boundary, so the engine's boundaries are the ones ``shard.step()`` sees.
@@ -14,8 +22,6 @@ accumulation boundary, so the engine's boundaries are the ones ``shard.step()`` 
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import os
 import shutil
 import warnings
@@ -27,11 +33,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from jupyter_shard.strategies.base import StrategyBase
-from jupyter_shard.strategies.deepspeed_config import build_config, fit_stage3_buffers
+from jupyter_shard.strategies.base import StrategyBase, parameter_names, rebuild_optimizer
+from jupyter_shard.strategies.deepspeed_config import build_config, fit_stage3_buffers, parameter_dtype
+from jupyter_shard.strategies.precision import cast_floating_inputs, cast_parameters
 
 _TORCH_ONLY = {"foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"}
 EXTENSIONS_DIR = Path.home() / ".cache" / "jupyter_shard" / "torch_extensions"
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def deepspeed_environment(device_type: str) -> None:
@@ -111,6 +119,14 @@ class DeepSpeedStrategy(StrategyBase):
         )
         if checkpointed:
             _checkpoint_modules(model, {str(name) for name in checkpointed})
+        name = parameter_dtype(self.config)
+        dtype = _DTYPES[name] if name else None
+        if _partitioned(model):
+            _check_partitioned_dtype(model, dtype)
+        elif dtype is not None:
+            # Before anything moves them. zero.Init below keeps each parameter's dtype, and the engine
+            # casts only models it partitions itself; below ZeRO-3 the device gets the small copy.
+            cast_parameters(model, dtype)
         if self.stage == 3:
             if not _partitioned(model):
                 # Partitioned parameter by parameter, each full copy freed as it goes: the whole model
@@ -131,14 +147,9 @@ class DeepSpeedStrategy(StrategyBase):
             config=self.config,
             dist_init_required=False,
         )
-        self._autocast(engine)
+        if dtype is not None:
+            cast_floating_inputs(engine, dtype)
         return engine, engine_optimizer
-
-    def _autocast(self, engine: nn.Module) -> None:
-        """bf16/fp16 weights need low-precision inputs: run forward under autocast of that dtype."""
-        for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-            if self.config.get(name, {}).get("enabled", False):
-                _autocast_forward(engine, self.ctx.device.type, dtype)
 
     def _backend(self) -> str:
         """The backend DeepSpeed records for the pool's group (which exists already): its plain name,
@@ -212,26 +223,27 @@ class DeepSpeedStrategy(StrategyBase):
         return dict(client_state or {})
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        """fp32 weights on rank 0: the optimizer's master copies where ZeRO keeps them (collective)."""
-        ds = import_deepspeed(self.ctx.device)
-        from deepspeed.utils import safe_get_full_fp32_param
+        """fp32 weights on rank 0: the optimizer's master copies where ZeRO keeps them (collective).
 
-        module = self.unwrap(model)
-        master: dict[str, torch.Tensor] = {}
+        One tensor at a time, each copied to the CPU before the next is assembled: ZeRO-3 gathers a
+        single parameter with ``GatheredParameters`` (or its fp32 master), so the device holds at
+        most one full parameter beyond this rank's partitions, whatever the model's size.
+        """
+        ds = import_deepspeed(self.ctx.device)
         unfused = _unfused_masters(getattr(model, "optimizer", None))
-        for name, p in module.named_parameters():
-            full = safe_get_full_fp32_param(p)  # None where no fp32 master copy exists
-            full = unfused.get(id(p)) if full is None else full
-            if full is not None:
-                master[name] = full.detach().float().cpu().reshape(_full_shape(p))
-        params = list(module.parameters()) if self.stage == 3 else []
-        with ds.zero.GatheredParameters(params, modifier_rank=None):
-            state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-        if self.ctx.rank != 0:
-            return None
-        for key, value in state.items():
-            state[key] = master.get(key, value.float() if value.is_floating_point() else value)
-        return state
+        keep = self.ctx.rank == 0
+        copies: dict[int, torch.Tensor | None] = {}
+        state: dict[str, torch.Tensor] = {}
+        for key, value in self.unwrap(model).state_dict(keep_vars=True).items():
+            if not isinstance(value, torch.Tensor):
+                state[key] = value  # a module's extra state
+                continue
+            if id(value) not in copies:  # tied parameters are assembled once
+                copies[id(value)] = _full_copy(ds, value, unfused.get(id(value)), keep)
+            copy = copies[id(value)]
+            if copy is not None:
+                state[key] = copy
+        return state if keep else None
 
     def memory(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
         """Bytes held here: parameters (ZeRO-3: this rank's partition), gradients, and optimizer state
@@ -339,15 +351,34 @@ def _unfused_masters(optimizer: Any) -> dict[int, torch.Tensor]:
     return {id(p): m for lg, hg in zip(low, high, strict=True) for p, m in zip(lg, hg, strict=True)}
 
 
-def _autocast_forward(engine: nn.Module, device_type: str, dtype: torch.dtype) -> None:
-    forward = engine.forward
+def _check_partitioned_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """A model partitioned by ``zero.Init`` can no longer be cast: it must have been built in ``dtype``."""
+    wanted = dtype or torch.float32
+    found = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != wanted})
+    if found:
+        raise ValueError(
+            f"deepspeed: the model was partitioned with {', '.join(found)} parameters, but the engine runs "
+            f"in {wanted}: build it under shard.init_module() (it partitions in the engine's dtype) or "
+            "without zero.Init"
+        )
 
-    @functools.wraps(forward)
-    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type, dtype=dtype):
-            return forward(*args, **kwargs)
 
-    engine.forward = autocast_forward
+def _full_copy(ds: Any, t: torch.Tensor, master: torch.Tensor | None, keep: bool) -> torch.Tensor | None:
+    """The whole of ``t`` as a CPU tensor (float32 if floating point) where ``keep``; every rank calls it."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    no_optimizer = hasattr(t, "ds_id") and not hasattr(t, "_z3_optimizer")  # ZeRO-3 prepared without one
+    if master is None and isinstance(t, nn.Parameter) and not no_optimizer:
+        master = safe_get_full_fp32_param(t)  # collective at ZeRO >= 1; None where no master exists
+    if master is not None:
+        return _cpu_copy(master).reshape(_full_shape(t)) if keep else None
+    with ds.zero.GatheredParameters([t], modifier_rank=None):  # a no-op for a tensor ZeRO does not own
+        return _cpu_copy(t) if keep else None
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    dtype = torch.float32 if t.is_floating_point() else t.dtype
+    return t.detach().to("cpu", dtype=dtype, copy=True)
 
 
 def _full_shape(p: torch.Tensor) -> torch.Size:
@@ -376,16 +407,4 @@ def _engine_optimizer(
             amsgrad=bool(d.get("amsgrad", False)),
             adamw_mode=adamw,
         )
-    return _rebuild(optimizer)
-
-
-def _rebuild(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Same class, groups and hyperparameters over the same parameters (the engine keeps them).
-
-    Only the defaults the constructor accepts are passed: torch 2.13's AdamW lists
-    ``decoupled_weight_decay`` in ``defaults`` but does not take it as an argument.
-    """
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    groups = [{**g, "params": list(g["params"])} for g in optimizer.param_groups]
-    return type(optimizer)(groups, **defaults)
+    return rebuild_optimizer(optimizer, parameter_names(model), model)  # the engine keeps the parameters

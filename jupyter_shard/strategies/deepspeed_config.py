@@ -106,18 +106,46 @@ def build_config(
 
 
 def _precision(precision: str, config: dict[str, Any], agree: Any) -> None:
+    """``bf16-mixed``/``16-mixed`` become DeepSpeed's ``bf16``/``fp16`` section (parameters held in
+    that dtype), unless the JSON chose DeepSpeed's ``torch_autocast`` (float32 parameters, autocast
+    inside the engine): then that stays, in the dtype the option names."""
+    if "bfloat16" in config and "bf16" not in config:  # DeepSpeed's older name for the section
+        config["bf16"] = config.pop("bfloat16")
     enabled = {name: bool(config.get(name, {}).get("enabled", False)) for name in ("bf16", "fp16")}
     if precision == "32":
-        return  # the JSON may still enable bf16 or fp16
+        return  # the JSON may still enable bf16, fp16 or torch_autocast
     wanted = {"bf16-mixed": "bf16", "16-mixed": "fp16"}[precision]
     other = "fp16" if wanted == "bf16" else "bf16"
     if enabled[other]:
         agree("--precision", precision, f"{other}.enabled", f"true ({other})")
+    autocast = config.get("torch_autocast", {})
+    if autocast.get("enabled", False):
+        dtype = autocast.get("dtype")
+        if dtype is not None and str(dtype) not in _DTYPE_NAMES[wanted]:
+            agree("--precision", precision, "torch_autocast.dtype", dtype)
+        autocast.setdefault("dtype", wanted)
+        if not enabled[wanted]:
+            return
     section = config.setdefault(wanted, {})
     section["enabled"] = True
     if wanted == "fp16":
         section.setdefault("loss_scale", 0)  # 0: dynamic loss scaling
         section.setdefault("initial_scale_power", 16)
+
+
+#: the names DeepSpeed reads as each low-precision dtype (its ``DtypeEnum``)
+_DTYPE_NAMES = {
+    "bf16": {"bf16", "bfloat16", "torch.bfloat16"},
+    "fp16": {"fp16", "float16", "half", "torch.float16"},
+}
+
+
+def parameter_dtype(config: dict[str, Any]) -> str | None:
+    """``"bf16"`` or ``"fp16"`` where the engine holds the parameters in that dtype; None for float32."""
+    for name in ("bf16", "fp16"):
+        if config.get(name, {}).get("enabled", False):
+            return name
+    return None
 
 
 def fit_stage3_buffers(config: dict[str, Any], largest: int) -> None:

@@ -258,3 +258,100 @@ def test_activation_checkpointing_recomputes_and_keeps_parity(tmp_path: Path) ->
         pytest.raises(Exception, match="no module of class Conv2d in the model"),
     ):
         pool.run(SETUP + PARITY)
+
+
+# DeepSpeed asks `torch.is_autocast_enabled()` with no device type, which sees CUDA's autocast only,
+# and turns a caller's autocast off inside the engine when it sees one. Answering that question for
+# the rank's device makes a CPU rank do what a CUDA rank does: nothing may rely on autocast.
+AS_ON_CUDA = """
+import contextlib, torch
+from torch import nn
+_autocast_enabled = torch.is_autocast_enabled
+def _as_on_cuda(*device_type):
+    return _autocast_enabled(*device_type) if device_type else _autocast_enabled(shard.device.type)
+torch.is_autocast_enabled = _as_on_cuda
+"""
+
+# A tagger fed token ids (int64) and fp32 features in a dict; `seen` records what its forward got.
+MIXED = """
+class Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin, self.out = nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+    def forward(self, ids, batch):
+        seen.append((str(ids.dtype), str(batch["x"].dtype), torch.is_autocast_enabled("cpu")))
+        return self.out(self.emb(ids) + self.lin(batch["x"]))
+seen = []
+torch.manual_seed(0)
+with shard.init_module() if under_init else contextlib.nullcontext():
+    net = Tagger()
+model, opt = shard.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+params = list(model.module.parameters())
+dtypes = sorted({str(p.dtype) for p in params} | {str(getattr(p, "ds_tensor", p).dtype) for p in params})
+out = model(torch.randint(0, 10, (4,)), {"x": torch.randn(4, 8)})
+shard.backward(out.float().pow(2).mean()); shard.step()
+out_dtype = str(out.dtype)
+"""
+
+
+@pytest.mark.parametrize(
+    ("stage", "under_init"),
+    [(0, False), (2, False), (3, False), (3, True)],
+    ids=["zero0", "zero2", "zero3", "zero3-init_module"],
+)
+def test_bf16_mixed_holds_bf16_parameters_and_casts_float_inputs_without_autocast(
+    tmp_path: Path, stage: int, under_init: bool
+) -> None:
+    """Lightning's meaning on CPU and CUDA alike: parameters bf16 at every stage (ZeRO-3 included, built
+    normally or under zero.Init), fp32 inputs cast to bf16, token ids left int64, no autocast."""
+    with _pool(tmp_path, zero_stage=stage, precision="bf16-mixed") as pool:
+        pool.run(AS_ON_CUDA + f"under_init = {under_init}\n" + MIXED)
+        assert pool.pull_all("dtypes") == {0: ["torch.bfloat16"], 1: ["torch.bfloat16"]}
+        assert pool.pull("seen") == [("torch.int64", "torch.bfloat16", False)]
+        assert pool.pull("out_dtype") == "torch.bfloat16"
+
+
+# After SETUP, at ZeRO-3 with no parameter kept whole between steps, trained with the first layer frozen
+# (no fp32 master: its parameters are gathered from the partitions), or prepared with no optimizer
+# (every parameter gathered); `at_once` is how many elements were gathered whenever GatheredParameters
+# entered, `everything` the state gathered all at once.
+GATHER = """
+import deepspeed
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+if with_optimizer:
+    net[0].requires_grad_(False)
+    model, opt = shard.prepare(net, torch.optim.AdamW([p for p in net.parameters() if p.requires_grad]))
+    for x, y in batches[:2]:
+        shard.backward(nn.functional.mse_loss(model(mine(x)), mine(y))); shard.step()
+else:
+    model = shard.prepare(net)
+params = list(model.module.parameters())
+at_once = []
+Gathered = deepspeed.zero.GatheredParameters
+class Counting(Gathered):
+    def __enter__(self):
+        super().__enter__()
+        at_once.append(sum(p.ds_numel for p in params if p.ds_status == ZeroParamStatus.AVAILABLE))
+deepspeed.zero.GatheredParameters = Counting
+try:
+    full = shard.full_model()
+finally:
+    deepspeed.zero.GatheredParameters = Gathered
+with Gathered(params):
+    everything = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+same = full is None or all(torch.equal(full.state_dict()[k], v) for k, v in everything.items())
+"""
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False], ids=["frozen-layer", "no-optimizer"])
+def test_zero3_full_state_gathers_one_parameter_at_a_time(tmp_path: Path, with_optimizer: bool) -> None:
+    """`%dist_pull model --gather` and `shard.full_model()` never hold two whole parameters at once."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
+    with _pool(tmp_path, zero_stage=3, config=config) as pool:
+        pool.run(SETUP + f"with_optimizer = {with_optimizer}\n" + GATHER)
+        # trained: the frozen layer's weight (16x32) and bias (32), each alone; else every parameter
+        gathered = {16 * 32, 32} if with_optimizer else {16 * 32, 32, 32 * 32, 32 * 4, 4}
+        for rank, at_once in pool.pull_all("at_once").items():
+            assert set(at_once) == gathered, (rank, at_once)
+        assert pool.pull("same") is True

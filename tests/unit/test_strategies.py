@@ -1,4 +1,4 @@
-"""jupyter_shard.strategies: registry, lookup errors, option checking."""
+"""jupyter_shard.strategies: registry, lookup errors, option checking, precision."""
 
 from __future__ import annotations
 
@@ -186,3 +186,52 @@ def test_rebuild_optimizer_keeps_class_settings_and_follows_replaced_parameters(
     assert new.param_groups[1]["params"][0] is model.bias
     assert [g["lr"] for g in new.param_groups] == [0.01, 0.5]
     assert new.defaults["weight_decay"] == 0.2
+
+
+def test_cast_floating_reaches_nested_inputs_and_leaves_integer_tensors() -> None:
+    from collections import namedtuple
+
+    import torch
+
+    from jupyter_shard.strategies.precision import cast_floating
+
+    pair = namedtuple("pair", "x ids")
+    x, ids, mask = torch.ones(2), torch.arange(2), torch.ones(2, dtype=torch.bool)
+    out = cast_floating(
+        (x, [x, ids], {"x": x, "ids": ids, "mask": mask, "n": 3}, pair(x, ids)), torch.bfloat16
+    )
+    assert out[0].dtype == torch.bfloat16 and isinstance(out[1], list)
+    assert [t.dtype for t in out[1]] == [torch.bfloat16, torch.int64]
+    assert out[2]["ids"] is ids and out[2]["mask"] is mask and out[2]["n"] == 3
+    assert out[2]["x"].dtype == torch.bfloat16
+    assert type(out[3]) is pair and out[3].x.dtype == torch.bfloat16 and out[3].ids is ids
+
+
+def test_cast_floating_inputs_runs_a_low_precision_model_without_autocast() -> None:
+    """As under DeepSpeed on CUDA, where the engine turns autocast off around the model's forward."""
+    import torch
+    from torch import nn
+
+    from jupyter_shard.strategies.precision import cast_floating_inputs, cast_parameters
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.lin = nn.Embedding(10, 4), nn.Linear(4, 4)
+            self.seen: list[tuple[torch.dtype, torch.dtype, bool]] = []
+
+        def forward(
+            self, ids: torch.Tensor, batch: dict[str, torch.Tensor], *, scale: torch.Tensor
+        ) -> torch.Tensor:
+            self.seen.append((ids.dtype, batch["x"].dtype, torch.is_autocast_enabled("cpu")))
+            return (self.emb(ids) + self.lin(batch["x"])) * scale
+
+    net = Net()
+    weight = net.lin.weight
+    cast_parameters(net, torch.float16)
+    assert weight.dtype == torch.float16 and net.lin.weight is weight, "the same parameter, cast in place"
+    cast_floating_inputs(net, torch.float16)
+    with torch.autocast("cpu", enabled=False):
+        out = net(torch.tensor([1, 2]), {"x": torch.ones(2, 4)}, scale=torch.tensor(2.0))
+    assert out.dtype == torch.float16
+    assert net.seen == [(torch.int64, torch.float16, False)]
