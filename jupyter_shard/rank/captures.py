@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["unless_capturing", "under_way", "watch"]
+__all__ = ["under_way", "unless_capturing", "watch"]
 
 _capturing: set[int] = set()  # id() of each graph between capture_begin and capture_end
 _lock = threading.Lock()
