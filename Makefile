@@ -100,3 +100,29 @@ test: setup
 		--nbval --nbval-current-env --nbval-sanitize-with tests/notebooks/nbval_sanitize.cfg; \
 	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed"; exit 1; fi; \
 	echo "make test: all stages passed"
+
+# -- a GPU machine with no network (README, Development): `make gpu-bundle` here, `make gpu-check` there ------
+# Neither depends on `setup`: the GPU machine has no .venv and never makes one.
+.PHONY: gpu-bundle gpu-check
+
+GPU_BUNDLE ?= gpu-bundle
+GPU_DEEPSPEED ?= deepspeed==0.19.8
+# pip reads dependencies' environment markers for the Python it runs in: a 3.12, as on the GPU machine,
+# where one is found (on PATH or pyenv's), else $(PYTHON).
+GPU_BUNDLE_PYTHON ?= $(or $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12; do \
+	"$$p" -c "" 2>/dev/null && { echo "$$p"; break; }; done),$(PYTHON))
+# On the GPU machine: the Python that has torch and Lightning, and where the report goes.
+GPU_PYTHON ?= python3
+GPU_REPORT ?= benchmarks/results/gpu_check.md
+
+# Wheels for CPython 3.12 manylinux x86-64 into $(GPU_BUNDLE)/: this package, DeepSpeed (built here, no
+# ops), pytest, pytest-timeout and their dependencies; never torch, nvidia-* or Lightning. Checks that it
+# resolves offline and stays under 64 MiB, and prints its size.
+gpu-bundle:
+	$(GPU_BUNDLE_PYTHON) benchmarks/gpu_bundle.py --out $(GPU_BUNDLE) --deepspeed $(GPU_DEEPSPEED)
+
+# On the GPU machine, with $(GPU_BUNDLE)/ carried there: a venv that sees the machine's torch and Lightning,
+# the bundle installed offline, the GPU benchmark, `pytest -m gpu tests/gpu`, one report in $(GPU_REPORT).
+# Under 9 minutes; each stage has its own timeout.
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py check --bundle $(GPU_BUNDLE) --results $(GPU_REPORT)

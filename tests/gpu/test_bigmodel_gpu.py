@@ -1,8 +1,8 @@
 """Sharding on GPUs: a model too big for one GPU's share but fine sharded, FSDP CPU offload with
 clipping, 16-mixed on every strategy, and ``shard.log`` of CUDA tensors without a sync per call.
 
-Skipped where no CUDA device is visible; run with ``pytest -m gpu`` on a GPU machine. The big-model
-test needs two GPUs.
+Skipped where no CUDA device is visible; run with ``pytest -m gpu`` on a GPU machine (``make gpu-check``).
+The big-model test needs two GPUs and says so when skipped.
 """
 
 from __future__ import annotations
@@ -14,12 +14,9 @@ from typing import Any
 import pytest
 
 from jupyter_shard.spec import visible_gpus
+from tests.gpu.marks import gpu_module, requires_gpus
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(visible_gpus() == 0, reason="no CUDA device visible"),
-]
+pytestmark = gpu_module(timeout=900)
 
 
 def _pool(tmp: Path, strategy: str, **options: Any) -> Any:
@@ -54,7 +51,7 @@ result = {{
 """
 
 
-@pytest.mark.skipif(visible_gpus() < 2, reason="needs two GPUs")
+@requires_gpus(2)
 @pytest.mark.parametrize(
     ("strategy", "extra"), [("fsdp", {}), ("deepspeed", {"zero_stage": 3})], ids=["fsdp", "zero3"]
 )
@@ -72,25 +69,49 @@ def test_a_model_too_big_for_one_gpu_trains_sharded(
     assert result["loss"] == result["loss"]  # finite, not NaN
 
 
+# The gradients' global norm is read twice a step: after backward, and from a hook that runs when
+# shard.step() calls the optimizer, after it clipped. A sum of squares (not a mean) makes the norm
+# about 50 at the first step, so clipping to 1.0 has work to do.
 CLIPPED = """
 import torch
+import torch.distributed as dist
 from torch import nn
 torch.manual_seed(0)
 with shard.init_module():
     model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])
 model, opt = shard.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+def grad_norm():
+    squares = sum(p.grad.to_local().double().pow(2).sum() for p in model.parameters())
+    dist.all_reduce(squares)  # each rank holds a shard of every gradient
+    return squares.sqrt().item()
+
+norms, clipped, grad_devices = [], [], set()
+def before_step(optimizer, args, kwargs):
+    clipped.append(grad_norm())
+    grad_devices.update(p.grad.to_local().device.type for p in model.parameters())
+
+opt.register_step_pre_hook(before_step)
 x = torch.randn(16, 2048, device=shard.device)
 for _ in range(3):
-    loss = model(x).pow(2).mean()
-    shard.backward(loss); shard.step()
-grad_devices = sorted({str(p.to_local().device.type) for p in model.parameters()})
+    loss = model(x).pow(2).sum()
+    shard.backward(loss)
+    norms.append(grad_norm())
+    shard.step()
+param_devices = sorted({str(p.to_local().device.type) for p in model.parameters()})
+grad_devices = sorted(grad_devices)
 """
 
 
 def test_fsdp_cpu_offload_with_gradient_clipping(tmp_path: Path) -> None:
     with _pool(tmp_path, "fsdp", offload="cpu", clip_grad_norm=1.0) as pool:
         pool.run(CLIPPED, timeout=600)
-        assert pool.pull("grad_devices") == ["cpu"]  # parameters (and their gradients) offloaded
+        norms, clipped = pool.pull("norms"), pool.pull("clipped")
+        assert pool.pull("param_devices") == pool.pull("grad_devices") == ["cpu"]  # offloaded
+    assert len(norms) == len(clipped) == 3
+    assert norms[0] > 10.0  # clipping to 1.0 has something to do
+    # the optimizer stepped with the gradients scaled to the clip norm (torch: max_norm / (norm + 1e-6))
+    assert clipped == pytest.approx([min(norm, 1.0) for norm in norms], rel=1e-4)
 
 
 MIXED = """

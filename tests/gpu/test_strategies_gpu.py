@@ -1,5 +1,5 @@
 """Strategies on GPUs: NCCL, bf16, CUDA memory; the devices a pool chose (``--gpus 0,2``), and no CUDA
-context outside the ranks. Skipped where no CUDA device is visible."""
+context outside the ranks. Skipped where no CUDA device is visible; ``--gpus 0,2`` needs three."""
 
 from __future__ import annotations
 
@@ -10,12 +10,9 @@ from pathlib import Path
 import pytest
 
 from jupyter_shard.spec import visible_gpus
+from tests.gpu.marks import gpu_module, requires_gpus
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.timeout(600),
-    pytest.mark.skipif(visible_gpus() == 0, reason="no CUDA device visible"),
-]
+pytestmark = gpu_module(timeout=600)
 
 TRAIN = """
 import torch
@@ -59,8 +56,6 @@ def test_bf16_training_on_gpu_reports_cuda_memory(
 
 # -- which GPUs a pool uses, and that only its ranks hold a CUDA context --------------------------------
 
-three_gpus = pytest.mark.skipif(visible_gpus() < 3, reason="needs 3 CUDA devices")
-
 RANK_DEVICE = (
     "import os, torch\n"
     "x = torch.ones(1, device=shard.device)\n"
@@ -85,7 +80,7 @@ def _rank_devices(pool: object) -> dict[int, tuple[str, int, int, int]]:
     return {k: ast.literal_eval(r.result["text/plain"]) for k, r in run.ranks.items()}
 
 
-@three_gpus
+@requires_gpus(3)
 @pytest.mark.parametrize(("kernel", "physical"), [(None, (0, 2)), ("2,0,1", (2, 1))], ids=["all", "cvd"])
 def test_gpus_list_gives_ranks_those_physical_devices(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: str | None, physical: tuple[int, int]
