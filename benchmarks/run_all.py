@@ -45,6 +45,7 @@ class Benchmark:
     optional: bool = False  # written by someone else; skipped (and said so) while absent
     args: tuple[str, ...] = ()  # arguments of a full run
     script_name: str = ""  # the script, when several sections come from one script
+    elsewhere: str = ""  # how it runs when it cannot run here (run_all only assembles its section)
 
     @property
     def script(self) -> Path:
@@ -63,6 +64,11 @@ BENCHMARKS = (
     Benchmark("frameworks", "A Lightning Trainer against the same script under torchrun", quick=("--quick",)),
     Benchmark("bigmodel", "Peak memory per rank of a 1.5 GB model, sharded initialisation or not"),
     Benchmark("transfer", "Moving values: push and pull against ipyparallel and memcpy"),
+    Benchmark(
+        "gpu_check",
+        "One GPU: a training step against torchrun, cold start, warm restart, the GPU tests",
+        elsewhere="on a GPU machine, `make gpu-bundle` here and `make gpu-check` there (README, Development)",
+    ),
     *(
         Benchmark(
             f"soak-{n}",
@@ -170,6 +176,29 @@ def demote(text: str, folder: Path, summary_dir: Path) -> str:
     return "\n".join(out)
 
 
+def written(path: Path) -> dt.datetime:
+    """When a section was written: its last commit's time while the file is as committed (a fresh
+    clone's files all carry the clone's time), else its modification time."""
+    stamp = path.stat().st_mtime
+    with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
+        where = ["-C", str(path.parent), "--no-pager"]
+        changed = subprocess.run(
+            ["git", *where, "status", "--porcelain", "--", path.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        if not changed:
+            committed = subprocess.run(
+                ["git", *where, "log", "-1", "--format=%ct", "--", path.name],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+            stamp = float(committed) if committed else stamp
+    return dt.datetime.fromtimestamp(stamp, dt.timezone.utc)
+
+
 def git_revision() -> str:
     try:
         head = subprocess.run(
@@ -209,9 +238,10 @@ def assemble(
         if not path.exists():
             if bench.name not in ran and bench.name not in skipped:
                 where = os.path.relpath(path, summary.parent)
-                status.append(f"- **{bench.name}**: no results yet (`{where}`)")
+                how = f"; it runs {bench.elsewhere}" if bench.elsewhere else ""
+                status.append(f"- **{bench.name}**: no results yet (`{where}`){how}")
             continue
-        when = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        when = written(path).strftime("%Y-%m-%d %H:%M UTC")
         origin = "this run" if ran.get(bench.name) == "" else "an earlier run"
         status.append(f"- **{bench.name}**: {bench.title}; from {origin}, written {when}")
         text = path.read_text()
@@ -267,8 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = (args.summary or (out.parent / "RESULTS.md" if args.quick else HERE / "RESULTS.md")).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    chosen = [b for b in BENCHMARKS if (not args.only or b.name in args.only) and b.name not in args.skip]
-    load_before, others = load_average(), sorted(other_runs())
+    chosen = [
+        b
+        for b in BENCHMARKS
+        if (not args.only or b.name in args.only) and b.name not in args.skip and not b.elsewhere
+    ]
+    load_before, others = load_average(), [] if args.assemble_only else sorted(other_runs())
     if others:
         print(f"warning: other benchmarks are running and will skew these numbers: {'; '.join(others)}")
     ran: dict[str, str] = {}  # name -> '' (succeeded) or why it failed
