@@ -203,7 +203,18 @@ class DebugEventBody(TypedDict):
     body: dict[str, Any]
 
 
-class DoneBody(TypedDict):
+# done's ``ungrouped``, where it is not the NCCL ErrorType name that the rank's watchdog recorded:
+GROUP_DESTROYED = "DESTROYED"  # no default group: its cell destroyed it (or a release aborted it)
+GROUP_UNKNOWN = "UNKNOWN"  # its NCCL error record cannot be read, and the cell failed in a collective
+
+
+class _DoneGroup(TypedDict, total=False):
+    # why ``grouped`` is false: GROUP_DESTROYED, the NCCL ``ErrorType`` its watchdog recorded
+    # ("COMM_ERROR", "REMOTE_ERROR", "TIMEOUT"), or GROUP_UNKNOWN; "" (or absent) while it is true
+    ungrouped: str
+
+
+class DoneBody(_DoneGroup):
     """``io_count``: how many messages the rank's I/O socket had been given when the cell ended."""
 
     io_count: int

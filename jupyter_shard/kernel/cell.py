@@ -383,7 +383,7 @@ class CellGathering:
         r.pending_done, r.waiting = None, ""
         body = msg.body
         if not body.get("grouped", True):
-            self.escalation.group_closed(r.rank)
+            self.escalation.group_closed(r.rank, str(body.get("ungrouped", "")))
         ok = body["status"] == "ok"
         lost = "" if r.broken else str(body.get("lost_context", ""))  # newly lost, by this cell
         r.broken = r.broken or lost

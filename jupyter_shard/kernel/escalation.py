@@ -22,12 +22,25 @@ from pathlib import Path
 
 from jupyter_shard.kernel.connection import Connection
 from jupyter_shard.kernel.ranks import RankState, RankTable
-from jupyter_shard.messages import ABORT, REGROUP, RELEASE, RegroupBody, ReleaseBody
+from jupyter_shard.messages import (
+    ABORT,
+    GROUP_DESTROYED,
+    GROUP_UNKNOWN,
+    REGROUP,
+    RELEASE,
+    RegroupBody,
+    ReleaseBody,
+)
 from jupyter_shard.spec import format_ranks
 
 __all__ = ["INTERRUPT_GRACE", "Escalation", "Stopped"]
 
 INTERRUPT_GRACE = 2.0
+_NCCL_ERRORS = {  # torch's ErrorType names, as a notice says them
+    "TIMEOUT": "TIMEOUT: a collective timed out",
+    "COMM_ERROR": "COMM_ERROR: a communication error",
+    "REMOTE_ERROR": "REMOTE_ERROR: an error on a peer rank",
+}
 
 AwaitStopped = Callable[[list[int], float, Callable[[list[int]], bool]], list[int]]
 
@@ -60,26 +73,38 @@ class Escalation:
         self.notice = notice
         self.stacks = stacks
         self.regroup_needed = False  # ranks closed their process group to release a blocked rank
-        self.closed_by_cell: list[int] = []  # ranks whose cell destroyed the group (destroy_process_group)
+        # rank -> why its cell ended without a usable group (done's ``ungrouped``): destroyed by the
+        # cell, found broken by NCCL, or of unknown health after a failed collective
+        self.closed_by_cell: dict[int, str] = {}
+        self.aborted: set[int] = set()  # ranks asked to abort their group (NCCL release) since a regroup
         self.restart_reason: str | None = None  # set once a rank was killed: the next cell restarts
         self._groups = 0  # process groups built after the first, each on its own store
 
     def reset(self) -> None:
         self.regroup_needed, self.restart_reason = False, None
-        self.closed_by_cell = []
+        self.closed_by_cell, self.aborted = {}, set()
 
-    def group_closed(self, rank: int) -> None:
-        """A cell ended on ``rank`` without a process group: the next cell gets a new one."""
-        self.closed_by_cell.append(rank)
+    def group_closed(self, rank: int, why: str = "") -> None:
+        """A cell ended on ``rank`` without a usable process group, ``why`` as its done said (""
+        reads as destroyed): the next cell gets a new one."""
+        self.closed_by_cell[rank] = why or GROUP_DESTROYED
         self.regroup_needed = True
 
     def say_group_closed(self) -> None:
-        """Once, as the cell that closed the group ends."""
-        if self.closed_by_cell and self.restart_reason is None:
-            self.notice(
-                f"the cell closed the process group on rank {format_ranks(sorted(self.closed_by_cell))}"
-                " (destroy_process_group); the next cell gets a new one"
-            )
+        """Once, as the cell that closed the group ends: why, by cause (a group this pool aborted to
+        free a blocked rank was said when it was)."""
+        causes = self._causes()
+        if causes and self.restart_reason is None:
+            lines = [_closed_line(why, format_ranks(ranks)) for why, ranks in causes.items()]
+            self.notice(f"{'; '.join(lines)}; the next cell gets a new one")
+
+    def _causes(self) -> dict[str, list[int]]:
+        """Why groups were lost, first the cell's own destroy_process_group: cause -> its ranks."""
+        causes: dict[str, list[int]] = {}
+        for rank, why in sorted(self.closed_by_cell.items()):
+            if not (why == GROUP_DESTROYED and rank in self.aborted):
+                causes.setdefault(why, []).append(rank)
+        return dict(sorted(causes.items(), key=lambda c: c[0] != GROUP_DESTROYED))
 
     def interrupt(self) -> list[int]:
         """SIGINT to every rank that runs a cell (outside a foreground run); the ranks signalled."""
@@ -213,6 +238,7 @@ class Escalation:
         names = format_ranks([r.rank for r in targets])
         self.notice(f"rank {names} is blocked in {calls} on NCCL: aborting its process group to free it")
         self.conn.send(targets, *ABORT({}))
+        self.aborted.update(r.rank for r in targets)
         self.regroup_needed = True
         return [r.rank for r in targets]
 
@@ -222,7 +248,8 @@ class Escalation:
         False when it could not be built (a rank died or failed): then the pool must restart.
         """
         self.regroup_needed = False
-        closed_by_cell, self.closed_by_cell = self.closed_by_cell, []
+        causes = self._causes()
+        self.closed_by_cell, self.aborted = {}, set()
         self._groups += 1
         live = self.ranks.live()
         # A local pool meets on a fresh FileStore; ranks started by agents on a prefix of their store.
@@ -244,7 +271,7 @@ class Escalation:
             )
             return False
         took = max(float(m.body["seconds"]) for m in replies.values())
-        after = "destroy_process_group" if closed_by_cell else "the desync"
+        after = _rebuilt_after(next(iter(causes), ""))
         note = f"rebuilt the process group after {after} in {took * 1000:.0f} ms; rank state is kept"
         if any(m.body["prepared"] for m in replies.values()):
             note += (
@@ -253,3 +280,24 @@ class Escalation:
             )
         self.notice(note)
         return True
+
+
+def _closed_line(why: str, ranks: str) -> str:
+    """What happened to the process group of ``ranks``, by the ``why`` of their done."""
+    if why == GROUP_DESTROYED:
+        return f"the cell closed the process group on rank {ranks} (destroy_process_group)"
+    if why == GROUP_UNKNOWN:
+        return (
+            f"a collective failed on rank {ranks}, where NCCL's error record cannot be read, so its "
+            "process group is not trusted"
+        )
+    return f"NCCL found the process group broken on rank {ranks} ({_NCCL_ERRORS.get(why, why)})"
+
+
+def _rebuilt_after(why: str) -> str:
+    """``rebuilt the process group after …``: the first cause, or a release's."""
+    if why == GROUP_DESTROYED:
+        return "destroy_process_group"
+    if why == GROUP_UNKNOWN:
+        return "a failed collective"
+    return f"NCCL found it broken ({why})" if why else "the desync"

@@ -13,7 +13,8 @@ When a cell ends (``final``) the output becomes the static bundle: the figure as
 ``application/vnd.plotly.v1+json`` (interactive without a kernel in JupyterLab and Notebook 7), the
 same dashboard as HTML with SVG charts for renderers without Plotly (GitHub, nbconvert), and a text
 twin for nbval and consoles. :class:`CellDashboard` is the compact one a ``%%distributed`` cell
-shows when it logs.
+shows when it logs. :class:`StatusTable` is ``%dist_status``'s table (where each rank runs, and why
+one needs attention).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from jupyter_shard.kernel.figures import binned, encode, mean_across
 from jupyter_shard.kernel.history import History
 from jupyter_shard.kernel.ranks import RankSnapshot, RankState
 from jupyter_shard.notebook.charts import Trace, fmt, line_chart
-from jupyter_shard.notebook.figure import COMPACT_METRICS, dashboard_figure, memory_text
+from jupyter_shard.notebook.figure import COMPACT_METRICS, ROW_COLORS, dashboard_figure, memory_text, row_kind
 
 if TYPE_CHECKING:
     from jupyter_shard.kernel.pool import Pool
@@ -45,7 +46,6 @@ SVG_SAMPLE = 16 * SVG_BINS
 
 COLUMNS = ("rank", "state", "step", "steps/s", "memory", "heartbeat", "cell", "last line")
 _CELL = ' style="padding: 1px 8px; text-align: left"'
-_STATE_COLORS = {"dead": "#fde2e1", "stuck": "#fff3cd"}
 
 
 def svg_metric_chart(history: History, name: str, width: int, height: int) -> str:
@@ -90,12 +90,11 @@ def status_table(rows: list[RankSnapshot]) -> str:
     )
     body = []
     for row in rows:
-        kind = row.problem.split(":", 1)[0]
-        state = row.problem or row.state.value
-        style = f' style="background:{_STATE_COLORS[kind]}"' if kind in _STATE_COLORS else ""
+        kind = row_kind(row)
+        style = f' style="background:{ROW_COLORS[kind]}"' if kind in ROW_COLORS else ""
         cells = [
             str(row.rank),
-            state,
+            row.problem or row.state.value,
             fmt(row.step) if row.step is not None else "-",
             f"{row.steps_per_s:.1f}" if row.steps_per_s is not None else "-",
             memory_text(row.memory),
@@ -104,7 +103,7 @@ def status_table(rows: list[RankSnapshot]) -> str:
             row.last_line or "",
         ]
         tds = "".join(f"<td{_CELL}>{html.escape(c)}</td>" for c in cells)
-        body.append(f'<tr data-rank="{row.rank}" data-state="{kind or row.state.value}"{style}>{tds}</tr>')
+        body.append(f'<tr data-rank="{row.rank}" data-state="{kind}"{style}>{tds}</tr>')
     return (
         '<table class="jshard-status" style="font-size: 12px; border-collapse: collapse">'
         f"<tr>{head}</tr>{''.join(body)}</table>"
@@ -149,6 +148,56 @@ def text_summary(pool: Pool) -> str:
         step = fmt(row.step) if row.step is not None else "-"
         lines.append(f"rank {row.rank}: {row.problem or row.state.value}, step {step}, " + ", ".join(values))
     return "\n".join(lines)
+
+
+class StatusTable:
+    """``%dist_status`` output: an HTML table with a plain-text twin, under the pool's shape and
+    how its ranks came (forked by the zygote, or spawned and why); under the table, each rank's
+    problem in full (why a rank is broken, and what to do about it)."""
+
+    COLUMNS = ("rank", "pid", "host", "device", "state", "memory", "cell", "log")
+
+    def __init__(self, title: str, rows: list[RankSnapshot], path: str = "") -> None:
+        self.title = title
+        self.rows = rows
+        self.path = f"ranks: {path}" if path else ""
+
+    def _cells(self, row: RankSnapshot) -> list[str]:
+        rss = row.memory.get("rss")
+        memory = f"{rss / 2**20:.0f} MiB" if rss else "-"
+        if "cuda_allocated" in row.memory:
+            memory += f" · cuda {row.memory['cuda_allocated'] / 2**20:.0f} MiB"
+        state = row.state.value + (f" ({row.exit})" if row.exit else "")
+        return [
+            str(row.rank),
+            str(row.pid),
+            row.host,
+            row.device,
+            state,
+            memory,
+            row.cell or "-",
+            row.log_path,
+        ]
+
+    def _problems(self) -> list[str]:
+        return [f"rank {r.rank}: {r.problem}" for r in self.rows if r.problem]
+
+    def __repr__(self) -> str:
+        table = [list(self.COLUMNS), *[self._cells(r) for r in self.rows]]
+        widths = [max(len(r[i]) for r in table) for i in range(len(self.COLUMNS))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
+        return "\n".join([self.title, *([self.path] if self.path else []), *lines, *self._problems()])
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{c}</th>" for c in self.COLUMNS)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in self._cells(r)) + "</tr>"
+            for r in self.rows
+        )
+        path = f"<br><i>{html.escape(self.path)}</i>" if self.path else ""
+        problems = "".join(f"<div>{html.escape(p)}</div>" for p in self._problems())
+        table = f"<table><tr>{head}</tr>{body}</table>"
+        return f"<div><b>{html.escape(self.title)}</b>{path}{table}{problems}</div>"
 
 
 class Dashboard:

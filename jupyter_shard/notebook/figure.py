@@ -37,7 +37,9 @@ COMPACT_METRICS = 2
 COLUMNS = ("rank", "state", "step", "steps/s", "memory", "heartbeat", "cell", "last line")
 WIDTHS = (4, 9, 5, 5, 12, 6, 14, 20)
 ROW_HEIGHT, HEADER_HEIGHT, MAX_ROWS = 20, 24, 8
-ROW_COLORS = {"dead": "#fde2e1", "stuck": "#fff3cd"}
+# rows that need attention, by the first word of their problem (or their state): red where only a
+# restart helps (dead; broken, its CUDA context lost, in a pinker red), yellow where a rank is stuck
+ROW_COLORS = {"dead": "#fde2e1", "broken": "#f6d5ec", "stuck": "#fff3cd"}
 CUDA_LINES: tuple[tuple[str, str, str], ...] = (
     ("cuda_allocated", "allocated", "solid"),
     ("cuda_reserved", "reserved", "dash"),
@@ -96,11 +98,11 @@ def memory_chart(history: History, axis: int, legend: bool) -> Chart:
 
 
 def status_trace(rows: list[RankSnapshot]) -> dict[str, Any]:
-    """The per-rank status as a Plotly table; dead ranks red, stuck ones yellow."""
+    """The per-rank status as a Plotly table; dead and broken ranks red (:data:`ROW_COLORS`), stuck
+    ones yellow."""
     cells: list[list[str]] = [[] for _ in COLUMNS]
     fills = []
     for row in rows:
-        kind = row.problem.split(":", 1)[0]
         values = (
             str(row.rank),
             row.problem or row.state.value,
@@ -113,7 +115,7 @@ def status_trace(rows: list[RankSnapshot]) -> dict[str, Any]:
         )
         for column, value in zip(cells, values, strict=True):
             column.append(_plain(value))
-        fills.append(ROW_COLORS.get(kind, "#ffffff"))
+        fills.append(ROW_COLORS.get(row_kind(row), "#ffffff"))
     return {
         "type": "table",
         "uid": "status",
@@ -133,6 +135,12 @@ def status_trace(rows: list[RankSnapshot]) -> dict[str, Any]:
             "height": ROW_HEIGHT,
         },
     }
+
+
+def row_kind(row: RankSnapshot) -> str:
+    """What a status row is tinted by: its problem's first word (``dead``, ``broken``, ``stuck``), else
+    its state."""
+    return row.problem.split(":", 1)[0] or row.state.value
 
 
 def memory_text(memory: dict[str, int]) -> str:

@@ -8,7 +8,6 @@ rather than the magic's own frames, so "Run All" stops there and nbval sees the 
 from __future__ import annotations
 
 import argparse
-import html
 import sys
 from typing import Any
 
@@ -21,7 +20,6 @@ from jupyter_shard.errors import PoolError
 from jupyter_shard.gpus import format_gpus
 from jupyter_shard.kernel.background import BackgroundRun
 from jupyter_shard.kernel.pool import Pool
-from jupyter_shard.kernel.ranks import RankSnapshot
 from jupyter_shard.kernel.results import DistributedError
 from jupyter_shard.launchers import get_launcher, merge_spec, resolve_spec
 from jupyter_shard.launchers.zygote import close_idle
@@ -35,7 +33,7 @@ from jupyter_shard.notebook.args import (
     rank_code,
 )
 from jupyter_shard.notebook.dap import RankDebugRouter
-from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard
+from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard, StatusTable
 from jupyter_shard.notebook.debug import PostMortem
 from jupyter_shard.notebook.display import NotebookSink, in_kernel
 from jupyter_shard.notebook.headstart import HeadStart, Repeat, Repeats
@@ -298,7 +296,8 @@ class DistributedMagics(Magics):
 
     @line_magic
     def dist_status(self, line: str) -> Any:
-        """Per-rank table: rank, pid, host, device, state, memory, current cell, log."""
+        """Per-rank table: rank, pid, host, device, state, memory, current cell, log; then what is wrong
+        with a rank that needs attention (broken: why, and what to do)."""
         if self.pool is None:
             print("no pool is running; start one with a %%distributed cell")
             return None
@@ -391,50 +390,6 @@ def _change(old: LaunchSpec, new: LaunchSpec) -> str:
             shown = "collective-timeout" if name == "timeout" else name.replace("_", "-")
             parts.append(f"{shown} {getattr(a, 'value', a)} → {getattr(b, 'value', b)}")
     return ", ".join(parts) or "with new options"
-
-
-class StatusTable:
-    """``%dist_status`` output: an HTML table with a plain-text twin, under the pool's shape and
-    how its ranks came (forked by the zygote, or spawned and why)."""
-
-    COLUMNS = ("rank", "pid", "host", "device", "state", "memory", "cell", "log")
-
-    def __init__(self, title: str, rows: list[RankSnapshot], path: str = "") -> None:
-        self.title = title
-        self.rows = rows
-        self.path = f"ranks: {path}" if path else ""
-
-    def _cells(self, row: RankSnapshot) -> list[str]:
-        rss = row.memory.get("rss")
-        memory = f"{rss / 2**20:.0f} MiB" if rss else "-"
-        if "cuda_allocated" in row.memory:
-            memory += f" · cuda {row.memory['cuda_allocated'] / 2**20:.0f} MiB"
-        state = row.state.value + (f" ({row.exit})" if row.exit else "")
-        return [
-            str(row.rank),
-            str(row.pid),
-            row.host,
-            row.device,
-            state,
-            memory,
-            row.cell or "-",
-            row.log_path,
-        ]
-
-    def __repr__(self) -> str:
-        table = [list(self.COLUMNS), *[self._cells(r) for r in self.rows]]
-        widths = [max(len(r[i]) for r in table) for i in range(len(self.COLUMNS))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
-        return "\n".join([self.title, *([self.path] if self.path else []), *lines])
-
-    def _repr_html_(self) -> str:
-        head = "".join(f"<th>{c}</th>" for c in self.COLUMNS)
-        body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in self._cells(r)) + "</tr>"
-            for r in self.rows
-        )
-        path = f"<br><i>{html.escape(self.path)}</i>" if self.path else ""
-        return f"<div><b>{html.escape(self.title)}</b>{path}<table><tr>{head}</tr>{body}</table></div>"
 
 
 def _show_error(

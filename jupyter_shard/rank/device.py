@@ -16,6 +16,7 @@ kernel cannot see that GPU).
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from typing import Any
 
@@ -70,8 +71,12 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 def tensor_bytes(value: Any, depth: int = 3) -> int:
     """The bytes of the tensors and arrays in ``value`` (a tensor, a module, an array, or containers
-    of them ``depth`` levels down): what pickling it would at least write, known without pickling."""
+    of them ``depth`` levels down): what pickling it would at least write, known without pickling.
+    A DTensor counts as its local shard, which is what is sent (see :mod:`jupyter_shard.buffers`)."""
     if isinstance(value, torch.Tensor):
+        dtensor = sys.modules.get("torch.distributed.tensor")  # imported wherever a DTensor exists
+        if dtensor is not None and isinstance(value, dtensor.DTensor):
+            value = value.to_local()
         return 0 if value.is_meta else value.nelement() * value.element_size()
     if isinstance(value, torch.nn.Module):
         return sum(tensor_bytes(t) for t in (*value.parameters(), *value.buffers()))

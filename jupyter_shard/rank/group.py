@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import FileStore, PrefixStore
 
+from jupyter_shard.messages import GROUP_DESTROYED, GROUP_UNKNOWN
 from jupyter_shard.rank.cuda_errors import exception_chain
 from jupyter_shard.rank.device import device_backends
 
@@ -45,7 +46,7 @@ Step = Literal["destroy", "abort", "close"]
 # process); ProcessGroupNCCL.hpp in torch's include directory documents them.
 _ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
 _ERROR_HANDLING_DEFAULT = "3"
-UNKNOWN = "UNKNOWN"  # the NCCL backend's health where it cannot be read
+UNKNOWN = GROUP_UNKNOWN  # the NCCL backend's health where it cannot be read
 _DISTRIBUTED_DIR = os.path.dirname(dist.__file__) + os.sep
 
 
@@ -137,18 +138,24 @@ class PoolGroup:
 
     def alive(self, failure: BaseException | None = None) -> bool:
         """Whether this rank still has a usable default group after a cell that raised ``failure``
-        (None: it succeeded): one no cell destroyed and no release aborted, and on NCCL one whose
-        watchdog has not found it broken (:func:`broken_by`). Where the watchdog's record cannot be
-        read (:data:`UNKNOWN`), the group is trusted only after a cell whose failure did not come
-        from torch.distributed (:func:`collective_failed`); else the kernel rebuilds it."""
+        (None: it succeeded): :meth:`unusable` names no reason."""
+        return not self.unusable(failure)
+
+    def unusable(self, failure: BaseException | None = None) -> str:
+        """Why this rank's default group cannot be used after a cell that raised ``failure`` (None:
+        it succeeded), for the kernel's notice; "" while it can. ``GROUP_DESTROYED``: there is none
+        (a cell destroyed it, or a release aborted it). On NCCL, the error its watchdog recorded, when
+        that breaks it (:func:`broken_by`); where the record cannot be read, :data:`UNKNOWN` after a
+        cell whose failure came from torch.distributed (:func:`collective_failed`). The kernel
+        rebuilds the group in each case."""
         if not dist.is_initialized():
-            return False
+            return GROUP_DESTROYED
         error = self._nccl_error()  # "SUCCESS" on gloo: no environment to read after every cell
         if error == "SUCCESS":
-            return True
+            return ""
         if error == UNKNOWN:
-            return failure is None or not collective_failed(failure)
-        return not broken_by(error, self._error_handling())
+            return UNKNOWN if failure is not None and collective_failed(failure) else ""
+        return error if broken_by(error, self._error_handling()) else ""
 
     def _nccl_error(self) -> str:
         """The NCCL backend's recorded error (an ``ErrorType`` name from ``Backend.get_error``);

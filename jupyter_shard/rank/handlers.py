@@ -150,6 +150,7 @@ class Runner:
             error = ("KeyboardInterrupt", "", ["KeyboardInterrupt: stopped at a pdb prompt"])
             self._own_sigint()
         name, value, tb = error or ("", "", [])
+        ungrouped = self.group.unusable(failure)
         self.sock.send(
             *DONE(
                 {
@@ -160,7 +161,8 @@ class Runner:
                     "evalue": value,
                     "traceback": tb,
                     "duration": time.perf_counter() - started,
-                    "grouped": self.group.alive(failure),
+                    "grouped": not ungrouped,
+                    "ungrouped": ungrouped,
                     "lost_context": self.lost_context,
                 }
             )

@@ -54,6 +54,7 @@ def _done(**changes: Any) -> dict[str, Any]:
         "traceback": [],
         "duration": 0.01,
         "grouped": True,
+        "ungrouped": "",
         "lost_context": "",
     }
     return {**body, **changes}
@@ -135,6 +136,8 @@ def test_check_body_accepts_a_declared_body_and_names_what_is_wrong() -> None:
     assert check_body("done", _done(status="fine")) == ["done.status: 'fine' is not one of ('ok', 'error')"]
     assert check_body("done", _done(io_count=True)) == ["done.io_count: expected int, got bool"]
     assert check_body("done", _done(traceback=["a", 1])) == ["done.traceback[1]: expected str, got int"]
+    assert check_body("done", _done(grouped=False, ungrouped="REMOTE_ERROR")) == []
+    assert check_body("done", {k: v for k, v in _done().items() if k != "ungrouped"}) == []  # optional
     assert check_body("nonsense", {}) == ["unknown message type 'nonsense'"]
 
 

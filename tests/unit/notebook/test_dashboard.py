@@ -1,5 +1,5 @@
 """The dashboard's figure, its fallbacks and its update rate, with a stand-in pool (no ranks) and a
-stand-in for IPython's display (what each redraw sends is kept)."""
+stand-in for IPython's display (what each redraw sends is kept); ``%dist_status``'s table."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from jupyter_shard.kernel.history import History
 from jupyter_shard.kernel.ranks import RankSnapshot, RankState
 from jupyter_shard.notebook import dashboard as dash
 from jupyter_shard.notebook.charts import line_chart, nice_ticks
-from jupyter_shard.notebook.figure import BINS, status_trace
+from jupyter_shard.notebook.figure import BINS, ROW_COLORS, status_trace
 
 
 @dataclass
@@ -148,6 +148,90 @@ def test_problem_ranks_stand_out_in_the_status_table() -> None:
     trace = status_trace(pool.rows)
     assert trace["cells"]["fill"]["color"][0] == ["#ffffff", "#fde2e1", "#fff3cd"]
     assert trace["cells"]["values"][1][1] == "dead: was killed by SIGKILL"
+
+
+def test_a_broken_rank_has_its_own_red_and_its_problem_shown() -> None:
+    problem = (
+        "broken: CUDA context lost (CUDA error: device-side assert triggered); %dist_restart for fresh ranks"
+    )
+    rows = [_row(0, "dead: exited with code 1", RankState.DEAD), _row(1, problem, RankState.BROKEN)]
+    broken = ROW_COLORS["broken"]
+    assert broken not in (ROW_COLORS["dead"], ROW_COLORS["stuck"], "#ffffff")
+    table = dash.status_table(rows)
+    assert f'<tr data-rank="1" data-state="broken" style="background:{broken}">' in table
+    assert "CUDA context lost (CUDA error: device-side assert triggered)" in table
+    trace = status_trace(rows)
+    assert trace["cells"]["fill"]["color"][0] == [ROW_COLORS["dead"], broken]
+    assert trace["cells"]["values"][1][1] == problem
+    bare = _row(2, state=RankState.BROKEN)  # the state alone is enough
+    assert status_trace([bare])["cells"]["fill"]["color"][0] == [broken]
+    assert f'data-state="broken" style="background:{broken}"' in dash.status_table([bare])
+
+
+def test_status_table_text_and_html() -> None:
+    rows = [
+        RankSnapshot(
+            rank=0,
+            pid=101,
+            host="host-a",
+            device="cpu",
+            state=RankState.IDLE,
+            memory={"rss": 200 * 2**20},
+            cell="",
+            log_path="/logs/rank-0.log",
+        ),
+        RankSnapshot(
+            rank=1,
+            pid=102,
+            host="host-a",
+            device="cuda:1",
+            state=RankState.DEAD,
+            memory={"rss": 0, "cuda_allocated": 3 * 2**20},
+            cell="c<1>",
+            log_path="/logs/rank-1.log",
+            exit="exited with code 3",
+        ),
+    ]
+    table = dash.StatusTable("2 CPU ranks · none", rows)
+    text = repr(table).splitlines()
+    assert text[0] == "2 CPU ranks · none"
+    assert text[1].split() == ["rank", "pid", "host", "device", "state", "memory", "cell", "log"]
+    assert text[2].split() == ["0", "101", "host-a", "cpu", "idle", "200", "MiB", "-", "/logs/rank-0.log"]
+    assert "dead (exited with code 3)" in text[3]
+    assert "- · cuda 3 MiB" in text[3]
+    html = table._repr_html_()
+    assert "<th>rank</th>" in html and "<td>/logs/rank-0.log</td>" in html
+    assert "c&lt;1&gt;" in html and "c<1>" not in html
+
+
+def test_status_shows_how_the_ranks_came_above_the_table() -> None:
+    row = RankSnapshot(
+        rank=0, pid=7, host="h", device="cuda:0", state=RankState.IDLE, memory={}, cell="", log_path="/l"
+    )
+    path = "zygote (fork server, pid 4242) · CUDA_VISIBLE_DEVICES=4,6"
+    table = dash.StatusTable("2 GPU ranks (GPUs 0,2) · ddp", [row], path)
+    text = repr(table).splitlines()
+    assert text[:2] == ["2 GPU ranks (GPUs 0,2) · ddp", f"ranks: {path}"]
+    assert text[2].split()[0] == "rank"
+    assert f"<i>ranks: {path}</i>" in table._repr_html_()
+
+
+def test_status_names_each_ranks_problem_under_the_table() -> None:
+    problem = (
+        "broken: CUDA context lost (CUDA error: device-side assert triggered); %dist_restart for fresh ranks"
+    )
+    rows = [
+        RankSnapshot(rank=0, pid=7, host="h", device="cuda:0", state=RankState.IDLE, log_path="/l0"),
+        RankSnapshot(
+            rank=1, pid=8, host="h", device="cuda:1", state=RankState.BROKEN, log_path="/l1", problem=problem
+        ),
+    ]
+    table = dash.StatusTable("2 GPU ranks · ddp", rows)
+    text = repr(table).splitlines()
+    assert text[3].split()[:5] == ["1", "8", "h", "cuda:1", "broken"]
+    assert text[4:] == [f"rank 1: {problem}"]
+    assert f"</table><div>rank 1: {problem}</div></div>" in table._repr_html_()
+    assert "rank 0:" not in repr(table) and "rank 0:" not in table._repr_html_()
 
 
 def test_text_from_ranks_is_escaped() -> None:

@@ -14,10 +14,9 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from jupyter_shard import spec as spec_mod
-from jupyter_shard.kernel.ranks import RankSnapshot, RankState
 from jupyter_shard.notebook import magics as magics_mod
 from jupyter_shard.notebook.args import parse_options as _parse
-from jupyter_shard.notebook.magics import DistributedMagics, StatusTable
+from jupyter_shard.notebook.magics import DistributedMagics
 from jupyter_shard.spec import LaunchSpec
 
 
@@ -242,42 +241,6 @@ def test_dist_status_without_pool_prints_the_hint(
     assert magics.pool is None
 
 
-def test_status_table_text_and_html() -> None:
-    rows = [
-        RankSnapshot(
-            rank=0,
-            pid=101,
-            host="host-a",
-            device="cpu",
-            state=RankState.IDLE,
-            memory={"rss": 200 * 2**20},
-            cell="",
-            log_path="/logs/rank-0.log",
-        ),
-        RankSnapshot(
-            rank=1,
-            pid=102,
-            host="host-a",
-            device="cuda:1",
-            state=RankState.DEAD,
-            memory={"rss": 0, "cuda_allocated": 3 * 2**20},
-            cell="c<1>",
-            log_path="/logs/rank-1.log",
-            exit="exited with code 3",
-        ),
-    ]
-    table = StatusTable("2 CPU ranks · none", rows)
-    text = repr(table).splitlines()
-    assert text[0] == "2 CPU ranks · none"
-    assert text[1].split() == ["rank", "pid", "host", "device", "state", "memory", "cell", "log"]
-    assert text[2].split() == ["0", "101", "host-a", "cpu", "idle", "200", "MiB", "-", "/logs/rank-0.log"]
-    assert "dead (exited with code 3)" in text[3]
-    assert "- · cuda 3 MiB" in text[3]
-    html = table._repr_html_()
-    assert "<th>rank</th>" in html and "<td>/logs/rank-0.log</td>" in html
-    assert "c&lt;1&gt;" in html and "c<1>" not in html
-
-
 def test_a_restart_names_every_option_that_changed() -> None:
     from jupyter_shard.notebook.magics import _change
 
@@ -345,18 +308,6 @@ def test_a_restart_names_a_changed_launcher_option() -> None:
     old = resolve_spec(launcher="torchrun", hosts="a,b", interface="eth0", gpu_count=0)
     assert _change(old, merge_spec(old, {"interface": "eth1"})) == "interface eth0 → eth1"
     assert _change(old, merge_spec(old, {"nproc": 3})) == "2 → 3 ranks per node"
-
-
-def test_status_shows_how_the_ranks_came_above_the_table() -> None:
-    row = RankSnapshot(
-        rank=0, pid=7, host="h", device="cuda:0", state=RankState.IDLE, memory={}, cell="", log_path="/l"
-    )
-    path = "zygote (fork server, pid 4242) · CUDA_VISIBLE_DEVICES=4,6"
-    table = StatusTable("2 GPU ranks (GPUs 0,2) · ddp", [row], path)
-    text = repr(table).splitlines()
-    assert text[:2] == ["2 GPU ranks (GPUs 0,2) · ddp", f"ranks: {path}"]
-    assert text[2].split()[0] == "rank"
-    assert f"<i>ranks: {path}</i>" in table._repr_html_()
 
 
 @pytest.mark.parametrize(

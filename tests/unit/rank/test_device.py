@@ -10,6 +10,7 @@ comes back on the CPU, with no CUDA context in the kernel, is tests/gpu/test_cud
 from __future__ import annotations
 
 from collections import OrderedDict, namedtuple
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -97,3 +98,30 @@ def test_tensor_bytes_counts_tensors_modules_arrays_and_containers_without_pickl
     assert tensor_bytes({"w": np.zeros(8, dtype=np.int16), "m": [layer, (torch.ones(2),)]}) == 16 + 440 + 8
     assert tensor_bytes(torch.empty(1000, device="meta")) == 0
     assert tensor_bytes("text") == 0
+
+
+@pytest.fixture
+def mesh() -> Iterator[Any]:
+    """A 2-rank device mesh, this process rank 1, over torch's fake process group (no peers)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_bytes_counts_a_dtensor_as_the_local_shard_a_pull_sends(mesh: Any) -> None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    from jupyter_shard.rank.device import tensor_bytes
+
+    shard = torch.zeros(4, 4)  # 64 bytes here, of a (8, 4) tensor of 128 bytes over both ranks
+    weight = torch.nn.Parameter(DTensor.from_local(shard, mesh, [Shard(0)], run_check=False))
+    assert weight.shape == (8, 4)
+    assert tensor_bytes(weight) == 64
+    assert tensor_bytes({"w": weight, "exp_avg": [DTensor.from_local(shard, mesh, [Shard(0)])]}) == 128
+    assert tensor_bytes(weight) == buffers.dumps(weight, host=True).buffers[0].nbytes  # what is sent

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import BackendConfig
 
 from jupyter_shard.kernel.launches import NCCL_KEEP_RANKS_ALIVE, rank_launch
+from jupyter_shard.messages import GROUP_DESTROYED, GROUP_UNKNOWN
 from jupyter_shard.rank import group as group_module
 from jupyter_shard.rank.device import CUDA_BACKEND, device_backends
 from jupyter_shard.rank.group import UNKNOWN, PoolGroup, broken_by, collective_failed
@@ -313,3 +314,20 @@ def test_a_gloo_group_reads_no_environment_and_no_traceback_after_a_cell(
     monkeypatch.setattr(PoolGroup, "_error_handling", staticmethod(boom))
     monkeypatch.setattr(group_module, "collective_failed", boom)
     assert solo.alive() and solo.alive(in_collective)
+
+
+def test_a_cell_ending_without_a_group_says_it_was_destroyed(solo: PoolGroup) -> None:
+    in_collective = _raised(lambda: dist.all_reduce(torch.ones(1), op="not an op"))
+    assert solo.unusable() == "" and solo.unusable(in_collective) == ""
+    dist.destroy_process_group()  # the cell's own
+    assert solo.unusable() == GROUP_DESTROYED == "DESTROYED"
+
+
+def test_an_unusable_nccl_group_says_what_nccl_recorded_or_that_it_is_unknown(
+    nccl_group: Callable[[object], PoolGroup],
+) -> None:
+    in_collective = _raised(lambda: dist.all_reduce(torch.ones(1)))
+    assert nccl_group(_Backend("REMOTE_ERROR")).unusable() == "REMOTE_ERROR"  # what the watchdog recorded
+    assert nccl_group(_Backend("TIMEOUT")).unusable(in_collective) == ""  # only recorded under handling 0
+    unreadable = nccl_group(_Backend())
+    assert unreadable.unusable(in_collective) == UNKNOWN == GROUP_UNKNOWN and unreadable.unusable() == ""
