@@ -4,7 +4,7 @@ A cell's ``execute`` and its ``done`` are the hot path of every ``%%distributed`
 ZeroMQ socket each of them passes through two more threads (the sender's and the receiver's libzmq I/O
 threads), and after the idle gap that always comes before a notebook cell each hand-off is a cold
 wake-up: a ROUTER/DEALER echo over ``ipc://`` took 0.47 ms to two peers after a 5 ms pause, where the
-same echo over Unix stream sockets took 0.23 ms (``benchmarks/NOTES.md``).
+same echo over Unix stream sockets took 0.23 ms (``docs/performance-notes.md``).
 
 The kernel listens at ``direct.sock`` in the pool's private (0700) directory. A rank started on this
 machine connects before it sends anything, names itself in a first record (its socket identity), then
