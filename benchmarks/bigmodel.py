@@ -56,7 +56,7 @@ def formula(strategy: str, sharded: bool, n: int, layer: float) -> dict[str, str
 def measure(strategy: str, options: dict[str, Any], width: int, depth: int) -> dict[bool, dict[int, Any]]:
     """Both ways of building in one pool; by sharded, each rank's record (see ``BIG_MODEL``)."""
     from jupyter_shard import Pool
-    from jupyter_shard.kernel.output import ConsoleSink
+    from jupyter_shard.pool.output import ConsoleSink
     from jupyter_shard.spec import LaunchSpec
     from tests.integration.test_bigmodel import WARM_UP
     from tests.integration.training_cells import BIG_MODEL

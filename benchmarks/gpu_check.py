@@ -166,7 +166,7 @@ def _median(values: list[float]) -> float:
 
 def _quiet_pool(scratch: Path, device: str, precision: str = "32") -> Any:
     from jupyter_shard import LaunchSpec, Pool
-    from jupyter_shard.kernel.output import ConsoleSink
+    from jupyter_shard.pool.output import ConsoleSink
 
     spec = LaunchSpec.create(nproc=1, device=device, strategy="ddp", precision=precision)
     return Pool(spec=spec, log_dir=scratch / "logs", sink=ConsoleSink(io.StringIO(), io.StringIO()))

@@ -113,8 +113,8 @@ def _memory(proc: psutil.Process) -> dict[str, int]:
 def run_pool(cells: list[str], scratch: Path, zygote: bool) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Per-rank memory after the cells, and the zygote's (empty when ranks are spawned)."""
     from jupyter_shard import Pool
-    from jupyter_shard.kernel.output import ConsoleSink
     from jupyter_shard.launchers import zygote as zygotes
+    from jupyter_shard.pool.output import ConsoleSink
 
     os.environ["JUPYTER_SHARD_ZYGOTE"] = "1" if zygote else "0"
     sink = ConsoleSink(io.StringIO(), io.StringIO())

@@ -81,7 +81,7 @@ for _ in range({steps}):
 """
 HISTORY = "from jupyter_shard import history\nprint('SOAK history', len(history()), history().thinned)"
 PIDS = (
-    "from jupyter_shard.kernel.pool import latest_pool\n"
+    "from jupyter_shard.pool.pool import latest_pool\n"
     "print('SOAK pids', *[s.pid for s in latest_pool().status()])"
 )
 EXIT = """%%distributed

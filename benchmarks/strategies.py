@@ -140,7 +140,7 @@ def _options(entry: dict[str, Any]) -> dict[str, Any]:
 
 def run_pool(entry: dict[str, Any], code: str, scratch: Path) -> list[dict[str, Any]]:
     from jupyter_shard import LaunchSpec, Pool
-    from jupyter_shard.kernel.output import ConsoleSink
+    from jupyter_shard.pool.output import ConsoleSink
 
     spec = LaunchSpec.create(
         nproc=2, device="cpu", strategy=entry["strategy"], zero_stage=entry.get("zero_stage")

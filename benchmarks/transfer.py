@@ -137,7 +137,7 @@ def measure_shard(n: int, args: argparse.Namespace, res: dict[Any, Any]) -> None
     import torch
 
     from jupyter_shard import Pool
-    from jupyter_shard.kernel.output import ConsoleSink
+    from jupyter_shard.pool.output import ConsoleSink
 
     with (
         tempfile.TemporaryDirectory(prefix="jsbench-") as tmp,
@@ -174,8 +174,8 @@ def measure_tcp(args: argparse.Namespace, res: dict[Any, Any]) -> None:
     import torch
 
     from jupyter_shard import Pool
-    from jupyter_shard.kernel.output import ConsoleSink
     from jupyter_shard.launchers import resolve_spec
+    from jupyter_shard.pool.output import ConsoleSink
 
     spec = resolve_spec(nproc=1, device="cpu", launcher="torchrun", hosts="localhost,localhost")
     with (
@@ -197,7 +197,7 @@ def measure_tcp(args: argparse.Namespace, res: dict[Any, Any]) -> None:
 def measure_gather(n: int, args: argparse.Namespace, res: dict[Any, Any]) -> None:
     from jupyter_shard import Pool
     from jupyter_shard.errors import PoolError
-    from jupyter_shard.kernel.output import ConsoleSink
+    from jupyter_shard.pool.output import ConsoleSink
     from jupyter_shard.spec import LaunchSpec
 
     for label, strategy, options in (("fsdp", "fsdp", {}), ("ZeRO-3", "deepspeed", {"zero_stage": 3})):

@@ -17,10 +17,10 @@ if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
 
     from jupyter_shard.errors import PoolError, ShardError, SpecError
-    from jupyter_shard.kernel.checkpoint import consolidate
-    from jupyter_shard.kernel.history import History
-    from jupyter_shard.kernel.pool import Pool
-    from jupyter_shard.kernel.results import DistributedError, RunResult
+    from jupyter_shard.pool.checkpoint import consolidate
+    from jupyter_shard.pool.history import History
+    from jupyter_shard.pool.pool import Pool
+    from jupyter_shard.pool.results import DistributedError, RunResult
     from jupyter_shard.rank.shard import Shard
     from jupyter_shard.spec import LaunchSpec
     from jupyter_shard.strategies import register_strategy
@@ -46,15 +46,15 @@ __all__ = [
 ]
 
 _LAZY = {
-    "Pool": "jupyter_shard.kernel.pool",
-    "DistributedError": "jupyter_shard.kernel.results",
+    "Pool": "jupyter_shard.pool.pool",
+    "DistributedError": "jupyter_shard.pool.results",
     "PoolError": "jupyter_shard.errors",
     "ShardError": "jupyter_shard.errors",
-    "RunResult": "jupyter_shard.kernel.results",
+    "RunResult": "jupyter_shard.pool.results",
     "LaunchSpec": "jupyter_shard.spec",
     "SpecError": "jupyter_shard.errors",
     "register_strategy": "jupyter_shard.strategies",
-    "consolidate": "jupyter_shard.kernel.checkpoint",
+    "consolidate": "jupyter_shard.pool.checkpoint",
 }
 
 
@@ -83,7 +83,7 @@ def history() -> History:
     ``.plot("loss", smooth=0.9)`` for a Plotly figure (a line per rank and their mean).
     """
     from jupyter_shard.errors import PoolError
-    from jupyter_shard.kernel.pool import latest_pool
+    from jupyter_shard.pool.pool import latest_pool
 
     pool = latest_pool()
     if pool is None:
@@ -96,7 +96,7 @@ def last_values() -> dict[int, Any]:
     tensors on the CPU. ``Out[n]`` and ``_`` hold the lowest rank's alone; ranks whose cell ended in
     a statement are left out."""
     from jupyter_shard.errors import PoolError
-    from jupyter_shard.kernel.pool import latest_pool
+    from jupyter_shard.pool.pool import latest_pool
 
     pool = latest_pool()
     if pool is None:

@@ -117,7 +117,7 @@ class RankEnv:
     curve: str | None = None
     rank_logs: str | None = None
     node: int | None = None
-    direct: str | None = None  # where the kernel accepts direct links (:mod:`jupyter_shard.kernel.links`)
+    direct: str | None = None  # where the kernel accepts direct links (:mod:`jupyter_shard.pool.links`)
     check_protocol: str | None = None  # a file: every message signed is checked and recorded there
 
     def to_env(self) -> dict[str, str]:

@@ -3,7 +3,7 @@
 ``except jupyter_shard.ShardError`` catches them all; each subclass also derives from the built-in
 exception its callers would expect (a bad option is a ``ValueError``, a pool that cannot act a
 ``RuntimeError``), so code written against those keeps working. Messages are one line that says what
-is wrong and what to do. :class:`~jupyter_shard.kernel.results.DistributedError` (a cell failed on a
+is wrong and what to do. :class:`~jupyter_shard.pool.results.DistributedError` (a cell failed on a
 rank) lives beside the results it carries and derives from :class:`ShardError` too.
 """
 

@@ -15,7 +15,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from jupyter_shard._plugins import entry_point_map
+from jupyter_shard._util.plugins import entry_point_map
 from jupyter_shard.errors import SpecError
 from jupyter_shard.gpus import (
     check_visible,

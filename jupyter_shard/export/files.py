@@ -13,9 +13,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import TextIO
 
-from jupyter_shard._atomic import write_atomic
+from jupyter_shard._util.atomic import write_atomic
 from jupyter_shard.export.render import plural, render_message, render_sbatch, render_script
-from jupyter_shard.kernel.transcript import Transcript
+from jupyter_shard.pool.transcript import Transcript
 from jupyter_shard.spec import LaunchSpec, SpecError
 
 __all__ = ["export"]

@@ -1,7 +1,7 @@
 """``%dist_export``'s text: the cells a pool ran, rendered as a torchrun script (and an sbatch file).
 
 Pure: strings from a transcript and a spec; :mod:`~jupyter_shard.export.files` writes them. The
-script replays the pool's :class:`~jupyter_shard.kernel.transcript.Transcript` in order: ``shard =
+script replays the pool's :class:`~jupyter_shard.pool.transcript.Transcript` in order: ``shard =
 start(...)`` with the pool's strategy options (see :mod:`jupyter_shard.rank.script`), then each cell
 that succeeded, verbatim (cells with IPython syntax go through IPython's own transform and a shell),
 and each pushed value where it was pushed: a literal when its ``repr`` reads back equal, otherwise
@@ -34,9 +34,9 @@ from jupyter_shard.export.source import (
     uses_name,
     uses_unbound_display,
 )
-from jupyter_shard.kernel.transcript import CellEntry, PushEntry, Transcript
 from jupyter_shard.launchers.commands import multi_node_torchrun_line, rendezvous_args, torchrun_line
 from jupyter_shard.launchers.slurm import slurm_resources
+from jupyter_shard.pool.transcript import CellEntry, PushEntry, Transcript
 from jupyter_shard.spec import Device, LaunchSpec, format_ranks
 from jupyter_shard.strategies import registered
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from jupyter_shard._plugins import entry_point_map
+from jupyter_shard._util.plugins import entry_point_map
 from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
 from jupyter_shard.launchers.local import LocalLauncher
 from jupyter_shard.launchers.slurm import SlurmLauncher

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from jupyter_shard._net import free_port
+from jupyter_shard._util.net import free_port
 from jupyter_shard.env import CURVE, KEY, NODE, PREFIX, SECRETS
 from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
 from jupyter_shard.launchers.commands import agent_args, agent_command

@@ -24,7 +24,7 @@ from jupyter_shard.spec import Device, Offload, Precision, SpecError, Strategy, 
 from jupyter_shard.strategies import available_strategies
 
 if TYPE_CHECKING:
-    from jupyter_shard.kernel.pool import Pool
+    from jupyter_shard.pool.pool import Pool
 
 __all__ = [
     "ExportArgs",

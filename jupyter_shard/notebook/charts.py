@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jupyter_shard.kernel.figures import Floats
+from jupyter_shard.pool.figures import Floats
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 MEAN_COLOR = "#222"

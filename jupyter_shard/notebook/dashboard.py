@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets
 from IPython.display import DisplayHandle, display
 
-from jupyter_shard.kernel.figures import binned, encode, mean_across
-from jupyter_shard.kernel.history import History
-from jupyter_shard.kernel.ranks import RankSnapshot, RankState
 from jupyter_shard.notebook.charts import Trace, fmt, line_chart
 from jupyter_shard.notebook.figure import COMPACT_METRICS, ROW_COLORS, dashboard_figure, memory_text, row_kind
+from jupyter_shard.pool.figures import binned, encode, mean_across
+from jupyter_shard.pool.history import History
+from jupyter_shard.pool.ranks import RankSnapshot, RankState
 
 if TYPE_CHECKING:
-    from jupyter_shard.kernel.pool import Pool
+    from jupyter_shard.pool.pool import Pool
 
 LIVE_MIME = "application/vnd.jupyter-shard.figure+json"
 PLOTLY_MIME = "application/vnd.plotly.v1+json"

@@ -1,6 +1,6 @@
 """Rank output in the kernel: complete lines labelled ``[rank k]``, progress bars as one live line.
 
-:class:`NotebookSink` is the :class:`~jupyter_shard.kernel.output.RankSink` of a pool driven from a
+:class:`NotebookSink` is the :class:`~jupyter_shard.pool.output.RankSink` of a pool driven from a
 Jupyter kernel (registered as the default sink when this module is imported in one). It writes
 lines to the cell's streams and shows each live line as one display that is updated in place (at
 most 10 times a second), so a progress bar is one line, not thousands.
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from jupyter_shard.kernel.output import RankSink, set_default_sink
 from jupyter_shard.notebook.panel import frontend_attached
+from jupyter_shard.pool.output import RankSink, set_default_sink
 
 LIVE_INTERVAL = 0.1
 RANK_OUTPUT_MIME = "application/vnd.jupyter-shard.rank-output+json"

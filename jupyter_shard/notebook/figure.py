@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jupyter_shard.kernel.figures import (
+from jupyter_shard.notebook.charts import fmt
+from jupyter_shard.pool.figures import (
     Chart,
     Figure,
     RankSeries,
@@ -24,12 +25,11 @@ from jupyter_shard.kernel.figures import (
     line_traces,
     mean_across,
 )
-from jupyter_shard.kernel.history import History
-from jupyter_shard.kernel.ranks import RankSnapshot
-from jupyter_shard.notebook.charts import fmt
+from jupyter_shard.pool.history import History
+from jupyter_shard.pool.ranks import RankSnapshot
 
 if TYPE_CHECKING:
-    from jupyter_shard.kernel.pool import Pool
+    from jupyter_shard.pool.pool import Pool
 
 BINS = 1000  # points drawn per series, however long it is
 SAMPLE = 4 * BINS  # records read per series for a redraw: evenly spaced, the last one always

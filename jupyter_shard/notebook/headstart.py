@@ -5,7 +5,7 @@ Between taking an ``execute_request`` and calling the cell magic, ipykernel and 
 since the last cell need about as long to wake up and run a short one. So a cell whose line is one
 that already ran on the pool as it is now (no restart since) is sent to the ranks from the kernel's
 ``execute_request`` handler, and the magic then gathers it instead of sending it
-(:mod:`jupyter_shard.kernel.ahead`).
+(:mod:`jupyter_shard.pool.headstart`).
 
 Only a cell whose sending is certain goes ahead: IPython's own transform of the cell must be exactly
 ``run_cell_magic('distributed', line, body)``, the line must name no variables for IPython to expand
@@ -22,8 +22,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from jupyter_shard.kernel.pool import Pool
 from jupyter_shard.notebook.args import magic_line, rank_code
+from jupyter_shard.pool.pool import Pool
 from jupyter_shard.spec import LaunchSpec
 
 if TYPE_CHECKING:

@@ -18,9 +18,6 @@ from IPython.display import DisplayHandle, display
 
 from jupyter_shard.errors import PoolError
 from jupyter_shard.gpus import format_gpus
-from jupyter_shard.kernel.background import BackgroundRun
-from jupyter_shard.kernel.pool import Pool
-from jupyter_shard.kernel.results import DistributedError
 from jupyter_shard.launchers import get_launcher, merge_spec, resolve_spec
 from jupyter_shard.launchers.zygote import close_idle
 from jupyter_shard.notebook.args import (
@@ -32,14 +29,17 @@ from jupyter_shard.notebook.args import (
     parse_options,
     rank_code,
 )
-from jupyter_shard.notebook.dap import RankDebugRouter
 from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard, StatusTable
-from jupyter_shard.notebook.debug import PostMortem
+from jupyter_shard.notebook.debug_adapter import RankDebugRouter
 from jupyter_shard.notebook.display import NotebookSink, in_kernel
 from jupyter_shard.notebook.headstart import HeadStart, Repeat, Repeats
 from jupyter_shard.notebook.panel import PromptNotice, register_comm, unregister_comm
+from jupyter_shard.notebook.postmortem import PostMortem
 from jupyter_shard.notebook.values import cell_value, shown_bundle
 from jupyter_shard.planner.estimate import format_bytes
+from jupyter_shard.pool.background import BackgroundRun
+from jupyter_shard.pool.pool import Pool
+from jupyter_shard.pool.results import DistributedError
 from jupyter_shard.spec import (
     LaunchSpec,
     SpecError,

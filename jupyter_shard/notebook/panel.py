@@ -16,8 +16,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from jupyter_shard.kernel.pool import Pool
-from jupyter_shard.kernel.ranks import RankState
+from jupyter_shard.pool.pool import Pool
+from jupyter_shard.pool.ranks import RankState
 
 COMM_TARGET = "jupyter_shard"
 log = logging.getLogger(__name__)

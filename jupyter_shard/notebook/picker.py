@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as widgets
 from IPython.display import clear_output, display
 
-from jupyter_shard._atomic import write_atomic
+from jupyter_shard._util.atomic import write_atomic
 from jupyter_shard.notebook.picker_chart import memory_figure
 from jupyter_shard.planner import estimate as est
 from jupyter_shard.planner.choice import (
@@ -43,7 +43,7 @@ from jupyter_shard.planner.sharded_init import init_note
 from jupyter_shard.spec import Device, Offload, Precision, SpecError, visible_gpus
 
 if TYPE_CHECKING:
-    from jupyter_shard.kernel.pool import Pool
+    from jupyter_shard.pool.pool import Pool
 
 __all__ = ["Picker", "picker"]
 

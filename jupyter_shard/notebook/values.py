@@ -18,8 +18,8 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.display import display
 
 from jupyter_shard.errors import PoolError
-from jupyter_shard.kernel.pool import Pool
-from jupyter_shard.kernel.results import RunResult
+from jupyter_shard.pool.pool import Pool
+from jupyter_shard.pool.results import RunResult
 
 __all__ = ["OUT_LIMIT", "ShownOnly", "cell_value", "shown_bundle"]
 

@@ -26,7 +26,7 @@ _Row = TypeVar("_Row")
 _CAPABILITY = re.compile(r"(\d+)\.(\d+)")
 
 if TYPE_CHECKING:
-    from jupyter_shard.kernel.ranks import RankSnapshot
+    from jupyter_shard.pool.ranks import RankSnapshot
 
 
 class StatusSource(Protocol):

@@ -2,7 +2,7 @@
 
 - :class:`ShellSocket` (identity ``rank-k``) belongs to the main thread: it receives cells, pushes
   and pulls and sends their replies directly. A rank on the kernel's machine does that over its
-  direct link, a Unix stream (:mod:`jupyter_shard.kernel.links`), so no thread hands a message on
+  direct link, a Unix stream (:mod:`jupyter_shard.pool.links`), so no thread hands a message on
   between the kernel's main thread and the rank's; a rank elsewhere over the ZeroMQ socket.
 - :class:`Channel` (identity ``rank-k.io``) belongs to an I/O thread: it sends output (flushed on a
   timer, so a cell blocked in native code still streams), metrics, a heartbeat every second (memory,
@@ -37,9 +37,9 @@ from typing import Any
 
 import zmq
 
-from jupyter_shard._curve import secure_client
-from jupyter_shard.messages import STREAM, Outgoing
-from jupyter_shard.protocol import (
+from jupyter_shard.wire.curve import secure_client
+from jupyter_shard.wire.messages import STREAM, Outgoing
+from jupyter_shard.wire.protocol import (
     KERNEL,
     MAX_FRAME,
     TEXT_ERRORS,
@@ -182,7 +182,7 @@ class ShellSocket:
         self._direct = None
 
     def send(self, msg_type: str, body: Mapping[str, Any], buffers: list[bytes] | None = None) -> None:
-        """Send now; ``send(*DONE(body))`` has mypy check the body (:mod:`jupyter_shard.messages`)."""
+        """Send now; ``send(*DONE(body))`` has mypy check the body (:mod:`jupyter_shard.wire.messages`)."""
         frames = self.wire.to_socket(msg_type, body, buffers or [])
         if self._direct is not None:
             try:

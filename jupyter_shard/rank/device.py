@@ -7,7 +7,7 @@ tensors and gloo for CPU tensors, because CPU tensors take part in collectives o
 and an NCCL-only group rejects them. A rank whose GPU is not visible fails at start-up with a line
 that says how many are.
 
-A value pulled into the notebook leaves the rank on the CPU (:func:`jupyter_shard.buffers.dumps`
+A value pulled into the notebook leaves the rank on the CPU (:func:`jupyter_shard.transfer.pickling.dumps`
 with ``host=True`` makes the one :func:`host_copy` of each device tensor): unpickling a CUDA tensor
 in the kernel would create a CUDA context there (about 0.5 GiB per GPU, and an error where the
 kernel cannot see that GPU).
@@ -72,7 +72,7 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
 def tensor_bytes(value: Any, depth: int = 3) -> int:
     """The bytes of the tensors and arrays in ``value`` (a tensor, a module, an array, or containers
     of them ``depth`` levels down): what pickling it would at least write, known without pickling.
-    A DTensor counts as its local shard, which is what is sent (see :mod:`jupyter_shard.buffers`)."""
+    A DTensor counts as its local shard, which is what is sent (:mod:`~jupyter_shard.transfer.pickling`)."""
     if isinstance(value, torch.Tensor):
         dtensor = sys.modules.get("torch.distributed.tensor")  # imported wherever a DTensor exists
         if dtensor is not None and isinstance(value, dtensor.DTensor):

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import FileStore, PrefixStore
 
-from jupyter_shard.messages import GROUP_DESTROYED, GROUP_UNKNOWN
 from jupyter_shard.rank.cuda_errors import exception_chain
 from jupyter_shard.rank.device import device_backends
+from jupyter_shard.wire.messages import GROUP_DESTROYED, GROUP_UNKNOWN
 
 _DEVICE_NAMES = {"cpu": "CPU", "cuda": "CUDA GPUs"}
 

@@ -21,7 +21,9 @@ import time
 import traceback
 from types import FrameType
 
-from jupyter_shard.messages import (
+from jupyter_shard.rank.channel import Channel
+from jupyter_shard.rank.runner import CellState
+from jupyter_shard.wire.messages import (
     HEARTBEAT,
     STACKS_REPLY,
     STATUS_REPLY,
@@ -29,9 +31,7 @@ from jupyter_shard.messages import (
     ThreadStack,
     handler_table,
 )
-from jupyter_shard.protocol import Message
-from jupyter_shard.rank.channel import Channel
-from jupyter_shard.rank.handlers import CellState
+from jupyter_shard.wire.protocol import Message
 
 __all__ = ["current_collective", "serve_io"]
 

@@ -8,8 +8,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import IO, Any, Literal
 
-from jupyter_shard.messages import STREAM
-from jupyter_shard.protocol import TEXT_ERRORS
+from jupyter_shard.wire.messages import STREAM
+from jupyter_shard.wire.protocol import TEXT_ERRORS
 
 MAX_PENDING = 256 * 1024
 

@@ -22,11 +22,11 @@ from datetime import timedelta
 import zmq
 
 from jupyter_shard.env import RankEnv, pop_secrets
-from jupyter_shard.protocol import io_identity, rank_identity
 from jupyter_shard.rank.channel import Channel, ShellSocket, watch_kernel, watch_lifeline
-from jupyter_shard.rank.handlers import CellState, Runner
 from jupyter_shard.rank.io_replies import serve_io
 from jupyter_shard.rank.output import RankStream
+from jupyter_shard.rank.runner import CellState, Runner
+from jupyter_shard.wire.protocol import io_identity, rank_identity
 
 
 def _log_path(env: RankEnv) -> str:
@@ -80,10 +80,10 @@ def main() -> None:
 
 
 def _start_up(env: RankEnv, channel: Channel, shell_sock: ShellSocket, state: CellState) -> Runner:
-    from jupyter_shard.integrations import install as install_integrations
     from jupyter_shard.rank import shard as shard_module
     from jupyter_shard.rank.device import select_device
     from jupyter_shard.rank.group import PoolGroup
+    from jupyter_shard.rank.integrations import install as install_integrations
     from jupyter_shard.rank.shell import RankShell
     from jupyter_shard.rank.stdin import RankStdin
 

@@ -131,7 +131,7 @@ def _default_to_one_rank() -> None:
     """Run as ``python train.py`` (no torchrun): a world of one rank on this machine."""
     if "RANK" in os.environ:
         return
-    from jupyter_shard._net import free_port
+    from jupyter_shard._util.net import free_port
 
     defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
     defaults |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}

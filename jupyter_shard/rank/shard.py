@@ -26,11 +26,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from jupyter_shard.messages import METRICS, MetricsBody
 from jupyter_shard.rank import captures
 from jupyter_shard.rank.loaders import distributed_loader
 from jupyter_shard.strategies import create_strategy, strategy_class
 from jupyter_shard.strategies.base import StrategyBase, StrategyContext
+from jupyter_shard.wire.messages import METRICS, MetricsBody
 
 Sender = Callable[[str, Mapping[str, Any], list[bytes]], None]
 

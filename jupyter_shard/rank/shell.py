@@ -20,8 +20,8 @@ from IPython.core.inputtransformer2 import TransformerManager
 from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
 from traitlets.config import Config
 
-from jupyter_shard.messages import DISPLAY, RESULT, DisplayBody
 from jupyter_shard.rank.channel import Channel
+from jupyter_shard.wire.messages import DISPLAY, RESULT, DisplayBody
 
 
 class _RankDisplayHook(DisplayHook):
@@ -117,7 +117,7 @@ def _plain_line(line: str) -> bool:
 
 
 _POOL_FILES = tuple(
-    os.path.join(os.path.dirname(__file__), name) for name in ("handlers.py", "runtime.py", "channel.py")
+    os.path.join(os.path.dirname(__file__), name) for name in ("runner.py", "runtime.py", "channel.py")
 )
 
 

@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import StdinNotImplementedError
 
-from jupyter_shard.messages import PROMPT
-from jupyter_shard.protocol import Message
+from jupyter_shard.wire.messages import PROMPT
+from jupyter_shard.wire.protocol import Message
 
 if TYPE_CHECKING:
     from jupyter_shard.rank.channel import Channel, ShellSocket
-    from jupyter_shard.rank.handlers import CellState
+    from jupyter_shard.rank.runner import CellState
 
 __all__ = ["RankStdin"]
 

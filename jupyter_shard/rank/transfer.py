@@ -1,9 +1,9 @@
 """A rank's end of ``push`` and ``pull``: values built from, and sent as, in-band pickles and
-out-of-band buffers (:mod:`jupyter_shard.buffers`).
+out-of-band buffers (:mod:`jupyter_shard.transfer.pickling`).
 
 - A pushed value's buffers are written by the kernel into fresh memory the rank offers when asked
-  (``land``; :mod:`jupyter_shard.peer_memory`), else come through the kernel's shared-memory segment
-  (:mod:`jupyter_shard.segments`), else in the message.
+  (``land``; :mod:`jupyter_shard.transfer.peer_memory`), else come through the kernel's shared-memory segment
+  (:mod:`jupyter_shard.transfer.segments`), else in the message.
 - A pulled value's buffers are lent to the kernel to read from this process's memory when it asks for
   that, else written into the segment it offers, else sent in the message.
 
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from jupyter_shard import buffers, peer_memory, segments
-from jupyter_shard.messages import PullReply, PushReply
-from jupyter_shard.protocol import MAX_FRAME, Message
+from jupyter_shard.transfer import peer_memory, pickling, segments
+from jupyter_shard.wire.messages import PullReply, PushReply
+from jupyter_shard.wire.protocol import MAX_FRAME, Message
 
 __all__ = ["chunk_reply", "landing_reply", "pulled_reply", "pushed_values", "release", "resent_reply"]
 
@@ -27,7 +27,7 @@ CHUNK = 16 << 20  # bytes per part of a transfer in parts (the kernel's pushes u
 
 _lent: peer_memory.Lent | None = None  # what the kernel may be reading out of this process
 _landing: peer_memory.Lent | None = None  # fresh memory the kernel may be writing a push into
-_incoming: tuple[str, buffers.Assembly] | None = None  # a push in parts: its id and what came
+_incoming: tuple[str, pickling.Assembly] | None = None  # a push in parts: its id and what came
 
 
 def release() -> None:
@@ -71,7 +71,7 @@ def pushed_values(msg: Message) -> dict[str, Any]:
         stream, sizes = str(body["stream"]), [int(n) for n in body["sizes"]]
         if _incoming is None or _incoming[0] != stream:
             _check_room(sum(sizes))
-            _incoming = (stream, buffers.Assembly(sizes))
+            _incoming = (stream, pickling.Assembly(sizes))
         _incoming[1].add(int(body["offset"]), msg.buffers)
         return {}
     if len(counts) != len(names) or len(msg.buffers) < len(names) or min(counts, default=0) < 0:
@@ -96,7 +96,7 @@ def pushed_values(msg: Message) -> dict[str, Any]:
         raise ValueError(f"malformed push: {sum(counts)} buffers announced, {len(oob)} came")
     values, start = {}, 0
     for name, inband, count in zip(names, inbands, counts, strict=True):
-        values[name] = buffers.loads(inband, oob[start : start + count])
+        values[name] = pickling.loads(inband, oob[start : start + count])
         start += count
     return values
 
@@ -106,7 +106,8 @@ def pulled_reply(msg: Message, rank: int, what: str, value: Any, limit: int) -> 
     into the segment the kernel offered this rank, when it did and they are large.
 
     A pull is this rank's alone, so a DTensor in ``value`` (an FSDP parameter, its gradient or
-    optimizer state) arrives as this rank's local shard, a plain tensor (:mod:`~jupyter_shard.buffers`):
+    optimizer state) arrives as this rank's local shard, a plain tensor
+    (:mod:`~jupyter_shard.transfer.pickling`):
     never a DTensor, which the kernel could not use without the ranks' process group. The whole
     tensor takes all ranks: ``--gather`` of the prepared model, or the shards of ``--all`` put
     together along the sharded dimension."""
@@ -114,7 +115,7 @@ def pulled_reply(msg: Message, rank: int, what: str, value: Any, limit: int) -> 
     release()
     reply: PullReply = {"req_id": str(msg.body["req_id"]), "ok": False, "error": ""}
     try:
-        packed = buffers.dumps(value, host=not msg.body.get("device", False))
+        packed = pickling.dumps(value, host=not msg.body.get("device", False))
     except Exception as exc:
         reply["error"] = f"{what} could not be pickled: {type(exc).__name__}: {exc}"
         return reply, []
@@ -187,7 +188,7 @@ def chunk_reply(msg: Message) -> tuple[PullReply, list[Any]]:
         reply["error"] = f"a part of {length} bytes is over the {4 * CHUNK} allowed"
         return reply, []
     try:
-        parts = buffers.pieces(_lent.buffers, offset, length)
+        parts = pickling.pieces(_lent.buffers, offset, length)
     except ValueError as exc:
         reply["error"] = str(exc)
         return reply, []

@@ -10,7 +10,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from jupyter_shard._plugins import entry_point_map
+from jupyter_shard._util.plugins import entry_point_map
 
 if TYPE_CHECKING:
     from jupyter_shard.strategies.base import StrategyBase

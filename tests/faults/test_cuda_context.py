@@ -73,7 +73,7 @@ def test_a_lost_cuda_context_breaks_the_rank_until_a_restart(kernel: Any, nproc:
     assert "broken" in rows[last], status
     assert all("broken" not in rows[k] for k in range(last)), status
     panel = kernel.execute(
-        "from jupyter_shard.kernel.pool import latest_pool\nfrom jupyter_shard.notebook.panel import "
+        "from jupyter_shard.pool.pool import latest_pool\nfrom jupyter_shard.notebook.panel import "
         "status_reply\nreply = status_reply(latest_pool())\nprint(reply['state'])\n"
         f"print(reply['ranks'][{last}]['state'], reply['ranks'][{last}]['problem'])"
     )

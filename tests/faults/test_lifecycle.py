@@ -99,7 +99,8 @@ def test_start_stop_cycles_leak_nothing(tmp_path: Path, monkeypatch: pytest.Monk
     directory, temp file (ranks inherit ``TMPDIR``) or /dev/shm entry behind."""
     import torch
 
-    from jupyter_shard import Pool, peer_memory
+    from jupyter_shard import Pool
+    from jupyter_shard.transfer import peer_memory
 
     runtime = Path(tempfile.mkdtemp(prefix="jsrt-"))
     tmp = tmp_path / "tmp"

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from jupyter_client.session import Session
 
-from jupyter_shard.kernel.output import MAX_BYTES_SHOWN, MAX_LINES_SHOWN, TAIL_LINES
+from jupyter_shard.pool.output import MAX_BYTES_SHOWN, MAX_LINES_SHOWN, TAIL_LINES
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -3,7 +3,7 @@ lines, and forged, replayed, truncated or oversized frames refused without runni
 anything, while the pool keeps working.
 
 Where a frame can be injected: the kernel's ROUTER socket, ``ipc://{pool dir}/pool.sock``, and the
-local ranks' direct links, ``{pool dir}/direct.sock`` (jupyter_shard/kernel/links.py), are the only
+local ranks' direct links, ``{pool dir}/direct.sock`` (jupyter_shard/pool/links.py), are the only
 endpoints a pool listens on. Ranks only connect out (two DEALER sockets each, see
 jupyter_shard/rank/channel.py) and listen on nothing of their own but gloo's loopback TCP pairs, so
 the only way into a rank is through the kernel, which never forwards what it receives. The rank's
@@ -13,7 +13,7 @@ How forged frames reach the decoder: a ROUTER ignores a peer whose identity is a
 an intruder cannot speak as ``rank-0`` while rank 0 is up, and frames under an unknown identity are
 dropped before they are decoded. ``rank-00`` parses as rank 0 without being its identity, so frames
 sent under it are refused by :meth:`Wire.decode` itself: these tests fail if a signature, replay,
-size or layout check is taken out of jupyter_shard/protocol.py.
+size or layout check is taken out of jupyter_shard/wire/protocol.py.
 """
 
 from __future__ import annotations
@@ -39,8 +39,17 @@ import psutil
 import pytest
 import zmq
 
-from jupyter_shard import Pool, protocol
-from jupyter_shard.protocol import MAX_BODY, MAX_HEADER, TAG, Wire, new_key, parse_identity, rank_identity
+from jupyter_shard import Pool
+from jupyter_shard.wire import protocol
+from jupyter_shard.wire.protocol import (
+    MAX_BODY,
+    MAX_HEADER,
+    TAG,
+    Wire,
+    new_key,
+    parse_identity,
+    rank_identity,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -440,7 +449,7 @@ def test_badly_signed_pickle_is_never_unpickled_by_the_kernel(pool: Pool, marker
 
 _RANK_REJECTED = (
     "import gc\n"
-    "from jupyter_shard.protocol import Wire\n"
+    "from jupyter_shard.wire.protocol import Wire\n"
     "sum(w.rejected for w in gc.get_objects() if isinstance(w, Wire) and w.sender == 'rank-0')"
 )
 
@@ -547,7 +556,7 @@ def test_rank_drops_a_replayed_genuine_execute(
 
 _KEYLESS_PEER = """
 import pickle, sys, zmq
-from jupyter_shard.protocol import TAG, Wire, new_key, pack
+from jupyter_shard.wire.protocol import TAG, Wire, new_key, pack
 
 address, marker = sys.argv[1], sys.argv[2]
 

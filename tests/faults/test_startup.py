@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from jupyter_shard import Pool, PoolError
-from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.pool.output import ConsoleSink
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,7 +3,8 @@ the middle of a transfer leaves no segment behind and a pool that works, and a f
 malformed transfer is refused without anything being built from it.
 
 Transfers to local ranks are copied straight into or out of the rank's memory
-(jupyter_shard/peer_memory.py), or where that fails through a sealed memfd (jupyter_shard/segments.py);
+(jupyter_shard/transfer/peer_memory.py), or where that fails
+through a sealed memfd (jupyter_shard/transfer/segments.py);
 with ``JUPYTER_SHARD_SHARED_MEMORY=0`` they travel in the signed messages, the path of ranks on other
 machines. A rank is held still with SIGSTOP so that the kernel is surely waiting mid-transfer when it
 is killed or interrupted."""
@@ -22,9 +23,10 @@ import numpy as np
 import pytest
 import torch
 
-from jupyter_shard import Pool, segments
+from jupyter_shard import Pool
 from jupyter_shard.errors import PoolError
-from jupyter_shard.messages import PUSH
+from jupyter_shard.transfer import segments
+from jupyter_shard.wire.messages import PUSH
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -134,7 +136,7 @@ def test_a_pull_read_from_the_rank_falls_back_to_a_segment_and_the_rank_lets_go(
 ) -> None:
     """A pull from a local rank reads the rank's memory; where that fails (here: the read is made to
     fail as a pid of another process or namespace fails it), the rank writes into the segment."""
-    from jupyter_shard import peer_memory
+    from jupyter_shard.transfer import peer_memory
 
     pool.run(f"import torch; lent = torch.randn({BIG})", ranks=[1])
     lent = pool.pull("lent", rank=1)
@@ -158,7 +160,7 @@ def test_a_push_that_cannot_be_written_into_a_rank_goes_through_a_segment(
 ) -> None:
     """Where the kernel may not write a rank's memory (another pid namespace, a pid reused: here the
     write is made to fail for rank 1 as those fail it), that rank gets the value through a segment."""
-    from jupyter_shard import peer_memory
+    from jupyter_shard.transfer import peer_memory
 
     real = peer_memory.write
     pid = next(s.pid for s in pool.status() if s.rank == 1)
@@ -199,7 +201,7 @@ def test_a_push_with_room_for_one_copy_but_not_one_per_rank_shares_a_segment(
 def test_an_interrupt_while_the_kernel_writes_lets_the_ranks_drop_their_landing(
     pool: Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from jupyter_shard import peer_memory
+    from jupyter_shard.transfer import peer_memory
 
     def interrupted(targets: list[peer_memory.Target], sources: list[memoryview]) -> dict[int, str]:
         raise KeyboardInterrupt
@@ -227,9 +229,9 @@ def test_forged_truncated_and_malformed_pushes_are_refused_and_the_pool_works(po
         assert set(replies) == {0, 1}
         return {k: str(m.body["error"]) for k, m in replies.items() if not m.body["ok"]}
 
-    from jupyter_shard import buffers
+    from jupyter_shard.transfer import pickling
 
-    packed = buffers.dumps(data)
+    packed = pickling.dumps(data)
     view = packed.buffers[0]
     pool.run("forged = 'untouched'")
     with segments.Segment() as unsealed:  # written, never sealed: it could still change

@@ -21,7 +21,7 @@ pytestmark = gpu_module(timeout=900)
 
 def _pool(tmp: Path, strategy: str, **options: Any) -> Any:
     from jupyter_shard import LaunchSpec, Pool
-    from jupyter_shard.kernel.output import ConsoleSink
+    from jupyter_shard.pool.output import ConsoleSink
 
     spec = LaunchSpec.create(nproc=visible_gpus(), device="cuda", strategy=strategy, **options)
     return Pool(spec=spec, log_dir=tmp, sink=ConsoleSink(io.StringIO(), io.StringIO()))

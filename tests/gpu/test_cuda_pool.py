@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.pool.output import ConsoleSink
 from jupyter_shard.spec import visible_gpus
 from tests.gpu.marks import gpu_module, requires_gpus
 
@@ -30,7 +30,7 @@ pytestmark = gpu_module(timeout=300)
 
 def test_nccl_pool_pins_one_device_per_rank(tmp_path: Path) -> None:
     from jupyter_shard import Pool
-    from jupyter_shard.kernel.output import ConsoleSink
+    from jupyter_shard.pool.output import ConsoleSink
 
     n = visible_gpus()
     with Pool(
@@ -98,7 +98,7 @@ def _ddp_reference(world_size: int) -> float:
 
 def test_ddp_training_step_on_gpu(tmp_path: Path) -> None:
     from jupyter_shard import Pool
-    from jupyter_shard.kernel.output import ConsoleSink
+    from jupyter_shard.pool.output import ConsoleSink
 
     n = visible_gpus()
     with Pool(
@@ -120,8 +120,8 @@ def test_dashboard_shows_cuda_memory_from_heartbeats(tmp_path: Path) -> None:
     import time
 
     from jupyter_shard import Pool
-    from jupyter_shard.kernel.output import ConsoleSink
     from jupyter_shard.notebook.dashboard import render
+    from jupyter_shard.pool.output import ConsoleSink
 
     sink = ConsoleSink(io.StringIO(), io.StringIO())
     with Pool(nproc=1, device="cuda", log_dir=tmp_path, sink=sink) as pool:
@@ -293,7 +293,7 @@ def test_a_cuda_value_comes_back_on_the_cpu_without_a_cuda_context_in_the_kernel
 def test_a_device_side_assert_leaves_ranks_that_still_answer(tmp_path: Path) -> None:
     from jupyter_shard import DistributedError, Pool
     from jupyter_shard.errors import PoolError
-    from jupyter_shard.kernel.ranks import RankState
+    from jupyter_shard.pool.ranks import RankState
 
     n = min(visible_gpus(), 2)
     with Pool(nproc=n, device="cuda", log_dir=tmp_path, sink=_quiet_sink()) as pool:

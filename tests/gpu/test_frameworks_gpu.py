@@ -68,7 +68,7 @@ report = (trainer.world_size, trainer.global_step, type(trainer.strategy).__name
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     pytest.importorskip("lightning")
     from jupyter_shard import LaunchSpec, Pool
-    from jupyter_shard.kernel.output import ConsoleSink
+    from jupyter_shard.pool.output import ConsoleSink
 
     spec = LaunchSpec.create(nproc=visible_gpus(), device="cuda")
     log_dir = tmp_path_factory.mktemp("logs")

@@ -41,7 +41,7 @@ def test_bf16_training_on_gpu_reports_cuda_memory(
     if strategy == "deepspeed":
         pytest.importorskip("deepspeed")
     from jupyter_shard import LaunchSpec, Pool
-    from jupyter_shard.kernel.output import ConsoleSink
+    from jupyter_shard.pool.output import ConsoleSink
 
     spec = LaunchSpec.create(
         nproc=visible_gpus(), device="cuda", strategy=strategy, precision="bf16-mixed", **extra
@@ -86,7 +86,7 @@ def test_gpus_list_gives_ranks_those_physical_devices(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: str | None, physical: tuple[int, int]
 ) -> None:
     from jupyter_shard import LaunchSpec, Pool
-    from jupyter_shard.kernel.output import ConsoleSink
+    from jupyter_shard.pool.output import ConsoleSink
 
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA numbers GPUs as nvidia-smi lists them
     if kernel is None:
@@ -105,7 +105,7 @@ def test_gpus_list_gives_ranks_those_physical_devices(
 def test_only_the_ranks_hold_cuda_contexts(tmp_path: Path) -> None:
     from jupyter_shard import Pool
     from jupyter_shard.gpus import nvidia_smi
-    from jupyter_shard.kernel.output import ConsoleSink
+    from jupyter_shard.pool.output import ConsoleSink
 
     sink = ConsoleSink(io.StringIO(), io.StringIO())
     with Pool(nproc=visible_gpus(), device="cuda", log_dir=tmp_path, sink=sink) as pool:

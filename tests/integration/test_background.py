@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import pytest
 
 from jupyter_shard import DistributedError, Pool, PoolError
-from jupyter_shard.kernel.background import BackgroundRun
-from jupyter_shard.kernel.output import ConsoleSink
-from jupyter_shard.kernel.ranks import RankSnapshot
+from jupyter_shard.pool.background import BackgroundRun
+from jupyter_shard.pool.output import ConsoleSink
+from jupyter_shard.pool.ranks import RankSnapshot
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from jupyter_shard import Pool
-from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.pool.output import ConsoleSink
 from jupyter_shard.spec import LaunchSpec
 from tests.integration.training_cells import BIG_MODEL
 

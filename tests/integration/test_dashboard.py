@@ -17,8 +17,8 @@ from typing import Any
 import psutil
 import pytest
 
-from jupyter_shard.kernel.figures import decode
 from jupyter_shard.notebook.dashboard import LIVE_MIME, PLOTLY_MIME
+from jupyter_shard.pool.figures import decode
 
 UI_TYPES = ("stream", "display_data", "update_display_data", "comm_msg")
 

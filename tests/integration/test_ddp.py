@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jupyter_shard import LaunchSpec, Pool
-from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.pool.output import ConsoleSink
 from tests.integration.training_cells import LOSS_PARITY, SETUP
 
 pytestmark = pytest.mark.timeout(300)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from jupyter_shard import DistributedError, Pool
-from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.pool.output import ConsoleSink
 from jupyter_shard.spec import LaunchSpec
 from jupyter_shard.strategies.base import StrategyContext
 from jupyter_shard.strategies.deepspeed_config import ConfigConflict, build_config

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from jupyter_shard import DistributedError, Pool
-from jupyter_shard.kernel.checkpoint import load_full_state_dict
-from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.pool.checkpoint import load_full_state_dict
+from jupyter_shard.pool.output import ConsoleSink
 from jupyter_shard.spec import LaunchSpec
 
 pytestmark = pytest.mark.timeout(240)

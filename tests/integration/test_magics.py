@@ -357,7 +357,7 @@ def test_errors_read_at_a_glance(nb: Any) -> None:
     text = timed.error_text()
     assert text.splitlines()[0] == "timed out after 1 s: KeyboardInterrupt on rank 0-1"
     assert "----> 3 time.sleep(30)" in text
-    assert "handlers.py" not in text and "raise KeyboardInterrupt" not in text, "the pool's own frames"
+    assert "runner.py" not in text and "raise KeyboardInterrupt" not in text, "the pool's own frames"
     status = nb.execute("%dist_status").data("execute_result")[0]["text/plain"]
     rows = [line.split() for line in status.splitlines()[3:]]
     assert [row[4] for row in rows] == ["interrupted", "interrupted"], status

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jupyter_shard import DistributedError, Pool, PoolError
-from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.pool.output import ConsoleSink
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -128,7 +128,7 @@ def test_a_pool_driven_from_a_script_loads_no_ui_module(tmp_path: Path) -> None:
     assert "UI modules: []" in done.stdout, done.stdout
 
 
-# -- the local ranks' direct links (jupyter_shard/kernel/links.py) ---------------------------------
+# -- the local ranks' direct links (jupyter_shard/pool/links.py) ---------------------------------
 
 
 def _rank_log(pool: Pool, rank: int) -> str:
@@ -155,7 +155,7 @@ def test_a_rank_whose_link_closes_goes_on_over_the_socket(pool: Pool) -> None:
 def test_a_pool_whose_links_cannot_listen_runs_over_the_socket(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from jupyter_shard.kernel.links import Links
+    from jupyter_shard.pool.links import Links
 
     def refuse(self: Links, path: Path) -> str:
         raise OSError(36, "File name too long")

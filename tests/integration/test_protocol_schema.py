@@ -1,8 +1,8 @@
 """Every message a real pool sends, both ways, matches what the registry declares for its type.
 
-The kernel and both ranks sign with a checking :class:`~jupyter_shard.protocol.Wire`
+The kernel and both ranks sign with a checking :class:`~jupyter_shard.wire.protocol.Wire`
 (``JUPYTER_SHARD_CHECK_PROTOCOL``): each body signed is appended to one file and checked against
-:mod:`jupyter_shard.messages`. The pool is driven through every message type a local CPU pool can
+:mod:`jupyter_shard.wire.messages`. The pool is driven through every message type a local CPU pool can
 send (``signal`` goes only to ranks started by an agent, ``abort`` only to the ranks of a CUDA pool,
 ``startup_failed`` only from a failing rank).
 """
@@ -19,10 +19,10 @@ import pytest
 
 from jupyter_shard import DistributedError, Pool
 from jupyter_shard.env import CHECK_PROTOCOL_VAR as CHECK_ENV
-from jupyter_shard.kernel import debugging
-from jupyter_shard.kernel.output import ConsoleSink
-from jupyter_shard.messages import MSG_TYPES, DebugSetup, check_body
-from jupyter_shard.protocol import KERNEL
+from jupyter_shard.pool import debugging
+from jupyter_shard.pool.output import ConsoleSink
+from jupyter_shard.wire.messages import MSG_TYPES, DebugSetup, check_body
+from jupyter_shard.wire.protocol import KERNEL
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from jupyter_shard import Pool, PoolError
-from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.pool.output import ConsoleSink
 from jupyter_shard.strategies.base import StrategyBase
 
 pytestmark = pytest.mark.timeout(180)

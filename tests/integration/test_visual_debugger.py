@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from jupyter_shard.notebook.dap import RANK_IDS, from_global
+from jupyter_shard.notebook.debug_adapter import RANK_IDS, from_global
 from tests.conftest import Kernel
 
 pytestmark = pytest.mark.timeout(180)

@@ -20,8 +20,8 @@ import psutil
 import pytest
 
 from jupyter_shard import Pool, PoolError
-from jupyter_shard.kernel.output import ConsoleSink
 from jupyter_shard.launchers import zygote
+from jupyter_shard.pool.output import ConsoleSink
 from tests.unit.launchers.test_zygote import fake_driver
 
 pytestmark = pytest.mark.timeout(120)

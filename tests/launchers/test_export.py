@@ -22,7 +22,7 @@ import pytest
 
 from jupyter_shard import Pool
 from jupyter_shard.export.files import export
-from jupyter_shard.kernel.output import ConsoleSink
+from jupyter_shard.pool.output import ConsoleSink
 from tests.launchers.conftest import SlurmCluster
 
 pytestmark = pytest.mark.timeout(240)

@@ -21,8 +21,8 @@ import psutil
 import pytest
 
 from jupyter_shard import DistributedError, Pool
-from jupyter_shard.kernel.output import ConsoleSink
 from jupyter_shard.launchers import resolve_spec
+from jupyter_shard.pool.output import ConsoleSink
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from jupyter_shard import DistributedError, Pool
-from jupyter_shard.kernel.output import ConsoleSink
 from jupyter_shard.launchers import resolve_spec
 from jupyter_shard.launchers.slurm import SlurmLauncher
+from jupyter_shard.pool.output import ConsoleSink
 
 from .conftest import SlurmCluster
 

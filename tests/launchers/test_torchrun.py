@@ -24,11 +24,11 @@ import pytest
 import zmq
 
 from jupyter_shard import DistributedError, Pool
-from jupyter_shard._curve import CurveKeys, secure_client
-from jupyter_shard.kernel.output import ConsoleSink
 from jupyter_shard.launchers import resolve_spec
-from jupyter_shard.protocol import Wire, rank_identity
+from jupyter_shard.pool.output import ConsoleSink
 from jupyter_shard.spec import LaunchSpec
+from jupyter_shard.wire.curve import CurveKeys, secure_client
+from jupyter_shard.wire.protocol import Wire, rank_identity
 
 pytestmark = pytest.mark.timeout(180)
 

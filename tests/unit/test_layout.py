@@ -12,28 +12,52 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "jupyter_shard"
 MAX_LINES = 500
 
-# What each folder must never import (the notebook layer sits on top; the rank side and the kernel
-# side meet only through protocol, env and spec).
+# What each room must never import. The notebook layer sits on top; the pool (the driving side) and
+# the ranks meet only through the wire, the transfer helpers and the contracts at the root (errors,
+# spec, env, gpus); _util knows nothing of pools or ranks.
 FORBIDDEN = {
-    "jupyter_shard.kernel": ("jupyter_shard.notebook", "jupyter_shard.rank", "jupyter_shard.export"),
-    "jupyter_shard.rank": ("jupyter_shard.notebook", "jupyter_shard.kernel", "jupyter_shard.launchers"),
-    "jupyter_shard.launchers": ("jupyter_shard.notebook", "jupyter_shard.kernel"),
-    "jupyter_shard.integrations": (
+    "jupyter_shard.pool": ("jupyter_shard.notebook", "jupyter_shard.rank", "jupyter_shard.export"),
+    "jupyter_shard.rank": ("jupyter_shard.notebook", "jupyter_shard.pool", "jupyter_shard.launchers"),
+    "jupyter_shard.launchers": ("jupyter_shard.notebook", "jupyter_shard.pool"),
+    "jupyter_shard.rank.integrations": (
         "jupyter_shard.notebook",
-        "jupyter_shard.kernel",
+        "jupyter_shard.pool",
         "jupyter_shard.launchers",
     ),
-    "jupyter_shard.strategies": ("jupyter_shard.notebook", "jupyter_shard.kernel", "jupyter_shard.launchers"),
+    "jupyter_shard.strategies": ("jupyter_shard.notebook", "jupyter_shard.pool", "jupyter_shard.launchers"),
     "jupyter_shard.planner": ("jupyter_shard.notebook",),
     "jupyter_shard.export": ("jupyter_shard.notebook",),
-    "jupyter_shard.protocol": ("jupyter_shard.",),
-    "jupyter_shard.messages": ("jupyter_shard.",),
-    "jupyter_shard.env": ("jupyter_shard.kernel", "jupyter_shard.rank", "jupyter_shard.launchers"),
-    "jupyter_shard.spec": ("jupyter_shard.kernel", "jupyter_shard.launchers", "jupyter_shard.notebook"),
+    "jupyter_shard.wire": ("jupyter_shard.",),
+    "jupyter_shard.transfer": ("jupyter_shard.",),
+    "jupyter_shard._util": ("jupyter_shard.",),
+    "jupyter_shard.env": ("jupyter_shard.pool", "jupyter_shard.rank", "jupyter_shard.launchers"),
+    "jupyter_shard.spec": ("jupyter_shard.pool", "jupyter_shard.launchers", "jupyter_shard.notebook"),
     "jupyter_shard.errors": ("jupyter_shard.",),
+    "jupyter_shard.gpus": ("jupyter_shard.",),
 }
+# Exceptions to FORBIDDEN, by room: what it may import although the rule above names it.
 ALLOWED_FOR = {
-    "jupyter_shard.protocol": ("jupyter_shard.env", "jupyter_shard.errors", "jupyter_shard.messages")
+    "jupyter_shard.wire": (
+        "jupyter_shard.env",
+        "jupyter_shard.errors",
+        "jupyter_shard.wire.messages",
+        "jupyter_shard.wire.protocol",
+        "jupyter_shard.wire.curve",
+    ),
+    "jupyter_shard.transfer": (
+        "jupyter_shard.errors",
+        "jupyter_shard.wire.messages",
+        "jupyter_shard.transfer.mapping",
+        "jupyter_shard.transfer.pickling",
+        "jupyter_shard.transfer.segments",
+        "jupyter_shard.transfer.peer_memory",
+    ),
+    "jupyter_shard._util": (
+        "jupyter_shard._util.net",
+        "jupyter_shard._util.atomic",
+        "jupyter_shard._util.plugins",
+    ),
+    "jupyter_shard.gpus": ("jupyter_shard.errors",),
 }
 
 
@@ -117,7 +141,7 @@ def _cycle() -> list[str] | None:
 
 def test_the_reader_sees_imports() -> None:
     """The checks below are only worth something if imports are found at all."""
-    assert "jupyter_shard.kernel.connection" in GRAPH["jupyter_shard.kernel.pool"]
+    assert "jupyter_shard.pool.connection" in GRAPH["jupyter_shard.pool.pool"]
     assert "jupyter_shard.notebook.display" in GRAPH["jupyter_shard"]  # a function-level import
 
 
@@ -145,4 +169,4 @@ def test_no_module_is_over_500_lines() -> None:
 
 def test_the_pool_is_a_small_facade() -> None:
     """``Pool`` delegates to its parts (connection, ranks, cell, escalation, lifecycle)."""
-    assert len(MODULES["jupyter_shard.kernel.pool"].read_text().splitlines()) <= 400
+    assert len(MODULES["jupyter_shard.pool.pool"].read_text().splitlines()) <= 400

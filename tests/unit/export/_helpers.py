@@ -12,7 +12,7 @@ import cloudpickle
 import pytest
 
 from jupyter_shard.export.render import render_script
-from jupyter_shard.kernel.transcript import CellEntry, PushEntry, Transcript
+from jupyter_shard.pool.transcript import CellEntry, PushEntry, Transcript
 from jupyter_shard.rank import script as script_module
 from jupyter_shard.spec import LaunchSpec
 

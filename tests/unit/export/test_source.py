@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from jupyter_shard.kernel.transcript import CellEntry
+from jupyter_shard.pool.transcript import CellEntry
 from jupyter_shard.rank import script as script_module
 from tests.unit.export._helpers import _cell, _push, _render, _run_script
 

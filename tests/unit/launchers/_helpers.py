@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from jupyter_shard._curve import CurveKeys
 from jupyter_shard.env import CURVE as CURVE_ENV
 from jupyter_shard.env import KEY as KEY_ENV
 from jupyter_shard.launchers import remote, resolve_spec
 from jupyter_shard.launchers.base import RankLaunch
 from jupyter_shard.launchers.remote import AgentProcess
 from jupyter_shard.spec import LaunchSpec, SpecError
+from jupyter_shard.wire.curve import CurveKeys
 
 ELSEWHERE = "192.0.2.1"  # TEST-NET-1: never this machine, and resolving it needs no DNS
 

@@ -13,12 +13,12 @@ from typing import Any
 import plotly
 import pytest
 
-from jupyter_shard.kernel.figures import decode
-from jupyter_shard.kernel.history import History
-from jupyter_shard.kernel.ranks import RankSnapshot, RankState
 from jupyter_shard.notebook import dashboard as dash
 from jupyter_shard.notebook.charts import line_chart, nice_ticks
 from jupyter_shard.notebook.figure import BINS, ROW_COLORS, status_trace
+from jupyter_shard.pool.figures import decode
+from jupyter_shard.pool.history import History
+from jupyter_shard.pool.ranks import RankSnapshot, RankState
 
 
 @dataclass

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import jupyter_shard
-from jupyter_shard.kernel.ranks import RankSnapshot, RankState
 from jupyter_shard.notebook import panel
+from jupyter_shard.pool.ranks import RankSnapshot, RankState
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from torch import nn
 
-from jupyter_shard.kernel.ranks import RankSnapshot, RankState
 from jupyter_shard.notebook.picker import Picker, picker
 from jupyter_shard.planner.choice import ModelInfo
 from jupyter_shard.planner.estimate import CAVEAT, plans
 from jupyter_shard.planner.free_memory import MemorySnapshot
+from jupyter_shard.pool.ranks import RankSnapshot, RankState
 from jupyter_shard.spec import LaunchSpec, SpecError
 
 GIB = 2**30

@@ -6,8 +6,8 @@ from typing import Any
 
 from IPython.core.interactiveshell import InteractiveShell
 
-from jupyter_shard.kernel.results import RankResult, RunResult
 from jupyter_shard.notebook.values import _show_once_as, shown_bundle
+from jupyter_shard.pool.results import RankResult, RunResult
 
 
 def _run(*values: dict[str, Any] | None) -> RunResult:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from jupyter_shard._atomic import write_atomic
+from jupyter_shard._util.atomic import write_atomic
 from jupyter_shard.notebook.args import distributed_parser as _distributed_parser
 from jupyter_shard.planner.choice import (
     ModelInfo,

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from jupyter_shard.errors import PoolError
-from jupyter_shard.kernel.ranks import RankSnapshot, RankState
 from jupyter_shard.planner import free_memory
 from jupyter_shard.planner.free_memory import (
     FreeMemory,
@@ -20,6 +19,7 @@ from jupyter_shard.planner.free_memory import (
     probe_memory,
     run_nvidia_smi,
 )
+from jupyter_shard.pool.ranks import RankSnapshot, RankState
 from jupyter_shard.spec import Device
 
 MIB = 2**20

@@ -3,7 +3,7 @@
 Only CPU tensors exist here, so what is checked is what a pulled value keeps on the way: the copy
 :func:`host_copy` makes (detached, a parameter still a parameter, ``requires_grad`` kept) and a
 round trip of containers, modules, arrays and plain objects as a pull sends them
-(:func:`jupyter_shard.buffers.dumps` with ``host=True``). That a CUDA tensor
+(:func:`jupyter_shard.transfer.pickling.dumps` with ``host=True``). That a CUDA tensor
 comes back on the CPU, with no CUDA context in the kernel, is tests/gpu/test_cuda_pool.py's.
 """
 
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from jupyter_shard import buffers
 from jupyter_shard.rank.device import CUDA_BACKEND, host_copy, select_device
+from jupyter_shard.transfer import pickling
 
 Point = namedtuple("Point", "x y")
 
@@ -48,8 +48,8 @@ def test_host_copy_detaches_and_keeps_what_the_tensor_was() -> None:
 
 
 def _round_trip(value: Any, host: bool = True) -> Any:
-    packed = buffers.dumps(value, host=host)
-    return buffers.loads(packed.inband, [bytearray(b) for b in packed.buffers])
+    packed = pickling.dumps(value, host=host)
+    return pickling.loads(packed.inband, [bytearray(b) for b in packed.buffers])
 
 
 def test_containers_arrays_and_plain_values_come_back_equal() -> None:
@@ -124,4 +124,4 @@ def test_tensor_bytes_counts_a_dtensor_as_the_local_shard_a_pull_sends(mesh: Any
     assert weight.shape == (8, 4)
     assert tensor_bytes(weight) == 64
     assert tensor_bytes({"w": weight, "exp_avg": [DTensor.from_local(shard, mesh, [Shard(0)])]}) == 128
-    assert tensor_bytes(weight) == buffers.dumps(weight, host=True).buffers[0].nbytes  # what is sent
+    assert tensor_bytes(weight) == pickling.dumps(weight, host=True).buffers[0].nbytes  # what is sent

@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import BackendConfig
 
-from jupyter_shard.kernel.launches import NCCL_KEEP_RANKS_ALIVE, rank_launch
-from jupyter_shard.messages import GROUP_DESTROYED, GROUP_UNKNOWN
+from jupyter_shard.pool.launches import NCCL_KEEP_RANKS_ALIVE, rank_launch
 from jupyter_shard.rank import group as group_module
 from jupyter_shard.rank.device import CUDA_BACKEND, device_backends
 from jupyter_shard.rank.group import UNKNOWN, PoolGroup, broken_by, collective_failed
 from jupyter_shard.spec import LaunchSpec
+from jupyter_shard.wire.messages import GROUP_DESTROYED, GROUP_UNKNOWN
 
 
 def _group(device_type: str = "cpu", world_size: int = 2, rank: int = 0) -> PoolGroup:

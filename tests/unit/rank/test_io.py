@@ -17,13 +17,13 @@ import pytest
 import torch
 import zmq
 
-from jupyter_shard.messages import HEARTBEAT, Outgoing, check_body
-from jupyter_shard.protocol import Message, Wire, io_identity, new_key
 from jupyter_shard.rank import channel as channel_module
 from jupyter_shard.rank import shard as shard_module
 from jupyter_shard.rank.channel import Channel
-from jupyter_shard.rank.handlers import CellState
 from jupyter_shard.rank.io_replies import serve_io
+from jupyter_shard.rank.runner import CellState
+from jupyter_shard.wire.messages import HEARTBEAT, Outgoing, check_body
+from jupyter_shard.wire.protocol import Message, Wire, io_identity, new_key
 
 pytestmark = pytest.mark.timeout(30)
 

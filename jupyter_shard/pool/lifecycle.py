@@ -1,0 +1,285 @@
+"""A pool's life: its private directory, socket and key, its rank processes; start, stop, clean-up.
+
+:class:`Lifecycle` starts a pool (a 0700 directory, the ROUTER socket and key, a lifeline pipe whose
+write end only this process holds, the launcher's rank processes) and waits until every rank joined
+the process group; it stops it the same way back. When the kernel dies, every rank sees the lifeline
+close and kills its own process group. Each pool writes ``pool.json`` (kernel and rank pids with
+their start times) into its private directory. A later start removes directories whose kernel is
+gone, killing their recorded ranks only when pid *and* start time still match - never by process name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import zmq
+
+from jupyter_shard._util.net import free_port
+from jupyter_shard.env import LOG_DIR_VAR, RUNTIME_DIR_VAR, START_TIMEOUT_VAR
+from jupyter_shard.errors import PoolError
+from jupyter_shard.launchers import Launcher, get_launcher
+from jupyter_shard.launchers.local import kill_recorded
+from jupyter_shard.pool.connection import Connection
+from jupyter_shard.pool.launches import rank_launch
+from jupyter_shard.pool.ranks import RankRecord, RankState, RankTable
+from jupyter_shard.spec import LaunchSpec, format_ranks
+from jupyter_shard.wire.curve import CurveKeys, CurveServer
+from jupyter_shard.wire.messages import SHUTDOWN
+from jupyter_shard.wire.protocol import KERNEL, MAX_FRAME, Wire, new_key
+
+START_TIMEOUT = float(os.environ.get(START_TIMEOUT_VAR, "180"))
+
+DIR_PREFIX = "jupyter_shard-"
+_POOL_DIR_NAME = re.compile(re.escape(DIR_PREFIX) + r"[a-z0-9_]{8}")
+
+
+def _start_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def runtime_root() -> Path:
+    """Where private pool directories go: $JUPYTER_SHARD_RUNTIME_DIR, else the temp directory."""
+    return Path(os.environ.get(RUNTIME_DIR_VAR) or tempfile.gettempdir())
+
+
+def new_pool_dir() -> Path:
+    """A fresh private (0700) directory for one pool's socket, store and record."""
+    return Path(tempfile.mkdtemp(prefix=DIR_PREFIX, dir=runtime_root()))
+
+
+def record_pool(directory: Path, rank_pids: list[int]) -> None:
+    record = {
+        "kernel": [os.getpid(), _start_time(os.getpid())],
+        "ranks": [[pid, _start_time(pid)] for pid in rank_pids],
+    }
+    tmp = directory / "pool.json.tmp"
+    tmp.write_text(json.dumps(record))
+    tmp.replace(directory / "pool.json")
+
+
+def clean_stale_pools(base: Path | None = None) -> list[Path]:
+    """Remove pool directories left by kernels that died; returns what was removed."""
+    root = base or runtime_root()
+    removed = []
+    for directory in root.glob(DIR_PREFIX + "*"):
+        try:
+            # Only what new_pool_dir makes (mkdtemp: the prefix and 8 random characters), never
+            # another program's directory that happens to share the prefix.
+            if not _POOL_DIR_NAME.fullmatch(directory.name):
+                continue
+            if not directory.is_dir() or directory.stat().st_uid != os.getuid():
+                continue
+            record = json.loads((directory / "pool.json").read_text())
+            kernel_pid, kernel_start = _pid_and_start(record["kernel"])
+            ranks = [_pid_and_start(item) for item in record["ranks"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            # unreadable, or written by another version: nothing in it can be trusted to kill by
+            if _older_than(directory, 3600):
+                shutil.rmtree(directory, ignore_errors=True)
+                removed.append(directory)
+            continue
+        if kernel_start is not None and _start_time(kernel_pid) == kernel_start:
+            continue
+        for pid, started in ranks:
+            if started is not None and _start_time(pid) == started:
+                kill_recorded(pid)
+        shutil.rmtree(directory, ignore_errors=True)
+        removed.append(directory)
+    return removed
+
+
+def _pid_and_start(item: object) -> tuple[int, float | None]:
+    """``[pid, start time or null]`` from a pool record; TypeError/ValueError for anything else."""
+    if not isinstance(item, list) or len(item) != 2:
+        raise TypeError(f"not [pid, start time]: {item!r}")
+    pid, started = item
+    if isinstance(pid, bool) or not isinstance(pid, int):
+        raise TypeError(f"not a pid: {pid!r}")
+    return pid, None if started is None else float(started)
+
+
+def _older_than(path: Path, seconds: float) -> bool:
+    try:
+        return time.time() - path.stat().st_mtime > seconds
+    except OSError:
+        return False
+
+
+def new_log_dir(root: Path | None) -> Path:
+    base = root or Path(os.environ.get(LOG_DIR_VAR, Path.home() / ".cache" / "jupyter_shard" / "logs"))
+    path = base / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+class Lifecycle:
+    """Starts and stops one pool's processes and what they share with the kernel."""
+
+    def __init__(self, conn: Connection, ranks: RankTable, log_root: Path | None) -> None:
+        self.conn = conn
+        self.ranks = ranks
+        self.log_root = log_root
+        self.directory: Path | None = None  # the pool's private 0700 directory (socket, stores, record)
+        self.log_dir: Path | None = None
+        self.address = ""  # where ranks connect: ipc:// here, tcp:// for a multi-node pool
+        self.launcher: Launcher | None = None
+        self.curve: CurveServer | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._lifeline_w: int | None = None
+
+    def start(self, spec: LaunchSpec, signal_sender: Callable[[int, int], None]) -> list[RankRecord]:
+        """Spawn every rank (not waiting for them); the records of the ranks started."""
+        clean_stale_pools()
+        launcher = self.launcher = get_launcher(spec.launcher)
+        launcher.set_signal_sender(signal_sender)
+        key = new_key()
+        self.directory = new_pool_dir()
+        self.log_dir = new_log_dir(self.log_root)
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+        curve: CurveKeys | None = None
+        direct: str | None = None  # where local ranks open their direct links
+        try:
+            if launcher.remote:
+                # Ranks elsewhere dial back over TCP, on the address the user chose, and only through
+                # an encrypted channel that admits the pool's own client key.
+                curve = CurveKeys.new()
+                self.curve = CurveServer(self._ctx, curve)
+                self.curve.secure(sock)
+                sock.bind(f"tcp://{launcher.bind_address(spec)}:0")
+                self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self.address = f"ipc://{self.directory / 'pool.sock'}"
+                sock.bind(self.address)
+                direct = self._listen_for_links(self.directory / "direct.sock")
+        except BaseException:  # an option only the launcher checks (no --interface): nothing left open
+            sock.close(linger=0)
+            self.teardown()
+            raise
+        self.conn.attach(sock, Wire(key, KERNEL))
+        lifeline_r, self._lifeline_w = os.pipe()
+        # One MASTER_PORT for the whole pool, as torchrun gives: code that meets on it finds one place.
+        port = free_port()
+        launches = [
+            rank_launch(
+                spec,
+                rank,
+                address=self.address,
+                key=key,
+                lifeline_fd=lifeline_r,
+                master_port=port,
+                curve=curve,
+                pool_dir=self.directory,
+                log_dir=self.log_dir,
+                direct=direct,
+            )
+            for rank in range(spec.world_size)
+        ]
+        try:
+            handles = launcher.start(spec, launches, lifeline_r)
+        except BaseException:
+            os.close(lifeline_r)
+            self.teardown()
+            raise
+        os.close(lifeline_r)
+        records = []
+        for handle, launch in zip(handles, launches, strict=True):
+            record = RankRecord(handle, launch.log_path)
+            self.ranks.add(record)
+            records.append(record)
+        record_pool(self.directory, [h.pid for h in handles if h.pid] + launcher.local_pids())
+        return records
+
+    def _listen_for_links(self, path: Path) -> str | None:
+        """Where local ranks open their direct links; ``None`` (they use the socket) if it cannot be."""
+        try:
+            return self.conn.links.listen(path)
+        except OSError as exc:  # e.g. a runtime directory whose path is too long for a Unix socket
+            print(f"jupyter_shard: ranks talk over the pool socket only ({path}: {exc})", file=sys.__stderr__)
+            return None
+
+    def wait_ready(self, notice: Callable[[str], None]) -> None:
+        """Receive until every rank said ``ready``; a rank that failed or took too long raises."""
+        deadline = time.monotonic() + START_TIMEOUT
+        shown = ""
+        while self.ranks.starting():
+            self.conn.pump(0.1)
+            for r in self.ranks:
+                code = r.handle.poll()
+                if code is not None and r.state is RankState.STARTING:
+                    self.conn.pump(0.2)
+                    raise PoolError(self._startup_failure(r, r.handle.exit_reason(code)))
+            waiting = self.launcher.waiting() if self.launcher is not None else None
+            if waiting:  # a queued job or nodes yet to join: the start-up clock has not started
+                deadline = time.monotonic() + START_TIMEOUT
+                if waiting != shown:
+                    notice(waiting)
+                    shown = waiting
+            if time.monotonic() > deadline:
+                slow = [r.rank for r in self.ranks.starting()]
+                raise PoolError(
+                    f"rank {format_ranks(slow)} did not start within {START_TIMEOUT:.0f} s; "
+                    f"see the logs in {self.log_dir}"
+                )
+
+    def _startup_failure(self, r: RankRecord, how: str) -> str:
+        tb = r.exit or _tail(r.log_path)
+        if not r.exit and not r.log_path.exists():
+            tb = r.handle.startup_tail() or tb  # the rank never got as far as its own log: say why
+        return f"rank {r.rank} failed to start ({how}); its log {r.log_path} ends with:\n{tb}"
+
+    def stop(self) -> None:
+        """Stop every rank (and its children) and release the socket, key and private directory."""
+        if self.conn.open:
+            for r in self.ranks.live():
+                with contextlib.suppress(PoolError):  # one not (yet) connected: it is killed below
+                    self.conn.send([r], *SHUTDOWN({}))
+        deadline = time.monotonic() + 1.0
+        for r in self.ranks:
+            r.handle.wait(max(0.0, deadline - time.monotonic()))
+            r.handle.kill_tree()
+        self.ranks.clear()
+        if self.launcher is not None:
+            self.launcher.stop()
+            self.launcher = None
+        self.teardown()
+
+    def teardown(self) -> None:
+        if self.curve is not None:
+            self.curve.stop()
+            self.curve = None
+        self.conn.detach()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._lifeline_w is not None:
+            os.close(self._lifeline_w)
+            self._lifeline_w = None
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
+
+
+def _tail(path: Path, limit: int = 4000) -> str:
+    try:
+        data = path.read_bytes()[-limit:]
+    except OSError:
+        return "(no log)"
+    return data.decode(errors="replace").strip() or "(the log is empty)"

@@ -1,0 +1,400 @@
+"""The kernel side of a rank pool, as one object: start ranks, run cells, move values, stop.
+
+:class:`Pool` is a facade over parts with one job each: the :class:`~.connection.Connection`
+(socket, signing, dispatch), the :class:`~.ranks.RankTable`, the :class:`~.cell.CellGathering` of
+the cell in flight (the only writer of results), :class:`~.escalation.Escalation` (interrupt,
+release, regroup, kill) and the :class:`~.lifecycle.Lifecycle` (processes, private directory,
+clean-up). The thread that calls :meth:`Pool.run` receives until the cell ends; between cells, and
+for a background run, the :class:`~.background.Watcher` thread does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import weakref
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+from jupyter_shard.errors import PoolError
+from jupyter_shard.launchers import Launcher
+from jupyter_shard.pool.background import BackgroundRun, Watcher
+from jupyter_shard.pool.cell import POST_MORTEM, CellGathering, Gathering
+from jupyter_shard.pool.connection import Connection
+from jupyter_shard.pool.escalation import Escalation
+from jupyter_shard.pool.headstart import Ahead
+from jupyter_shard.pool.history import History
+from jupyter_shard.pool.lifecycle import Lifecycle
+from jupyter_shard.pool.output import RankSink, default_sink
+from jupyter_shard.pool.ranks import RankSnapshot, RankTable
+from jupyter_shard.pool.results import DistributedError, RunResult
+from jupyter_shard.pool.stdin import CallbackStdin
+from jupyter_shard.pool.transcript import CellEntry, Transcript
+from jupyter_shard.pool.values import Namespace, Values, named_values
+from jupyter_shard.spec import DEFAULT_TIMEOUT, LaunchSpec
+from jupyter_shard.strategies import registered
+from jupyter_shard.wire.curve import CurveServer
+from jupyter_shard.wire.messages import SIGNAL, STACKS, STATUS
+
+__all__ = ["Observer", "Pool", "latest_pool"]
+
+_live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
+_latest: Pool | None = None
+
+
+def latest_pool() -> Pool | None:
+    """The pool started most recently in this process (kept after shutdown for its history)."""
+    return _latest
+
+
+class Observer(Protocol):
+    """Something that shows the pool's state (a dashboard): called often, limits its own rate."""
+
+    def refresh(self, pool: Pool, final: bool) -> None: ...
+
+
+class Pool:
+    """A pool of persistent rank processes. Use as a context manager or call :meth:`shutdown`."""
+
+    def __init__(
+        self,
+        nproc: int | None = None,
+        device: str = "auto",
+        strategy: str = "none",
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        launcher: str = "local",
+        spec: LaunchSpec | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
+        sink: RankSink | None = None,
+        stdin: Callable[[str], str] | None = None,  # answers ranks' input() and pdb (default: the notebook)
+    ) -> None:
+        self.spec = spec or LaunchSpec.create(
+            nproc=nproc, device=device, strategy=strategy, timeout=timeout, launcher=launcher
+        )
+        self.sink = sink or default_sink()
+        self.history = History()
+        self.on_notice: Callable[[str], None] | None = None
+        self.background: BackgroundRun | None = None
+        self.observers: list[Observer] = []
+        self.transcript = Transcript()  # cells and pushes since the last start (%dist_export)
+        self.ranks = RankTable(self.history)
+        conn = self.connection = Connection(self.ranks)
+        conn.handle(self.ranks.handlers())
+        self.escalation = Escalation(conn, self.ranks, self._notice, partial(self.stacks, 1.0))
+        self.cells = CellGathering(conn, self.ranks, self.escalation, lambda: self.sink, self._tick)
+        if stdin is not None:
+            self.cells.stdin = partial(CallbackStdin, stdin)
+        self.lifecycle = Lifecycle(conn, self.ranks, Path(log_dir) if log_dir else None)
+        self.values = Values(conn, self.ranks, self.transcript)
+        self._watcher = Watcher(
+            conn.lock, lambda: conn.open, self._idle_step, self._background_step, lambda: self.background
+        )
+        self.ahead = Ahead(self.cells, self.ranks, self.escalation, self._watcher, self._begin, self._end)
+        self.ahead.ready = lambda: self.started and not (self.background and self.background.unsettled)
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        return self.connection.open
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    @property
+    def log_dir(self) -> Path | None:
+        """This start's rank logs (``rank-<k>.log``); kept after shutdown."""
+        return self.lifecycle.log_dir
+
+    @property
+    def address(self) -> str:
+        """Where ranks connect: ``ipc://`` here, ``tcp://`` for a multi-node pool."""
+        return self.lifecycle.address
+
+    @property
+    def directory(self) -> Path | None:
+        """The pool's private 0700 directory (socket, stores, record) while it runs."""
+        return self.lifecycle.directory
+
+    @property
+    def launcher(self) -> Launcher | None:
+        return self.lifecycle.launcher
+
+    @property
+    def launch_path(self) -> str:
+        """How the ranks came: ``zygote (fork server, pid N)`` or ``spawned: <why>`` (%dist_status)."""
+        return self.launcher.launch_path() if self.launcher is not None else "not started"
+
+    @property
+    def curve(self) -> CurveServer | None:
+        """The encryption of a multi-node pool's TCP socket (None for a local pool)."""
+        return self.lifecycle.curve
+
+    @property
+    def dropped(self) -> int:
+        """Messages rejected: unknown peer, bad signature, replay, or a body of the wrong shape."""
+        return self.connection.dropped + self.ranks.dropped
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def __enter__(self) -> Pool:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def start(self) -> None:
+        """Spawn every rank and wait until all joined the process group (or one failed)."""
+        if self.started:
+            return
+        self.escalation.reset()
+        self.cells.out_of_step = ""
+        self.transcript = self.values.transcript = Transcript()
+        for record in self.lifecycle.start(self.spec, self._deliver_signal):
+            self.sink.log_paths[record.rank] = str(record.log_path)
+        _live_pools.add(self)
+        global _latest
+        _latest = self
+        foreground, self._watcher.foreground = self._watcher.foreground, True
+        try:
+            self.lifecycle.wait_ready(self._notice)
+            assert self.launcher is not None
+            if note := self.launcher.started_note():
+                self._notice(note)
+            self._share_registered_strategy()
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:
+            self._watcher.foreground = foreground
+        self._watcher.start()
+
+    def _share_registered_strategy(self) -> None:
+        """A strategy registered in the kernel with ``register_strategy`` is registered on the ranks too."""
+        if (entry := registered(self.spec.strategy)) is None:
+            return
+        self.push(_js_strategy=(self.spec.strategy, *entry))
+        register = "from jupyter_shard.strategies import register_strategy as _r\n"
+        register += "_r(_js_strategy[0], _js_strategy[1], **_js_strategy[2])\ndel _r, _js_strategy"
+        self._run_foreground(register, None, None, 0, record=False)
+
+    def shutdown(self) -> None:
+        """Stop every rank (and its children) and release the socket, key and private directory."""
+        self._watcher.stop()
+        self.lifecycle.stop()
+        _live_pools.discard(self)
+        run = self.background
+        if run is not None and run.running:
+            run.abandon("the pool was shut down")
+
+    def restart(self, spec: LaunchSpec | None = None) -> None:
+        """New rank processes (rank state is lost), with the same or a new spec."""
+        self.shutdown()
+        self.escalation.restart_reason = None
+        if spec is not None:
+            self.spec = spec
+        self.start()
+
+    # -- running cells --------------------------------------------------------------------------
+
+    def run(
+        self, code: str, ranks: Sequence[int] | None = None, timeout: float | None = None, exec_count: int = 0
+    ) -> RunResult:
+        """Run ``code`` on ``ranks`` (default: all); raise :class:`DistributedError` if any fails."""
+        return self._run_foreground(code, ranks, timeout, exec_count, record=True)
+
+    def _run_foreground(
+        self, code: str, ranks: Sequence[int] | None, timeout: float | None, exec_count: int, record: bool
+    ) -> RunResult:
+        ahead = self.ahead.take(code, ranks, timeout) if record else None
+        if ahead is None:  # else it was sent ahead (the notebook's head start), as checked there
+            self._refuse_while_background("run a cell")
+        foreground, self._watcher.foreground = (ahead.foreground if ahead else self._watcher.foreground), True
+        try:
+            gathering = ahead.taken() if ahead else self._begin(code, ranks, timeout, exec_count, record)
+            try:
+                self.cells.gather(gathering)
+            finally:
+                self._end(gathering)
+        finally:
+            self._watcher.foreground = foreground
+        if not gathering.result.ok:
+            raise DistributedError(gathering.result)
+        return gathering.result
+
+    def post_mortem(self, rank: int) -> RunResult:
+        """pdb on ``rank`` at the frame where its last failed cell raised (``%debug``, ``%dist_debug``)."""
+        return self._run_foreground(POST_MORTEM, [rank], None, 0, record=False)
+
+    def run_background(
+        self,
+        code: str,
+        ranks: Sequence[int] | None = None,
+        timeout: float | None = None,
+        exec_count: int = 0,
+        on_done: Callable[[BackgroundRun], None] | None = None,
+    ) -> BackgroundRun:
+        """Start ``code`` on the ranks and return at once; the pool's watcher thread follows it.
+
+        Output and ``on_done`` run in a copy of the caller's context (under ipykernel: the starting
+        cell). While it runs, other cells, pushes and pulls are refused; status and stacks work.
+        """
+        self._refuse_while_background("start another background run")
+        gathering = self._begin(code, ranks, timeout, exec_count, record=True)
+        run = BackgroundRun(gathering, exec_count, on_done)
+        run.serve_prompts = lambda: self.cells.serve_prompts(gathering, self.cells.stdin())
+        self.background = run
+        self._watcher.start()
+        return run
+
+    def _refuse_while_background(self, what: str) -> None:
+        run = self.background
+        if run is not None and run.running:
+            raise PoolError(
+                f"cannot {what}: {run.describe()} is still running on the ranks; "
+                "%dist_wait waits for it, %dist_interrupt stops it"
+            )
+
+    def _prepare(self) -> None:
+        """Before a cell or a collective pull: restart or regroup as the last cell left things."""
+        reason = self.escalation.restart_reason
+        if reason is not None:
+            self._notice(f"restarting the pool ({reason}); rank state is lost")
+            self.restart()
+        self.start()
+        if self.escalation.regroup_needed and self.ranks.groupable():  # dead or broken: %dist_restart
+            assert self.directory is not None and self.launcher is not None
+            if not self.escalation.regroup(
+                self.directory, self.launcher.meets_on_agent_store, self.world_size, self.spec.timeout
+            ):
+                self.restart()
+
+    def _begin(
+        self, code: str, ranks: Sequence[int] | None, timeout: float | None, exec_count: int, record: bool
+    ) -> Gathering:
+        self._prepare()
+        targets = self.ranks.targets(ranks, cell=code != POST_MORTEM)  # %debug reads a broken rank too
+        return self.cells.send(self.cells.open(code, targets, timeout, exec_count, ranks, record), targets)
+
+    def _end(self, gathering: Gathering) -> None:
+        hint = self.launcher.restart_hint if self.launcher is not None else ""
+        self.cells.end(gathering, self.ranks.node_failures(hint))
+        if gathering.record:
+            status = "ok" if gathering.result.ok else "error"
+            self.transcript.add(CellEntry(gathering.code, gathering.ranks, status, gathering.exec_count))
+        self._tick(final=True)
+
+    # -- between cells and in the background (the watcher thread) ------------------------------
+
+    def _idle_step(self) -> None:
+        self.connection.pump(0)
+        for r in self.ranks:
+            self.cells.check_exit(r, None)
+        self._tick()
+
+    def _background_step(self, run: BackgroundRun) -> None:
+        gathering = run.gathering
+        if run.interrupt_requested:
+            run.interrupt_requested = False
+            self.cells.interrupted(gathering, "interrupted (%dist_interrupt)")
+            ended = True
+        else:
+            ended = self.cells.step(gathering, 0.0)
+        if ended:
+            self._end(gathering)
+            run.finish()
+
+    def _tick(self, final: bool = False) -> None:
+        """Let observers (dashboards) redraw; each limits its own rate."""
+        for observer in list(self.observers):
+            try:
+                observer.refresh(self, final)
+            except Exception as exc:  # a broken display must not break the run
+                self.observers.remove(observer)
+                print(f"jupyter_shard: a dashboard stopped updating: {exc!r}", file=sys.__stderr__)
+
+    # -- moving values --------------------------------------------------------------------------
+
+    def push(self, namespace: Namespace = None, *, ranks: Sequence[int] | None = None, **values: Any) -> int:
+        """Copy values to every rank (or ``ranks``): ``push(x=x)``, or ``push({"x": x})`` as ipyparallel."""
+        named = named_values(namespace, values)
+        self._refuse_while_background("push values")
+        self.start()
+        return self.values.push(ranks, named)
+
+    def pull(self, name: str, rank: int = 0, *, gather: bool = False, device: bool = False) -> Any:
+        """A copy of the rank's variable ``name``, its tensors on the CPU (``device=True``: where
+        they were on the rank). ``gather=True``: ``name`` is the model returned by ``shard.prepare``;
+        every rank takes part in gathering its shards and rank 0 returns it as a plain ``nn.Module``."""
+        if gather:
+            return self.pull_all(name, gather=True, device=device)[0]
+        return self.pull_all(name, ranks=[rank], device=device)[rank]
+
+    def pull_all(
+        self, name: str, ranks: Sequence[int] | None = None, *, gather: bool = False, device: bool = False
+    ) -> dict[int, Any]:
+        """Copies of ``name`` from every rank (or ``ranks``), by rank (see :meth:`pull`)."""
+        self._refuse_while_background("pull values")
+        self.start()
+        if gather and self.escalation.regroup_needed:  # gathering is a collective: it needs a group
+            self._prepare()
+        return self.values.pull(name, None if gather else ranks, gather, device)
+
+    def last_values(self) -> dict[int, Any]:
+        """Copies of the last cell's value (its last expression) from each rank that gave one."""
+        self._refuse_while_background("pull values")
+        last = self.cells.last
+        return self.values.pull_last(last.valued_ranks()) if last and self.started else {}
+
+    # -- inspecting -----------------------------------------------------------------------------
+
+    def status(self) -> list[RankSnapshot]:
+        """Every rank now: pid, host, device, state, fresh memory, the cell it runs (and where)."""
+        live = self.ranks.live() if self.started else []
+        replies = self.connection.request(*STATUS({}), live, timeout=1.0) if live else {}
+        for r in self.ranks:
+            self.cells.check_exit(r, None)
+        return self.ranks.status(replies)
+
+    def activity(self) -> list[RankSnapshot]:
+        """Each rank's state, step, throughput, memory and heartbeat age; problems named."""
+        return self.ranks.activity()
+
+    def stacks(self, timeout: float = 2.0, ranks: Sequence[int] | None = None) -> dict[int, str]:
+        """Every rank's current Python stacks, even mid-cell (safe to call from another thread)."""
+        chosen = sorted(r.rank for r in self.ranks) if ranks is None else sorted(ranks)
+        live = [r for r in self.ranks.live() if r.rank in chosen]
+        replies = self.connection.request(*STACKS({}), live, timeout=timeout)
+        return self.ranks.stacks(chosen, replies, timeout)
+
+    def interrupt(self) -> list[int]:
+        """Interrupt whatever the ranks run (outside a foreground :meth:`run`); the ranks. A background
+        run is stopped by the watcher thread (SIGINT, then stacks and a kill); its ``wait()`` sees the end."""
+        run = self.background
+        if run is not None and run.running:
+            run.interrupt_requested = True
+            return list(run.gathering.targets)
+        return self.escalation.interrupt()
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _notice(self, text: str) -> None:
+        self.on_notice(text) if self.on_notice is not None else self.sink.notice(f"jupyter_shard: {text}")
+
+    def _deliver_signal(self, rank: int, sig: int) -> None:
+        """Ask a rank started by an agent to signal itself (its I/O thread does, even mid-cell)."""
+        r = self.ranks.get(rank)
+        if r is not None and self.connection.open:
+            self.connection.send([r], *SIGNAL({"signal": int(sig)}))
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for pool in list(_live_pools):
+        pool.shutdown()
