@@ -67,7 +67,7 @@ BENCHMARKS = (
     Benchmark(
         "gpu_check",
         "One GPU: a training step against torchrun, cold start, warm restart, the GPU tests",
-        elsewhere="on a GPU machine, `make gpu-bundle` here and `make gpu-check` there (README, Development)",
+        elsewhere="on a GPU machine: `make gpu-bundle` here, `make gpu-check` there (docs/development.md)",
     ),
     *(
         Benchmark(

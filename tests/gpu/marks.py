@@ -13,7 +13,7 @@ from jupyter_shard.spec import visible_gpus
 
 __all__ = ["gpu_module", "requires_gpus"]
 
-_WHERE = "the GPU tests run on a GPU machine with `make gpu-check` (README, Development)"
+_WHERE = "the GPU tests run on a GPU machine with `make gpu-check` (docs/development.md)"
 
 
 def requires_gpus(count: int) -> pytest.MarkDecorator:
