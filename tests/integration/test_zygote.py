@@ -22,7 +22,7 @@ import pytest
 from jupyter_shard import Pool, PoolError
 from jupyter_shard.launchers import zygote
 from jupyter_shard.pool.output import ConsoleSink
-from tests.unit.launchers.test_zygote import fake_driver
+from tests.unit.launchers.zygote.test_cuda_driver import fake_driver
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,7 +45,7 @@ def test_ranks_are_forked_by_an_execd_zygote_with_fresh_state(tmp_path: Path) ->
         (zygote_pid,) = parents
         z = psutil.Process(zygote_pid)
         assert z.ppid() == os.getpid()  # started by this process ...
-        assert z.cmdline()[1:3] == ["-m", "jupyter_shard.launchers.zygote"]  # ... with exec, not a fork
+        assert z.cmdline()[1:3] == ["-m", "jupyter_shard.launchers.zygote.server"]  # by exec, no fork
         assert all(int(v[2]) == int(v[0]) for v in seen.values())  # each rank leads its own session
         assert len({v[3] for v in seen.values()}) == 2  # random state reseeded in each child
         assert all(v[4] == "True" for v in seen.values())  # torch came preloaded

@@ -1,6 +1,7 @@
-"""A preloaded process that forks fresh ranks: torch is imported once, not once per rank and restart.
+"""The kernel's side of the zygote, a preloaded process that forks fresh ranks: torch is imported once.
 
-The kernel starts the zygote with exec (``python -m jupyter_shard.launchers.zygote``), never by
+Runs in the process that drives a pool (the notebook kernel, a script); the zygote itself is
+:mod:`.server`. The kernel starts the zygote with exec (``python -m`` and the server's module), never by
 forking itself, so nothing of the kernel (CUDA state included) reaches a rank. The zygote imports
 torch - without touching CUDA - ZeroMQ, IPython and the rank runtime, then waits on a Unix socket.
 Each request carries one rank's environment, working directory and log path, plus the pool's
@@ -14,10 +15,8 @@ closes. Requests whose interpreter environment (``PYTHON*``, ``LD_*``, ``sys.exe
 from the zygote's go to a new zygote. ``JUPYTER_SHARD_ZYGOTE=0`` turns it off: ranks are then
 spawned one process each.
 
-Forking is safe only while the zygote holds no CUDA driver state, which exists from ``cuInit`` on:
-``torch.cuda.is_initialized()`` sees only torch's own initialisation, so after its imports the zygote
-also asks each ``libcuda`` it has mapped whether ``cuInit`` ran (:mod:`.cuda_driver`; ``import torch``
-maps the library on a GPU machine without initialising it, and that zygote forks). If one did, the
+Forking is safe only while the zygote holds no CUDA driver state, which exists from ``cuInit`` on;
+the zygote checks after its imports (:func:`.server.cuda_driver_state`). If it holds some, the
 zygote refuses to fork and says why; the launcher spawns the ranks and ``%dist_status`` shows the reason.
 Which devices a rank uses (``CUDA_VISIBLE_DEVICES``) is therefore set in the forked child, before
 anything initialises CUDA, and is not part of the interpreter environment a zygote serves.
@@ -28,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
-import signal
 import socket
 import subprocess
 import sys
@@ -37,15 +34,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
-from jupyter_shard.env import LIFELINE_FD, PARENT_PID, PER_RANK, ZYGOTE_SWITCH, without_pool_variables
+from jupyter_shard.env import PER_RANK, ZYGOTE_SWITCH, without_pool_variables
 from jupyter_shard.errors import PoolError
-from jupyter_shard.launchers import cuda_driver
 
 ENV_SWITCH = ZYGOTE_SWITCH
 READY_TIMEOUT = 120.0
-_MAX_MSG = 1 << 20
+MAX_MSG = 1 << 20  # the largest request or answer on the socket between the kernel and a zygote
+SERVER = "jupyter_shard.launchers.zygote.server"  # the module the zygote runs, with ``python -m``
 _UNSHARED = ("CUDA_VISIBLE_DEVICES",)  # read by CUDA at its initialisation, which happens after the fork
 
 
@@ -69,16 +65,6 @@ def interpreter_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
     )
 
 
-def cuda_driver_state(maps_path: str = cuda_driver.MAPS) -> str:
-    """Why forking this process would hand CUDA driver state to its children ("" when it would not)."""
-    import torch
-
-    return "torch initialised CUDA" if torch.cuda.is_initialized() else cuda_driver.initialised(maps_path)
-
-
-# -- the kernel's side ---------------------------------------------------------------------------
-
-
 class ZygoteUnavailable(PoolError):
     """The zygote ended, refused or could not fork; the launcher spawns ranks instead."""
 
@@ -92,7 +78,7 @@ class ZygoteClient:
         self._lifeline_r, self._lifeline_w = os.pipe()
         self._output = tempfile.TemporaryFile()  # noqa: SIM115 (kept open: the zygote writes to it)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(theirs.fileno()), str(self._lifeline_r)],
+            [sys.executable, "-m", SERVER, str(theirs.fileno()), str(self._lifeline_r)],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=self._output,
@@ -123,7 +109,7 @@ class ZygoteClient:
         """Fork one rank; its pid (the child's own session and process group)."""
         token = os.urandom(8).hex()
         request = json.dumps({"token": token, "env": env, "cwd": str(cwd), "log": str(log_path)}).encode()
-        if len(request) > _MAX_MSG:
+        if len(request) > MAX_MSG:
             raise RuntimeError("the rank's environment is too large for the zygote")
         try:
             socket.send_fds(self._sock, [request], [lifeline_fd])
@@ -171,7 +157,7 @@ class ZygoteClient:
     def _read(self) -> None:
         while True:
             try:
-                data = self._sock.recv(_MAX_MSG)
+                data = self._sock.recv(MAX_MSG)
             except OSError as exc:
                 data, self._error = b"", str(exc)
             if not data:
@@ -268,161 +254,3 @@ def close_all() -> None:
         for client in _zygotes.values():
             client.close()
         _zygotes.clear()
-
-
-# -- the zygote process --------------------------------------------------------------------------
-
-
-def _preload() -> str:
-    """Import what every rank needs; why forking now would be unsafe ("" when it is safe)."""
-    import cloudpickle  # noqa: F401
-    import IPython.core.interactiveshell  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import zmq  # noqa: F401
-
-    import jupyter_shard.rank.runtime
-    import jupyter_shard.rank.shard
-    import jupyter_shard.rank.shell  # noqa: F401
-
-    held = cuda_driver_state()
-    return f"it holds CUDA driver state after its imports ({held})" if held else ""
-
-
-def _serve(sock: socket.socket, lifeline: int) -> None:
-    children: set[int] = set()
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-    sock.send(json.dumps({"ready": os.getpid()}).encode())
-    while True:
-        readable, _, _ = select.select([sock.fileno(), lifeline, wake_r], [], [], 1.0)
-        if wake_r in readable:
-            with contextlib.suppress(BlockingIOError):
-                os.read(wake_r, 4096)
-        _reap(sock, children)
-        if lifeline in readable and os.read(lifeline, 1) == b"":
-            _end(children)
-        if sock.fileno() in readable:
-            try:
-                data, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 1)
-            except OSError:
-                _end(children)
-            if not data:
-                _end(children)
-            request = json.loads(data)
-            pid = os.fork()
-            if pid == 0:
-                _child(request, fds[0] if fds else -1, sock, lifeline, (wake_r, wake_w))
-            for fd in fds:
-                os.close(fd)
-            children.add(pid)
-            sock.send(json.dumps({"token": request["token"], "forked": pid}).encode())
-
-
-def _refuse(sock: socket.socket, lifeline: int, reason: str) -> None:
-    """Answer every request with why this zygote will not fork, until the kernel lets it go (ending
-    at once could reset the socket under a request in flight, and the reason would be lost)."""
-    refusal = json.dumps({"refused": reason}).encode()
-    sock.send(refusal)
-    while True:
-        readable, _, _ = select.select([sock.fileno(), lifeline], [], [])
-        if lifeline in readable and os.read(lifeline, 1) == b"":
-            return
-        if sock.fileno() in readable:
-            try:
-                data, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 1)
-            except OSError:
-                return
-            for fd in fds:
-                os.close(fd)
-            if not data:
-                return
-            sock.send(refusal)
-
-
-def _reap(sock: socket.socket, children: set[int]) -> None:
-    for pid in list(children):
-        try:
-            done, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            done, status = pid, 0
-        if done:
-            children.discard(pid)
-            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            with contextlib.suppress(OSError):
-                sock.send(json.dumps({"exit": pid, "code": code}).encode())
-
-
-def _end(children: set[int]) -> None:
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-    os._exit(0)
-
-
-def _child(
-    request: dict[str, Any], lifeline: int, sock: socket.socket, own_lifeline: int, wake: tuple[int, int]
-) -> None:
-    """In the forked child: become a fresh rank process, then run the rank runtime."""
-    try:
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
-        sock.close()
-        for fd in (own_lifeline, *wake):
-            os.close(fd)
-        os.setsid()
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        env = {str(k): str(v) for k, v in request["env"].items()}
-        env[LIFELINE_FD] = str(lifeline)
-        env[PARENT_PID] = str(os.getppid())
-        os.environ.clear()
-        os.environ.update(env)
-        os.chdir(request["cwd"])
-        sys.argv = [""]
-        _fresh_state(env)
-        from jupyter_shard.rank.runtime import main
-
-        main()
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        os._exit(1)
-    os._exit(0)
-
-
-def _fresh_state(env: dict[str, str]) -> None:
-    """What a new interpreter would have that a fork shares with its siblings."""
-    import random
-
-    import torch
-
-    random.seed()
-    with contextlib.suppress(ImportError):
-        import numpy
-
-        numpy.random.seed(None)
-    threads = env.get("OMP_NUM_THREADS")
-    if threads and threads.isdigit():
-        torch.set_num_threads(int(threads))
-    sys.stdout = open(1, "w", encoding="utf-8", errors="replace", closefd=False, buffering=1)  # noqa: SIM115
-    sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False, buffering=1)  # noqa: SIM115
-
-
-def main() -> None:
-    fd, lifeline = int(sys.argv[1]), int(sys.argv[2])
-    sock = socket.socket(fileno=fd)
-    refusal = _preload()
-    if refusal:  # children forked now would share the driver's state: the kernel spawns them instead
-        _refuse(sock, lifeline, refusal)
-        return
-    _serve(sock, lifeline)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,48 +1,15 @@
-"""jupyter_shard.launchers.zygote and .cuda_driver: which zygote serves a rank, and its check that
+"""jupyter_shard.launchers.zygote.cuda_driver: the zygote's check that
 forking is safe (no CUDA driver state: ``cuInit`` has not run, though ``libcuda`` may be mapped)."""
 
 from __future__ import annotations
 
-import ast
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from jupyter_shard.launchers import cuda_driver
-from jupyter_shard.launchers.zygote import cuda_driver_state, interpreter_key
-
-
-def test_one_zygote_serves_every_rank_and_pool_of_an_interpreter() -> None:
-    base = {
-        "PATH": "/usr/bin",
-        "PYTHONPATH": "/src",
-        "OMP_NUM_THREADS": "1",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-    }
-
-    def rank(k: int, pool: str) -> dict[str, str]:
-        return base | {
-            "RANK": str(k),
-            "TORCHELASTIC_RUN_ID": pool,
-            "TORCHELASTIC_ERROR_FILE": f"/logs/{pool}/rank-{k}-error.json",
-            "TORCHELASTIC_RESTART_COUNT": "0",
-        }
-
-    keys = {interpreter_key(rank(k, pool)) for k in range(4) for pool in ("pool-a", "pool-b")}
-    assert keys == {(("PYTHONPATH", "/src"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"))}
-    assert interpreter_key(base | {"LD_PRELOAD": "x.so"}) != interpreter_key(base)
-
-
-def test_which_gpus_a_rank_uses_does_not_need_another_zygote() -> None:
-    base = {"PYTHONPATH": "/src", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    assert interpreter_key(base | {"CUDA_VISIBLE_DEVICES": "0,1"}) == interpreter_key(
-        base | {"CUDA_VISIBLE_DEVICES": "2,3"}
-    )
-    assert interpreter_key(base | {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}) != interpreter_key(base)
-
+from jupyter_shard.launchers.zygote import cuda_driver
 
 # -- the no-CUDA guard ------------------------------------------------------------------------------------
 
@@ -131,51 +98,3 @@ def test_asking_never_loads_the_driver(tmp_path: Path) -> None:
     fake = fake_driver(tmp_path / "lib")
     assert isinstance(cuda_driver.ask(str(fake)), str)  # not loaded here: not asked
     assert str(fake) not in cuda_driver.mapped_libraries(Path("/proc/self/maps").read_text())
-
-
-def test_this_process_holds_no_cuda_driver_state() -> None:
-    assert cuda_driver_state() == ""  # no GPU here: the check must pass (torch imported, CPU build)
-
-
-def test_torch_initialised_cuda_is_not_safe_to_fork(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    assert cuda_driver_state() == "torch initialised CUDA"
-
-
-def test_the_zygotes_imports_leave_it_safe_to_fork_here() -> None:
-    code = "from jupyter_shard.launchers.zygote import _preload; print(repr(_preload()))"
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert done.stdout.strip() == "''"
-
-
-def test_a_loaded_driver_is_safe_to_fork_until_cuinit_in_this_process(tmp_path: Path) -> None:
-    fake = fake_driver(tmp_path / "lib")
-    # Loaded as torch loads it (a plain dlopen), asked before and after cuInit.
-    code = f"import ctypes; driver = ctypes.CDLL({str(fake)!r}); {CHECK}; driver.cuInit(0); {CHECK}"
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
-    )
-    before, after = done.stdout.splitlines()
-    assert before == "''"
-    assert after == repr(f"cuInit ran in {fake}: cuDeviceGetCount answers 0, not 3")
-
-
-def test_a_loaded_library_that_cannot_be_asked_is_not_safe_to_fork(tmp_path: Path) -> None:
-    import _json
-
-    fake = tmp_path.resolve() / "libcuda.so.1"  # a real shared library under the driver's name, no API
-    shutil.copy(_json.__file__, fake)
-    code = f"import ctypes; ctypes.CDLL({str(fake)!r}); {CHECK}"
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
-    )
-    assert ast.literal_eval(done.stdout) == (
-        f"{fake} is loaded and cannot be asked whether cuInit ran: {fake}: undefined symbol: cuDeviceGetCount"
-    )
-
-
-CHECK = "from jupyter_shard.launchers.zygote import cuda_driver_state; print(repr(cuda_driver_state()))"
