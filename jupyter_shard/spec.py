@@ -41,7 +41,8 @@ __all__ = [
 ]
 
 LAUNCHER_GROUP = "jupyter_shard.launchers"  # the entry-point group of launchers a site installs
-BUILTIN_LAUNCHERS = ("local", "torchrun", "slurm")
+BUILTIN_LAUNCHERS = ("local", "torchrun", "slurm")  # the launcher registry's built-ins, by name
+UNKNOWN_LAUNCHER = "--launcher {name!r} is not installed; available: {available}"  # the registry's error
 DEFAULT_TIMEOUT = 60.0
 MAX_RANKS = 1 << 16
 
@@ -96,7 +97,7 @@ def launcher_names() -> list[str]:
 def _launcher_name(name: str) -> str:
     names = launcher_names()
     if name not in names:
-        raise SpecError(f"--launcher {name!r} is not installed; available: {', '.join(names)}")
+        raise SpecError(UNKNOWN_LAUNCHER.format(name=name, available=", ".join(names)))
     return name
 
 

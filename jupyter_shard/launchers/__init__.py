@@ -1,8 +1,9 @@
 """Launchers start and signal rank processes; nothing else in the package does.
 
 A launcher is a plugin: the built-in ``local`` one spawns ranks on this host, and a site can add its
-own (Kubernetes, MPI, ...) through the ``jupyter_shard.launchers`` entry-point group. Each gives back
-one :class:`RankHandle` per rank, a Popen-shaped object the pool polls and signals.
+own (Kubernetes, MPI, ...) through the ``jupyter_shard.launchers`` entry-point group, found by the
+registry strategies use too (:class:`~jupyter_shard._util.plugins.Registry`). Each gives back one
+:class:`RankHandle` per rank, a Popen-shaped object the pool polls and signals.
 
 Each launcher owns its options (``--hosts``, ``--partition``...): :func:`resolve_spec` builds a
 spec from everything the user typed, handing each launcher what is its own, and
@@ -16,41 +17,33 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from jupyter_shard._util.plugins import entry_point_map
+from jupyter_shard._util.plugins import Registry
 from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
 from jupyter_shard.launchers.local import LocalLauncher
 from jupyter_shard.launchers.slurm import SlurmLauncher
 from jupyter_shard.launchers.torchrun import TorchrunLauncher
-from jupyter_shard.spec import LAUNCHER_GROUP, LauncherOptions, LaunchSpec, SpecError
+from jupyter_shard.spec import LAUNCHER_GROUP, UNKNOWN_LAUNCHER, LauncherOptions, LaunchSpec, SpecError
 
 __all__ = ["Launcher", "RankHandle", "RankLaunch", "get_launcher", "merge_spec", "resolve_spec"]
 
 ENTRY_POINT_GROUP = LAUNCHER_GROUP
 
-
-def _registry() -> dict[str, type[Launcher]]:
-    found: dict[str, type[Launcher]] = {
-        "local": LocalLauncher,
-        "torchrun": TorchrunLauncher,
-        "slurm": SlurmLauncher,
-    }
-    for name, ep in entry_point_map(ENTRY_POINT_GROUP).items():
-        if name not in found:
-            found[name] = ep.load()
-    return found
+_launchers: Registry[type[Launcher]] = Registry(
+    ENTRY_POINT_GROUP,
+    {"local": LocalLauncher, "torchrun": TorchrunLauncher, "slurm": SlurmLauncher},
+    unknown=UNKNOWN_LAUNCHER,
+    error=SpecError,
+)
 
 
 def get_launcher(name: str) -> Launcher:
-    registry = _registry()
-    if name not in registry:
-        raise SpecError(f"--launcher {name!r} is not installed; available: {', '.join(sorted(registry))}")
-    return registry[name]()
+    return _launchers.get(name)()
 
 
 def resolve_spec(launcher: str = "local", nodes: int = 1, **options: Any) -> LaunchSpec:
     """:meth:`LaunchSpec.create` that also takes the launchers' own options by name (``hosts=``,
     ``interface=``, ``partition=``, ``time_limit=``, ``account=``) and has the launcher check them."""
-    registry = _registry()
+    registry = _launchers.loaded()
     owned = _owners(registry)
     given = {k: options.pop(k) for k in list(options) if k in owned and options[k] is not None}
     if nodes < 1:
@@ -79,7 +72,7 @@ def merge_spec(spec: LaunchSpec, changes: Mapping[str, object]) -> LaunchSpec:
 
 
 def _merge(spec: LaunchSpec, changes: Mapping[str, object]) -> LaunchSpec:
-    registry = _registry()
+    registry = _launchers.loaded()
     owned = _owners(registry)
     given = {k: v for k, v in changes.items() if k in owned and v is not None}
     rest = {k: v for k, v in changes.items() if k not in owned}
@@ -118,7 +111,7 @@ def _parse(
 
 def _not_here(name: str, launchers: list[str]) -> str:
     """``--hosts applies only to --launcher torchrun (one host per node)``."""
-    for cls in _registry().values():
+    for cls in _launchers.loaded().values():
         for f in fields(cls.options_type):
             if f.name == name:
                 option = f.metadata.get("option", "--" + name.replace("_", "-"))

@@ -7,10 +7,9 @@ that the kernel never imports torch through this module.
 
 from __future__ import annotations
 
-from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from jupyter_shard._util.plugins import entry_point_map
+from jupyter_shard._util.plugins import Registration, Registry
 
 if TYPE_CHECKING:
     from jupyter_shard.strategies.base import StrategyBase
@@ -25,42 +24,35 @@ _BUILTIN: dict[str, str] = {
     "fsdp": "jupyter_shard.strategies.fsdp:FSDPStrategy",
     "deepspeed": "jupyter_shard.strategies.deepspeed:DeepSpeedStrategy",
 }
-_registered: dict[str, tuple[type[StrategyBase], dict[str, Any]]] = {}
+# What register_strategy registered in this process. The registry reads this module's dict on each
+# use (registered=): an exported script registers into it, and tests put their own in its place.
+_registered: dict[str, Registration[type[StrategyBase]]] = {}
+_strategies: Registry[type[StrategyBase]] = Registry(
+    ENTRY_POINT_GROUP,
+    _BUILTIN,
+    unknown="strategy {name!r} is not installed in this version of jupyter_shard; available: {available}",
+    registered=lambda: _registered,
+)
 
 
 def register_strategy(name: str, cls: type[StrategyBase], **defaults: Any) -> None:
     """Make ``--strategy name`` build ``cls(**defaults, **options)`` on every rank."""
-    _registered[name] = (cls, defaults)
+    _strategies.register(name, cls, **defaults)
 
 
 def registered(name: str) -> tuple[type[StrategyBase], dict[str, Any]] | None:
     """``(class, defaults)`` if ``name`` was registered with :func:`register_strategy` in this process."""
-    return _registered.get(name)
-
-
-def _entry_points() -> dict[str, str]:
-    return {name: ep.value for name, ep in entry_point_map(ENTRY_POINT_GROUP).items()}
+    return _strategies.registration(name)
 
 
 def available_strategies() -> list[str]:
-    return sorted({*_BUILTIN, *_entry_points(), *_registered})
+    return _strategies.available()
 
 
 def strategy_class(name: str) -> type[StrategyBase]:
     """The class (or factory) registered for ``name``; a clear error listing what is installed."""
-    if name in _registered:
-        return _registered[name][0]
-    target = _BUILTIN.get(name) or _entry_points().get(name)
-    if target is None:
-        raise ValueError(
-            f"strategy {name!r} is not installed in this version of jupyter_shard; "
-            f"available: {', '.join(available_strategies())}"
-        )
-    module, _, attr = target.partition(":")
-    factory: type[StrategyBase] = getattr(import_module(module), attr)
-    return factory
+    return _strategies.get(name)
 
 
 def create_strategy(name: str, **options: Any) -> StrategyBase:
-    defaults = _registered[name][1] if name in _registered else {}
-    return strategy_class(name)(**{**defaults, **options})
+    return strategy_class(name)(**{**_strategies.defaults(name), **options})

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from jupyter_shard import strategies
-from jupyter_shard.strategies import available_strategies, create_strategy, register_strategy
+from jupyter_shard.strategies import (
+    available_strategies,
+    create_strategy,
+    register_strategy,
+    strategy_class,
+)
 from jupyter_shard.strategies.base import NoStrategy, StrategyBase
 from jupyter_shard.strategies.ddp import DDPStrategy
 
@@ -64,6 +71,28 @@ def test_registered_strategy_can_override_a_builtin_name() -> None:
     register_strategy("ddp", _Custom)
     assert isinstance(create_strategy("ddp"), _Custom)
     assert available_strategies().count("ddp") == 1
+
+
+def test_a_strategy_installed_as_an_entry_point_is_listed_and_loaded_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    info = tmp_path / "unit_strategy-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Name: unit-strategy\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[jupyter_shard.strategies]\nsitewide = unit_strategy:Site\n")
+    (tmp_path / "unit_strategy.py").write_text(
+        "from jupyter_shard.strategies.base import NoStrategy\nclass Site(NoStrategy):\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert (
+            "sitewide" in available_strategies() and "unit_strategy" not in sys.modules
+        )  # read, not imported
+        assert type(create_strategy("sitewide")).__name__ == "Site"
+        register_strategy("sitewide", _Custom)  # what this process registers comes first
+        assert strategy_class("sitewide") is _Custom
+    finally:
+        sys.modules.pop("unit_strategy", None)
 
 
 def test_ddp_rejects_unknown_options() -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import signal
 
+import pytest
+
+from jupyter_shard.errors import SpecError
 from jupyter_shard.launchers.slurm import SlurmLauncher
 from jupyter_shard.launchers.torchrun import TorchrunLauncher
 
@@ -27,3 +30,16 @@ def test_the_launcher_contract_answers_what_the_pool_asks_without_names() -> Non
     torchrun.signal_rank(3, signal.SIGINT)
     slurm.signal_rank(4, signal.SIGTERM)
     assert sent == [(3, signal.SIGINT), (4, signal.SIGTERM)]
+
+
+def test_an_unknown_launcher_is_one_spec_error_naming_the_installed_ones() -> None:
+    from jupyter_shard.launchers import get_launcher
+    from jupyter_shard.spec import LaunchSpec, launcher_names
+
+    with pytest.raises(SpecError) as asked:
+        get_launcher("k8s")
+    assert str(asked.value) == f"--launcher 'k8s' is not installed; available: {', '.join(launcher_names())}"
+    assert {"local", "torchrun", "slurm"} <= set(launcher_names())
+    with pytest.raises(SpecError) as checked:
+        LaunchSpec.create(launcher="k8s", gpu_count=0)
+    assert str(checked.value) == str(asked.value)  # the spec and the registry say the same
