@@ -1,20 +1,22 @@
 """Run every benchmark, then assemble their sections into ``benchmarks/RESULTS.md`` with a summary of targets.
 
-Each benchmark is a script in this folder that takes ``--results PATH`` (the markdown section it
-writes) and ``--quick`` (a smoke run with few repeats), draws its plots beside that file as
+Each benchmark is a folder here, run as ``python -m benchmarks.<name>``, that takes ``--results PATH``
+(the markdown section it writes) and ``--quick`` (a smoke run with few repeats), draws its plots
+beside that file as
 ``<name>-*.png`` linked relatively, and ends its section with one machine-readable line per target::
 
     <!-- target: <what is promised> | <measured value> | met -->
 
-(the last field is ``met``, ``not met`` or ``n/a``; see ``benchmarks/README.md``). This script runs
-them one after another (never two at once), collects those lines into one table at the top of
+(the last field is ``met``, ``not met`` or ``n/a``; see ``benchmarks/README.md``). This runs them
+one after another (never two at once), collects those lines into one table at the top of
 ``RESULTS.md`` and appends every section, headings demoted one level and links rewritten to stay
-valid. ``strategies.py`` predates the format: its targets are read from its table here.
+valid. Sections of ``strategies`` written before it wrote target lines have their targets read from
+its table here.
 
-    .venv/bin/python benchmarks/run_all.py                  # everything, full settings
-    .venv/bin/python benchmarks/run_all.py --only dispatch  # one benchmark; RESULTS.md keeps the others
-    .venv/bin/python benchmarks/run_all.py --quick          # smoke run into a temporary folder
-    .venv/bin/python benchmarks/run_all.py --assemble-only  # rebuild RESULTS.md from results/
+    .venv/bin/python -m benchmarks.run_all                  # everything, full settings
+    .venv/bin/python -m benchmarks.run_all --only dispatch  # one benchmark; RESULTS.md keeps the others
+    .venv/bin/python -m benchmarks.run_all --quick          # smoke run into a temporary folder
+    .venv/bin/python -m benchmarks.run_all --assemble-only  # rebuild RESULTS.md from results/
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from _running import other_runs
+from benchmarks.common import TARGET_LINE, cpu, git_revision, load_average, other_runs
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -44,12 +46,16 @@ class Benchmark:
     quick: tuple[str, ...] = ("--quick",)  # arguments of a smoke run
     optional: bool = False  # written by someone else; skipped (and said so) while absent
     args: tuple[str, ...] = ()  # arguments of a full run
-    script_name: str = ""  # the script, when several sections come from one script
+    module: str = ""  # the benchmark's folder, when several sections come from one benchmark
     elsewhere: str = ""  # how it runs when it cannot run here (run_all only assembles its section)
 
     @property
     def script(self) -> Path:
-        return HERE / f"{self.script_name or self.name}.py"
+        return HERE / (self.module or self.name) / "__main__.py"
+
+    @property
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", f"benchmarks.{self.module or self.name}"]
 
 
 BENCHMARKS = (
@@ -75,17 +81,14 @@ BENCHMARKS = (
             f"Faults injected for 30 minutes at {n} ranks: time back to a working cell",
             quick=("--minutes", "1", "--nproc", str(n)),
             args=("--minutes", "30", "--nproc", str(n), "--seed", "19"),
-            script_name="soak",
+            module="soak",
         )
         for n in (3, 4)
     ),
 )
 NAMES = [b.name for b in BENCHMARKS]
 
-TARGET_LINE = re.compile(
-    r"^<!--\s*target:\s*(?P<name>[^|]+?)\s*\|\s*(?P<value>[^|]*?)\s*\|\s*(?P<met>met|not met|n/a)\s*-->\s*$"
-)
-STRATEGY_THROUGHPUT = 0.98  # issue 8: training throughput ≥ 0.98 of torchrun's, every strategy
+STRATEGY_THROUGHPUT = 0.98  # training throughput ≥ 0.98 of torchrun's, every strategy
 
 
 @dataclass
@@ -99,19 +102,13 @@ class Target:
 # -- running ------------------------------------------------------------------------------------------
 
 
-def load_average() -> str:
-    with contextlib.suppress(OSError):
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    return "unknown"
-
-
 def run_one(bench: Benchmark, out: Path, quick: bool) -> str:
     """Run one benchmark script; '' when it succeeded, otherwise why not."""
     if not bench.script.exists():
         return f"`{bench.script.relative_to(ROOT)}` is not there yet"
     if quick and bench.quick == ("--quick",) and "--quick" not in bench.script.read_text():
         return "it has no `--quick` option yet, so a quick run leaves it out"
-    argv = [sys.executable, str(bench.script), "--results", str(out / f"{bench.name}.md")]
+    argv = [*bench.command, "--results", str(out / f"{bench.name}.md")]
     argv += list(bench.quick if quick else bench.args)
     print(f"== {bench.name}: {' '.join(argv[1:])}", flush=True)
     t0 = time.monotonic()
@@ -140,7 +137,7 @@ def targets_of(bench: Benchmark, text: str) -> list[Target]:
 
 
 def strategy_targets(text: str) -> list[Target]:
-    """``strategies.py`` writes no target lines: its throughput ratio column, checked against issue 8."""
+    """A ``strategies`` section without target lines: its throughput ratio column, against the target."""
     found, column = [], -1
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -199,27 +196,6 @@ def written(path: Path) -> dt.datetime:
     return dt.datetime.fromtimestamp(stamp, dt.timezone.utc)
 
 
-def git_revision() -> str:
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
-        )
-    except OSError:
-        return "unknown"
-    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
-
-
-def cpu() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} logical cores"
-    return f"{os.cpu_count()} logical cores"
-
-
 def assemble(
     out: Path,
     summary: Path,
@@ -250,7 +226,7 @@ def assemble(
     lines = [
         "# Benchmark results",
         "",
-        "Assembled by `.venv/bin/python benchmarks/run_all.py` from the sections in "
+        "Assembled by `.venv/bin/python -m benchmarks.run_all` from the sections in "
         f"`{os.path.relpath(out, summary.parent)}/`; each section describes its machine, settings and load.",
         "",
         f"- Assembled: {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, "

@@ -16,7 +16,7 @@ pages, shared ones counted in full), USS (pages only this process holds) and PSS
 among the processes sharing them). Forked ranks share the zygote's pages, so their USS and PSS fall
 while RSS does not. The helper beside the ranks is measured too: the zygote, and torchrun's agent.
 Writes ``benchmarks/results/memory.md`` and ``memory-per-rank.png``.
-Run: ``.venv/bin/python benchmarks/memory.py [--rounds 3]``.
+Run: ``.venv/bin/python -m benchmarks.memory [--rounds 3]``.
 """
 
 from __future__ import annotations
@@ -31,17 +31,14 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import psutil
-from _running import other_runs
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks.common import RESULTS, LoadWatch, pyplot, target_table, write_section
+
 NPROC = 2
 TARGET_MB = 50.0
 METRICS = ("rss", "uss", "pss")
@@ -70,6 +67,8 @@ for _ in range({steps}):
 """
 MEASURE = """
 import psutil
+
+from benchmarks.common import RESULTS, LoadWatch, pyplot, target_table, write_section
 gc.collect()
 mem = psutil.Process().memory_full_info()
 split = dict(line.split(":") for line in open("/proc/self/status") if line.startswith(("RssAnon", "RssFile")))
@@ -87,22 +86,6 @@ while not os.path.exists({release!r}):  # stay alive while the agent is measured
     time.sleep(0.05)
 dist.destroy_process_group()
 """
-
-
-class LoadWatch(threading.Thread):
-    """The 1-minute load average every 5 s, and other test or benchmark runs seen meanwhile."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.loads: list[float] = []
-        self.others: set[str] = set()
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopped.is_set():
-            self.loads.append(os.getloadavg()[0])
-            self.others |= other_runs()
-            self.stopped.wait(5.0)
 
 
 def _memory(proc: psutil.Process) -> dict[str, int]:
@@ -178,9 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps = 1, 5
-    began, load_before = time.monotonic(), os.getloadavg()
-    watch = LoadWatch()
-    watch.start()
     cells = [
         textwrap.dedent(SETUP).format(width=args.width, batch=args.batch),
         textwrap.dedent(TRAIN).format(steps=args.steps),
@@ -188,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     runs: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in VARIANTS}
     helpers: dict[str, list[dict[str, int]]] = {v: [] for v in VARIANTS}
-    with tempfile.TemporaryDirectory(prefix="jsbench-mem-") as tmp:
+    with LoadWatch() as watch, tempfile.TemporaryDirectory(prefix="jsbench-mem-") as tmp:
         scratch = Path(tmp)
         for round_ in range(args.rounds):
             for variant in VARIANTS:
@@ -210,21 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     helper_medians = {
         v: {m: statistics.median(h[m] for h in hs) for m in METRICS} for v, hs in helpers.items() if all(hs)
     }
-    watch.stopped.set()
     meta = {
         "loads": watch.loads,
         "others": watch.others,
-        "load_before": load_before,
-        "load_after": os.getloadavg(),
-        "run_s": time.monotonic() - began,
+        "load_before": watch.before,
+        "load_after": watch.after,
+        "run_s": watch.seconds,
     }
-    text = report(args, medians, helper_medians, meta)
-    print(text)
+    write_section(report(args, medians, helper_medians, meta), args.results)
     if args.results != "-":
-        path = Path(args.results)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        plot(medians, path.with_name("memory-per-rank.png"))
+        plot(medians, Path(args.results).with_name("memory-per-rank.png"))
     return 0
 
 
@@ -326,8 +301,6 @@ def report(
         "",
         "## Targets",
         "",
-        "| target (issue 8) | measured | |",
-        "|---|---|---|",
     ]
     targets = [
         (
@@ -337,17 +310,12 @@ def report(
         )
         for v, o in over.items()
     ]
-    lines += [f"| {name} | {value} | {'met' if met else 'not met'} |" for name, value, met in targets]
-    lines += ["", *[f"<!-- target: {n} | {v} | {'met' if m else 'not met'} -->" for n, v, m in targets]]
+    lines += target_table(targets)
     return "\n".join(lines) + "\n"
 
 
 def plot(medians: dict[str, dict[int, dict[str, float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
     bars = [(v, k) for v in VARIANTS for k in range(NPROC)]
     width = 0.8 / len(bars)

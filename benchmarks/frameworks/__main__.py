@@ -10,7 +10,7 @@ once:
 - **torchrun**: ``python -m torch.distributed.run --standalone --nproc-per-node 2`` runs a script
   made of the identical code.
 
-The two take turns step by step as in ``strategies.py`` (whose helpers this script imports): a
+The two take turns step by step as in ``strategies/interleave.py`` (whose helpers this script imports): a
 Lightning callback on each side's rank 0 waits for its turn on a named pipe, stops the other side's
 ranks (SIGSTOP) while its own step runs, and hands the turn over after it. Which side starts and takes
 the first turn alternates from round to round. A timed step is one whole turn of Lightning's training
@@ -21,7 +21,7 @@ pool Lightning also feeds the dashboard's logger). ``--warmup`` steps are not ti
 It reports the median step time on each side per round and over all rounds, and the throughput ratio
 torchrun step time / jupyter_shard step time (1.0: no overhead; target ≥ 0.98), taken within each
 round and given as the median over rounds. Run:
-``.venv/bin/python benchmarks/frameworks.py [--rounds 10] [--steps 30] [--warmup 5] [--width 1024]``
+``.venv/bin/python -m benchmarks.frameworks [--rounds 10] [--steps 30] [--warmup 5] [--width 1024]``
 (writes ``benchmarks/results/frameworks.md``; ``--results -`` only prints).
 """
 
@@ -40,21 +40,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _running import other_runs
-from run_all import cpu
-from strategies import (
+from benchmarks.common import RESULTS, ROOT, LoadWatch, cpu, format_loads, target_table, write_section
+from benchmarks.strategies.interleave import (
     PATIENCE,
-    ROOT,
     THROUGHPUT_TARGET,
-    _cpu,
-    _loads,
-    _paired,
-    _step_times,
+    cpu_per_step,
     interleave,
+    paired_ratios,
     run_pool,
+    step_times,
 )
-
-RESULTS = ROOT / "benchmarks" / "results" / "frameworks.md"
 
 # The code both sides run: a cell on the pool, a script under torchrun. It ends with ``report`` (JSON)
 # on every rank. The ``Turns`` callback does the turn-taking and the timing (see the module docstring).
@@ -219,7 +214,7 @@ def run_round(
 def _command(argv: list[str]) -> str:
     python = Path(sys.executable)
     shown = os.path.relpath(python, ROOT) if python.is_relative_to(ROOT) else str(python)
-    return shlex.join([shown, "benchmarks/frameworks.py", *argv])
+    return shlex.join([shown, "-m", "benchmarks.frameworks", *argv])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64, help="per rank")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 rounds of 4 small steps")
-    parser.add_argument("--results", default=str(RESULTS), help="markdown file to write; - only prints")
+    parser.add_argument(
+        "--results", default=str(RESULTS / "frameworks.md"), help="markdown file to write; - only prints"
+    )
     args = parser.parse_args(argv)
     command = _command(sys.argv[1:] if argv is None else argv)
     if args.quick:
@@ -240,8 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ours: list[list[dict[str, Any]]] = []
     theirs: list[list[dict[str, Any]]] = []
     firsts: list[str] = []
-    load_before, others, t0 = os.getloadavg(), other_runs(), time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="jsbench-") as tmp:
+    with LoadWatch() as watch, tempfile.TemporaryDirectory(prefix="jsbench-") as tmp:
         for round_ in range(args.rounds):  # which side starts and takes the first turn alternates
             pool_first = round_ % 2 == 0
             firsts.append("jupyter_shard" if pool_first else "torchrun")
@@ -249,18 +245,9 @@ def main(argv: list[str] | None = None) -> int:
             mine, other = run_round(params, Path(tmp), pool_first)
             ours.append(mine)
             theirs.append(other)
-            a, b = (statistics.median(_step_times([r])) for r in (mine, other))
+            a, b = (statistics.median(step_times([r])) for r in (mine, other))
             print(f"round {round_ + 1}: step {a * 1e3:.1f} ms against {b * 1e3:.1f} ms", flush=True)
-            others |= other_runs()
-    machine = {
-        "loads": (load_before, os.getloadavg()),
-        "others": sorted(others),
-        "seconds": time.monotonic() - t0,
-    }
-    text = "\n".join(_report(ours, theirs, firsts, args, command, machine)) + "\n"
-    print(text)
-    if args.results != "-":
-        Path(args.results).write_text(text)
+    write_section("\n".join(_report(ours, theirs, firsts, args, command, watch)) + "\n", args.results)
     return 0
 
 
@@ -270,27 +257,27 @@ def _report(
     firsts: list[str],
     args: argparse.Namespace,
     command: str,
-    machine: dict[str, Any],
+    watch: LoadWatch,
 ) -> list[str]:
     import lightning
     import torch
 
-    paired = _paired(ours, theirs)
+    paired = paired_ratios(ours, theirs)
     ratio, lo, hi = statistics.median(paired), min(paired), max(paired)
-    step_ours, step_theirs = statistics.median(_step_times(ours)), statistics.median(_step_times(theirs))
-    cpu_ratio = statistics.median(_cpu(theirs)) / statistics.median(_cpu(ours))
+    step_ours, step_theirs = statistics.median(step_times(ours)), statistics.median(step_times(theirs))
+    cpu_ratio = statistics.median(cpu_per_step(theirs)) / statistics.median(cpu_per_step(ours))
     pool_rank, torchrun_rank = ours[0][0], theirs[0][0]
-    others = ", ".join(machine["others"]) or "none"
+    others = ", ".join(sorted(watch.others)) or "none"
     lines = [
         "# Frameworks: a Lightning Trainer under `%%distributed` vs the same script under torchrun",
         "",
         f"Produced by `{command}`; how to read it: `benchmarks/README.md`.",
         "",
-        f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; whole run {machine['seconds']:.0f} s",
+        f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; whole run {watch.seconds:.0f} s",
         f"- CPU: {cpu()}; {platform.platform()}; Python {platform.python_version()}",
         f"- torch {torch.__version__}, lightning {lightning.__version__}",
-        f"- Load average (1, 5, 15 min) before {_loads(machine['loads'][0])}, "
-        f"after {_loads(machine['loads'][1])}; other benchmarks or test runs seen: {others}",
+        f"- Load average (1, 5, 15 min) before {format_loads(watch.before)}, "
+        f"after {format_loads(watch.after)}; other benchmarks or test runs seen: {others}",
         "",
         '`lightning.Trainer(accelerator="cpu", devices=2, strategy="ddp", '
         f"max_steps={args.warmup + args.steps}, log_every_n_steps=1, logger=False, ...).fit(...)` "
@@ -325,8 +312,8 @@ def _report(
         "|---:|---|---:|---:|---:|---:|",
     ]
     for i, (mine, other) in enumerate(zip(ours, theirs, strict=True)):
-        a, b = statistics.median(_step_times([mine])), statistics.median(_step_times([other]))
-        c = statistics.median(_cpu([other])) / statistics.median(_cpu([mine]))
+        a, b = statistics.median(step_times([mine])), statistics.median(step_times([other]))
+        c = statistics.median(cpu_per_step([other])) / statistics.median(cpu_per_step([mine]))
         lines.append(f"| {i + 1} | {firsts[i]} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.3f} | {c:.3f} |")
     lines += [
         f"| **median** | | **{step_ours * 1e3:.1f}** | **{step_theirs * 1e3:.1f}** | **{ratio:.3f}** "
@@ -338,14 +325,9 @@ def _report(
         "",
         "### Targets",
         "",
-        "| target | measured | |",
-        "|---|---|---|",
     ]
     name = f"Lightning Trainer throughput ≥ {THROUGHPUT_TARGET} of torchrun's, ddp, 2 CPU ranks"
-    value = f"{ratio:.3f} ({lo:.3f}–{hi:.3f})"
-    met = "met" if ratio >= THROUGHPUT_TARGET else "not met"
-    lines += [f"| {name} | {value} | {met} |", "", f"<!-- target: {name} | {value} | {met} -->"]
-    return lines
+    return [*lines, *target_table([(name, f"{ratio:.3f} ({lo:.3f}–{hi:.3f})", ratio >= THROUGHPUT_TARGET)])]
 
 
 if __name__ == "__main__":

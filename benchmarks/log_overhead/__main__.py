@@ -18,8 +18,8 @@ messages with its figure; the most in any 1-second window, and the mean rate), a
 logged record arrived in the kernel's history. The markdown table goes to stdout and to
 ``--results`` (default ``benchmarks/LOGGING.md``).
 
-(Not named ``logging.py``: in this folder that name would shadow the standard library's ``logging``
-for every script here, since a script's own folder comes first on ``sys.path``.)
+(Not named ``logging``: a ``benchmarks/logging.py`` would shadow the standard library's ``logging``
+for any script run by path from this folder, whose own folder comes first on ``sys.path``.)
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-from jupyter_client.manager import KernelManager
+from benchmarks.common import ROOT, LoadWatch, write_section
+from benchmarks.common.kernel import start_kernel
 
 SETUP = """%%distributed --nproc {nproc} --device cpu --no-dashboard
 import time, torch
@@ -76,12 +76,7 @@ PAIRED_LINE = re.compile(r"\[rank (\d+)\] PAIRED ([0-9.]+) ([0-9.]+) ([0-9.]+)")
 
 class Kernel:
     def __init__(self) -> None:
-        self.km = KernelManager(kernel_name="python3")
-        self.km.kernel_cmd = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-        self.km.start_kernel(env={**os.environ, "JUPYTER_SHARD_LOG_DIR": tempfile.mkdtemp()})
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=60)
+        self.km, self.kc = start_kernel({"JUPYTER_SHARD_LOG_DIR": tempfile.mkdtemp()})
 
     def execute(self, code: str) -> tuple[str, list[float]]:
         """Run a cell; its stdout, and the arrival times of dashboard redraws during it."""
@@ -127,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=60, help="block pairs per paired cell")
     parser.add_argument("--block", type=int, default=2000, help="steps per block")
     parser.add_argument("--size", type=int, default=0, help="matmul size (0: pick for ~100 µs a step)")
-    parser.add_argument("--results", default=str(Path(__file__).with_name("LOGGING.md")))
+    parser.add_argument("--results", default=str(ROOT / "benchmarks" / "LOGGING.md"))
     args = parser.parse_args(argv)
-    load_before = os.getloadavg()
+    watch = LoadWatch().start()
     kernel = Kernel()
     try:
         kernel.execute("%load_ext jupyter_shard")
@@ -160,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         expected = args.repeats * args.nproc * (args.steps + args.pairs * args.block)
     finally:
         kernel.close()
+        watch.stop()
     plain_us, logged_us = statistics.median(plain), statistics.median(logged)
     ratio = statistics.median(r for _, _, r in paired)
     rows = [
@@ -189,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.nproc} CPU ranks, matmul {size}×{size}, "
         f"{args.repeats} paired cells of {args.pairs} × 2 blocks of {args.block} steps, "
         f"{args.repeats} separate cells of {args.steps} steps each way; "
-        f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}"
+        f"load average before {watch.before[0]:.2f}, after {watch.after[0]:.2f}; other benchmarks or "
+        f"test runs seen: {', '.join(sorted(watch.others)) or 'none'}"
     )
     report = (
         f"# shard.log overhead and dashboard message rate\n\n{dt.date.today()}: {machine}\n\n{table}\n\n"
@@ -197,9 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Separate-cell step times (µs), no logging: {', '.join(f'{t:.1f}' for t in plain)}\n\n"
         f"Separate-cell step times (µs), logging: {', '.join(f'{t:.1f}' for t in logged)}\n"
     )
-    print(report)
-    if args.results != "-":
-        Path(args.results).write_text(report)
+    write_section(report, args.results)
     return 0
 
 

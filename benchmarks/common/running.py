@@ -1,7 +1,4 @@
-"""Which other test or benchmark runs share the cores with this one (they skew timings).
-
-Imported by the benchmark scripts of this folder (a script's own folder is first on ``sys.path``).
-"""
+"""Which other test or benchmark runs share the cores with this one (they skew timings)."""
 
 from __future__ import annotations
 
@@ -10,11 +7,13 @@ import os
 import re
 from pathlib import Path
 
-_SCRIPT = re.compile(rb"benchmarks/(\w+\.py)$")
+# A benchmark as ``python -m benchmarks.dispatch`` runs it, or by path (``benchmarks/dispatch.py`` of
+# an older checkout, ``benchmarks/gpu_check.py``).
+_SCRIPT = re.compile(rb"^benchmarks\.(\w+)$|benchmarks/(\w+)(?:/__main__)?\.py$")
 
 
 def _ours() -> set[int]:
-    """This process, its ancestors (a ``run_all.py``, ``timeout`` or shell that started it) and its
+    """This process, its ancestors (a ``run_all``, ``timeout`` or shell that started it) and its
     descendants (ranks, engines and kernels it started)."""
     mine, pid = set(), os.getpid()
     while pid > 1:
@@ -31,14 +30,14 @@ def _ours() -> set[int]:
 
 
 def other_runs() -> set[str]:
-    """Benchmark scripts of this folder (by file name) and pytest runs in processes not this run's."""
+    """Benchmarks of this folder (by name) and pytest runs in processes not this run's."""
     mine, found = _ours(), set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) in mine:
             continue
         with contextlib.suppress(OSError):
             argv = (proc / "cmdline").read_bytes().split(b"\0")
-            found.update(m[1].decode(errors="replace") for a in argv if (m := _SCRIPT.search(a)))
+            found.update((m[1] or m[2]).decode(errors="replace") for a in argv if (m := _SCRIPT.search(a)))
             if any(Path(a.decode(errors="replace")).name == "pytest" or a == b"pytest" for a in argv):
                 found.add("pytest")
     return found

@@ -8,32 +8,26 @@ under ``shard.init_module()`` and the cell built normally, one after the other. 
 rank's resident memory above the cell's start (``VmHWM``, reset at the start) once the phase is done,
 so it includes the phases before it; the table gives the larger rank's, median over repeats, in GB
 and as a multiple of the model's bytes ``M``. Writes ``benchmarks/results/bigmodel.md``.
-Run: ``.venv/bin/python benchmarks/bigmodel.py [--repeats 3]``.
+Run: ``.venv/bin/python -m benchmarks.bigmodel [--repeats 3]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from _running import other_runs
-from run_all import cpu
+from benchmarks.common import RESULTS, LoadWatch, cpu, format_loads, target_table, write_section
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results" / "bigmodel.md"
 NPROC = 2
 PHASES = ("build", "prepare", "step")
 STRATEGIES = {"fsdp": ("fsdp", {}), "ZeRO-3": ("deepspeed", {"zero_stage": 3})}
-TARGET = 0.6  # issue 18: building and preparing under init_module raises a rank's peak by ≤ 60 % of M
+TARGET = 0.6  # building and preparing under init_module raises a rank's peak by ≤ 60 % of M
 
 
 def formula(strategy: str, sharded: bool, n: int, layer: float) -> dict[str, str]:
@@ -80,26 +74,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=22)
     parser.add_argument("--quick", action="store_true", help="smoke run: one repeat of a 34 MB model")
-    parser.add_argument("--results", default=str(RESULTS), help="markdown file to write; - only prints")
+    parser.add_argument(
+        "--results", default=str(RESULTS / "bigmodel.md"), help="markdown file to write; - only prints"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.width, args.depth = 1, 1024, 8
-    load_before, others, t0 = os.getloadavg(), other_runs(), time.monotonic()
     results: dict[str, list[dict[bool, dict[int, Any]]]] = {name: [] for name in STRATEGIES}
-    for repeat in range(args.repeats):
-        for name, (strategy, options) in STRATEGIES.items():
-            print(f"repeat {repeat + 1}/{args.repeats}: {name} ...", flush=True)
-            results[name].append(measure(strategy, options, args.width, args.depth))
-            others |= other_runs()
-    machine = {
-        "loads": (load_before, os.getloadavg()),
-        "others": sorted(others),
-        "seconds": time.monotonic() - t0,
-    }
-    text = "\n".join(_report(results, args, machine)) + "\n"
-    print(text)
-    if args.results != "-":
-        Path(args.results).write_text(text)
+    with LoadWatch() as watch:
+        for repeat in range(args.repeats):
+            for name, (strategy, options) in STRATEGIES.items():
+                print(f"repeat {repeat + 1}/{args.repeats}: {name} ...", flush=True)
+                results[name].append(measure(strategy, options, args.width, args.depth))
+    write_section("\n".join(_report(results, args, watch)) + "\n", args.results)
     return 0
 
 
@@ -109,7 +96,7 @@ def _peak(repeats: list[dict[bool, dict[int, Any]]], sharded: bool, phase: str) 
 
 
 def _report(
-    results: dict[str, list[dict[bool, dict[int, Any]]]], args: argparse.Namespace, machine: dict[str, Any]
+    results: dict[str, list[dict[bool, dict[int, Any]]]], args: argparse.Namespace, watch: LoadWatch
 ) -> list[str]:
     import deepspeed
     import torch
@@ -117,19 +104,19 @@ def _report(
     first = next(iter(results["fsdp"][0][True].values()))
     m = float(first["model_bytes"])
     layer = 4.0 * args.width * args.width
-    loads = " / ".join(" ".join(f"{v:.2f}" for v in pair) for pair in machine["loads"])
+    loads = f"{format_loads(watch.before)} / {format_loads(watch.after)}"
     lines = [
         "# Big models: peak memory per rank, built under `shard.init_module()` and built normally",
         "",
-        "Produced by `.venv/bin/python benchmarks/bigmodel.py"
+        "Produced by `.venv/bin/python -m benchmarks.bigmodel"
         + (" --quick" if args.quick else f" --repeats {args.repeats}")
         + "`; how to read it: `benchmarks/README.md`.",
         "",
-        f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; whole run {machine['seconds']:.0f} s",
+        f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; whole run {watch.seconds:.0f} s",
         f"- CPU: {cpu()}; {platform.platform()}; Python {platform.python_version()}",
         f"- torch {torch.__version__}, deepspeed {deepspeed.__version__}",
         f"- Load average (1, 5, 15 min) before / after: {loads}; other benchmarks or test runs seen: "
-        f"{', '.join(machine['others']) or 'none'}",
+        f"{', '.join(sorted(watch.others)) or 'none'}",
         "",
         f"Model: {args.depth} blocks of Linear({args.width}, {args.width}) + LayerNorm, "
         f"M = {m / 1e9:.2f} GB in fp32, largest layer L = {layer / 1e6:.0f} MB; SGD, one step on a batch "
@@ -141,7 +128,7 @@ def _report(
         "| strategy | built | phase | peak (GB) | peak (M) | formula |",
         "|---|---|---|---:|---:|---|",
     ]
-    targets: list[tuple[str, str, bool]] = []
+    targets: list[tuple[str, str, bool | None]] = []
     for name, repeats in results.items():
         losses = {run[s][0]["loss"] for run in repeats for s in (True, False)}
         for sharded in (True, False):
@@ -171,13 +158,7 @@ def _report(
                 len(losses) == 1,
             )
         )
-    lines += ["", "### Targets", "", "| target | measured | |", "|---|---|---|"]
-    for what, value, met in targets:
-        lines.append(f"| {what} | {value} | {'met' if met else 'not met'} |")
-    lines.append("")
-    for what, value, met in targets:
-        lines.append(f"<!-- target: {what} | {value} | {'met' if met else 'not met'} -->")
-    return lines
+    return [*lines, "", "### Targets", "", *target_table(targets)]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Training throughput against torchrun, per strategy; run it as ``python -m benchmarks.strategies``."""
