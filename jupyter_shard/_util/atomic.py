@@ -1,4 +1,5 @@
-"""Files the kernel writes for the user (metrics CSV, strategy configs) appear whole or not at all."""
+"""Files the kernel writes for the user (metrics CSV, strategy configs, exported scripts) appear whole
+or not at all, with the mode a plain ``open()`` would have given them (the file replaced keeps its own)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,31 @@ def write_atomic(path: str | os.PathLike[str], content: str | Callable[[TextIO],
             else:
                 content(fh)
             fh.flush()
+            os.fchmod(fh.fileno(), _mode_for(target))  # mkstemp made it 0600
             os.fsync(fh.fileno())
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def _mode_for(target: Path) -> int:
+    """The permission bits of the file being replaced, else what ``open()`` gives a new file."""
+    try:
+        return target.stat().st_mode & 0o7777
+    except OSError:
+        return 0o666 & ~umask()
+
+
+def umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` can only be read by setting it,
+    which would race with other threads creating files)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022

@@ -80,18 +80,6 @@ def _write(path: Path, content: str | bytes) -> None:
         fh.buffer.write(content)
 
     write_atomic(path, write_bytes if isinstance(content, bytes) else content)
-    os.chmod(path, 0o666 & ~_umask())  # as a plain open() would have made it, not the temp file's 0600
-
-
-def _umask() -> int:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o022
 
 
 def _remove_stale(data_dir: Path, written: set[str]) -> None:
