@@ -90,7 +90,7 @@ class RankDebugRouter:
 
     async def process_request(self, message: dict[str, Any]) -> dict[str, Any]:
         pool = self.holder.pool
-        link = pool.cells.debug if pool is not None and pool.started else None
+        link = pool.debugger if pool is not None and pool.started else None
         command, args = message.get("command"), dict(message.get("arguments") or {})
         if link is None:
             return dict(await self._original(message))

@@ -122,9 +122,9 @@ class NotebookSink(RankSink):
         # text, and costs a round trip to ipykernel's I/O thread (~1 ms), so only when there is some.
         self.flush(streams=self._wrote)
 
-    def _write_lines(self, rank: int, name: str, lines: list[str]) -> None:
+    def write_lines(self, rank: int, name: str, lines: list[str]) -> None:
         if self._lines is None:
-            super()._write_lines(rank, name, lines)
+            super().write_lines(rank, name, lines)
         elif lines:
             self._lines.add(rank, name, lines)
 

@@ -20,16 +20,13 @@ import ast
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from jupyter_shard.notebook.args import magic_line, rank_code
 from jupyter_shard.pool.pool import Pool
 from jupyter_shard.spec import LaunchSpec
 
-if TYPE_CHECKING:
-    from jupyter_shard.notebook.magics import DistributedMagics
-
-__all__ = ["HeadStart", "Repeat"]
+__all__ = ["HeadStart", "Magics", "Repeat"]
 
 Handler = Callable[[Any, Any, dict[str, Any]], Awaitable[Any]]
 _EXPANDED = ("$", "{", "}")  # IPython expands variables in a magic's line where these appear
@@ -120,6 +117,23 @@ def transform_state(shell: Any) -> tuple[object, ...]:
     )
 
 
+class Magics(Protocol):
+    """What the head start reads of the magics (``DistributedMagics``; named here, not imported: the
+    magics import this module)."""
+
+    @property
+    def shell(self) -> Any: ...
+
+    @property
+    def pool(self) -> Pool | None: ...
+
+    @property
+    def default_line(self) -> str: ...
+
+    @property
+    def repeats(self) -> Repeats: ...
+
+
 class HeadStart:
     """Wraps the kernel's ``execute_request`` handler to send repeated ``%%distributed`` cells ahead.
 
@@ -129,7 +143,7 @@ class HeadStart:
 
     PREFIX = "%%distributed"
 
-    def __init__(self, kernel: Any, magics: DistributedMagics) -> None:
+    def __init__(self, kernel: Any, magics: Magics) -> None:
         self.kernel = kernel
         self.magics = magics
         self._original: Handler | None = None
@@ -164,7 +178,7 @@ class HeadStart:
         finally:  # an interrupt may come at any point, the send included
             pool, self._sending_to = self._sending_to, None
             if pool is not None:
-                pool.ahead.settle()  # taken by the magic in the normal course: then nothing to do
+                pool.settle_ahead()  # taken by the magic in the normal course: then nothing to do
 
     def _call(self, shell: Any, code: str) -> tuple[str, str, str] | None:
         """:func:`cell_magic_call`, kept for the last cell's text under the same transform."""
@@ -208,6 +222,6 @@ class HeadStart:
                 return
             code = rank_code(magic_line("distributed", repeat.line), call[2])  # as the magic makes it
             self._sending_to = repeat.pool
-            repeat.pool.ahead.send(code, repeat.ranks, repeat.timeout, shell.execution_count)
+            repeat.pool.send_ahead(code, repeat.ranks, repeat.timeout, shell.execution_count)
         except Exception as exc:  # the cell then runs as before, from the magic
             print(f"jupyter_shard: could not send the cell ahead: {exc!r}", file=sys.__stderr__)

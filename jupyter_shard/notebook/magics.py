@@ -80,7 +80,7 @@ class DistributedMagics(Magics):
         except SpecError as exc:
             raise UsageError(str(exc)) from None
         if self.pool is not None:
-            self.pool._refuse_while_background("run a cell")
+            self.pool.refuse_while_background("run a cell")
         unchanged = self.pool is not None and self.pool.started and spec == self.pool.spec
         pool = self._pool_for(spec)
         repeat = Repeat(line, self.default_line, pool, pool.spec, ranks, opts.timeout)
@@ -136,6 +136,11 @@ class DistributedMagics(Magics):
                 "(its traceback is under that cell)",
                 file=sys.stderr,
             )
+
+    def spec_for(self, line: str) -> LaunchSpec:
+        """The spec a ``%%distributed`` line asks for over the running pool's options (what a cell
+        with it would run on); a bad option is a :class:`SpecError` or a ``UsageError``."""
+        return self._resolve(parse_options(self._parser, line or self.default_line))
 
     def _resolve(self, opts: argparse.Namespace) -> LaunchSpec:
         """The spec this cell asks for: the options it names over the running pool's (``merged``)."""
@@ -279,7 +284,7 @@ class DistributedMagics(Magics):
             )
         if opts.gather:
             value = pool.pull(opts.name, gather=True, device=opts.device)
-            moved = pool.values.last
+            moved = pool.last_transfer
             if moved is not None:
                 print(
                     f"jupyter_shard: gathered {opts.name} on the ranks in {moved.gather:.2f} s, then "

@@ -77,7 +77,7 @@ class PostMortem:
         failure = self.failure
         if pool is None or not pool.started:
             raise UsageError("no pool is running: %dist_debug opens pdb on a rank after a failed cell")
-        last = pool.cells.last
+        last = pool.last_result
         if failure is None or (last is not failure.result and all(last is not s for s in self._sessions)):
             raise UsageError(
                 "the ranks keep a failed cell's traceback only until their next cell; run the failing "
@@ -93,4 +93,4 @@ class PostMortem:
         try:
             pool.post_mortem(rank)
         finally:
-            self._sessions = [failure.result, pool.cells.last]
+            self._sessions = [failure.result, pool.last_result]

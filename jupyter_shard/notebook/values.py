@@ -63,7 +63,7 @@ def cell_value(pool: Pool, result: RunResult, shell: InteractiveShell | None) ->
         return None
     value: Any
     try:
-        value = pool.values.pull_last([lowest], OUT_LIMIT)[lowest]
+        value = pool.last_value(lowest, OUT_LIMIT)
     except PoolError as exc:
         why = str(exc)
         value = ShownOnly(

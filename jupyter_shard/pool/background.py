@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from jupyter_shard.errors import PoolError
-from jupyter_shard.pool.cell import Gathering
+from jupyter_shard.pool.cell import CellGathering, Gathering
 from jupyter_shard.pool.results import DistributedError, RankResult, RunResult
 
 WATCH_INTERVAL = 0.05
@@ -28,6 +28,7 @@ class BackgroundRun:
         gathering: Gathering,
         exec_count: int,
         on_done: Callable[[BackgroundRun], None] | None = None,
+        serve_prompts: Callable[[], None] = lambda: None,  # in wait(): ask for the ranks' prompts
     ) -> None:
         self.gathering = gathering
         self.exec_count = exec_count
@@ -38,7 +39,7 @@ class BackgroundRun:
         self.error: DistributedError | PoolError | None = None
         self.reported = False  # whether anyone has seen how it ended (wait() or its cell's report)
         self.interrupt_requested = False
-        self.serve_prompts: Callable[[], None] = lambda: None  # in wait(): ask for the ranks' prompts
+        self.serve_prompts = serve_prompts
         self._done = threading.Event()
 
     def __repr__(self) -> str:
@@ -79,6 +80,19 @@ class BackgroundRun:
             raise self.error
         return self.result
 
+    def step(self, cells: CellGathering, end: Callable[[Gathering], None]) -> None:
+        """One step of the watcher thread: receive, or stop the run as asked; at its end, ``end``
+        closes the cell (as the pool closes every cell) and the run finishes."""
+        if self.interrupt_requested:
+            self.interrupt_requested = False
+            cells.interrupted(self.gathering, "interrupted (%dist_interrupt)")
+            ended = True
+        else:
+            ended = cells.step(self.gathering, 0.0)
+        if ended:
+            end(self.gathering)
+            self.finish()
+
     def finish(self, error: DistributedError | PoolError | None = None) -> None:
         """Record the end (called once, by the pool, inside :attr:`context`) and call ``on_done``."""
         if not self.running:
@@ -99,6 +113,15 @@ class BackgroundRun:
                 res.status, res.evalue, res.failed_at = "dead", f"rank {rank}: {why}", time.monotonic()
                 res.traceback = [f"rank {rank}: {why} while the background cell ran"]
         self.context.run(self.finish)
+
+
+def refuse_while_running(run: BackgroundRun | None, what: str) -> None:
+    """Raise a :class:`PoolError` saying why ``what`` cannot be done while ``run`` goes on."""
+    if run is not None and run.running:
+        raise PoolError(
+            f"cannot {what}: {run.describe()} is still running on the ranks; "
+            "%dist_wait waits for it, %dist_interrupt stops it"
+        )
 
 
 class Watcher:
@@ -124,6 +147,11 @@ class Watcher:
         self.foreground = False  # a foreground cell is receiving: stand aside
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+
+    def settled(self) -> bool:
+        """Whether the pool runs and no background run goes on or failed unseen (a cell may go ahead)."""
+        run = self._background()
+        return self._alive() and not (run is not None and run.unsettled)
 
     def start(self) -> None:
         if self._thread is not None and self._thread.is_alive():

@@ -78,6 +78,7 @@ class CellGathering:
         escalation: Escalation,
         sink: Callable[[], RankSink],
         tick: Callable[[], None] = lambda: None,
+        stdin: Callable[[], StdinSource] = default_stdin,  # for each foreground cell, in its thread
     ) -> None:
         self.conn = conn
         self.tick = tick  # after each receive: observers (dashboards) redraw at their own rate
@@ -85,7 +86,7 @@ class CellGathering:
         self.escalation = escalation
         self._sink = sink
         self.current: Gathering | None = None
-        self.stdin: Callable[[], StdinSource] = default_stdin  # for each foreground cell, in its thread
+        self.stdin = stdin
         self.debug = DebugLink(conn, ranks)  # the notebook's debugger, on ranks stopped at breakpoints
         self.last: RunResult | None = None  # the result of the last cell that ended
         self.out_of_step = ""  # the ranks the last cell failed on, when it failed on only some
@@ -189,9 +190,10 @@ class CellGathering:
         if interrupted:
             gathering.result.notes.append("the cell was interrupted")
 
-    def serve_prompts(self, gathering: Gathering, source: StdinSource) -> None:
-        """Ask the person for a background run's prompts (``%dist_wait``, in its own cell)."""
-        gathering.prompts.serve(self.ranks, source, self.conn.send, self._sink())
+    def serve_prompts(self, gathering: Gathering) -> None:
+        """Ask the person for a background run's prompts (``%dist_wait``, in its own cell and thread,
+        whose answers it takes)."""
+        gathering.prompts.serve(self.ranks, self.stdin(), self.conn.send, self._sink())
 
     def interrupted(self, gathering: Gathering, why: str) -> None:
         """Stop a cell the user interrupted from elsewhere (a background run)."""
@@ -263,6 +265,17 @@ class CellGathering:
             "rank of its group: run it in a cell on all ranks",
         )
         return True
+
+    def check_exits(self) -> None:
+        """Notice the ranks that exited outside a cell."""
+        for r in self.ranks:
+            self.check_exit(r, None)
+
+    def idle_step(self) -> None:
+        """Between cells (the watcher thread): receive what came, notice exits, let observers redraw."""
+        self.conn.pump(0)
+        self.check_exits()
+        self.tick()
 
     def check_exit(self, r: RankRecord, result: RunResult | None) -> bool:
         """Notice that ``r`` died; True if that failed its part of ``result`` (then it is recorded)."""

@@ -29,6 +29,7 @@ from jupyter_shard.wire.messages import (
     GROUP_UNKNOWN,
     REGROUP,
     RELEASE,
+    SIGNAL,
     RegroupBody,
     ReleaseBody,
 )
@@ -105,6 +106,12 @@ class Escalation:
             if not (why == GROUP_DESTROYED and rank in self.aborted):
                 causes.setdefault(why, []).append(rank)
         return dict(sorted(causes.items(), key=lambda c: c[0] != GROUP_DESTROYED))
+
+    def deliver_signal(self, rank: int, sig: int) -> None:
+        """Ask a rank started by an agent to signal itself (its I/O thread does, even mid-cell)."""
+        r = self.ranks.get(rank)
+        if r is not None and self.conn.open:
+            self.conn.send([r], *SIGNAL({"signal": int(sig)}))
 
     def interrupt(self) -> list[int]:
         """SIGINT to every rank that runs a cell (outside a foreground run); the ranks signalled."""

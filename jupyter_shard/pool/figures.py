@@ -14,15 +14,13 @@ import base64
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
-
-    from jupyter_shard.pool.history import History
 
 Floats = npt.NDArray[np.float64]
 
@@ -32,6 +30,21 @@ CHART_HEIGHT = 250  # pixels per row of charts
 GAP_X, GAP_Y = 0.08, 70  # between columns (share of the width), between rows (pixels)
 BOTTOM = 80  # pixels under the charts: the last row's axis title, then the legend
 Figure = dict[str, Any]
+
+
+class Logged(Protocol):
+    """What :func:`plot_history` reads of a :class:`~jupyter_shard.pool.history.History` (named here,
+    not imported: the history imports this module)."""
+
+    @property
+    def ranks(self) -> list[int]: ...
+
+    @property
+    def metrics(self) -> list[str]: ...
+
+    def sampled(
+        self, rank: int, name: str, at_most: int, x: Literal["step", "time"] = "step"
+    ) -> tuple[Floats, Floats, int]: ...
 
 
 def color(rank: int) -> str:
@@ -267,7 +280,7 @@ def smoothed(y: Floats, weight: float) -> Floats:
 
 
 def plot_history(
-    history: History,
+    history: Logged,
     metrics: Sequence[str],
     *,
     smooth: float,

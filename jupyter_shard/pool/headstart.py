@@ -57,15 +57,13 @@ class Ahead:
     ) -> None:
         self.cells, self.ranks, self.escalation, self.watcher = cells, ranks, escalation, watcher
         self._begin, self._end = begin, end
-        # The pool's own conditions (started, no background run), which the pool sets.
-        self.ready: Callable[[], bool] = lambda: True
         self.cell: SentCell | None = None
 
     def send(self, code: str, ranks: Sequence[int] | None, timeout: float | None, exec_count: int) -> bool:
         """Start now the cell that the next :meth:`Pool.run` with these arguments gathers, if that
         run would send it without a word first; whether it went."""
         if (
-            not self.ready()
+            not self.watcher.settled()
             or self.cell is not None
             or self.cells.current is not None
             or self.escalation.restart_reason is not None

@@ -201,12 +201,12 @@ class RankSink(ABC):
         last = budget.last_lines()
         if budget.skipped:
             lines = "line" if budget.skipped == 1 else "lines"
-            self._write_lines(rank, "stdout", [f"… {budget.skipped:,} {lines} not shown (full log: {where})"])
+            self.write_lines(rank, "stdout", [f"… {budget.skipped:,} {lines} not shown (full log: {where})"])
         run: list[str] = []
         for i, (name, line) in enumerate(last):
             run.append(line)
             if i + 1 == len(last) or last[i + 1][0] != name:
-                self._write_lines(rank, name, run)
+                self.write_lines(rank, name, run)
                 run = []
 
     def flush_at_end(self) -> None:
@@ -218,7 +218,7 @@ class RankSink(ABC):
         plain: list[str] = []
         for text, was_live in lines:
             if was_live:
-                self._write_lines(rank, name, plain)
+                self.write_lines(rank, name, plain)
                 plain = []
                 self.live_line(rank, name, text, final=True)
                 continue
@@ -237,9 +237,10 @@ class RankSink(ABC):
                 budget.keep(_Block(name, text, 1))
                 continue
             plain.append(text)
-        self._write_lines(rank, name, plain)
+        self.write_lines(rank, name, plain)
 
-    def _write_lines(self, rank: int, name: str, lines: list[str]) -> None:
+    def write_lines(self, rank: int, name: str, lines: list[str]) -> None:
+        """Show whole lines of a rank's stream (a sink may gather them, as the notebook's rank tabs do)."""
         if lines:
             self.write(name, "".join(f"[rank {rank}] {line}\n" for line in lines))
 

@@ -19,11 +19,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
-from jupyter_shard.errors import PoolError
 from jupyter_shard.launchers import Launcher
-from jupyter_shard.pool.background import BackgroundRun, Watcher
+from jupyter_shard.pool.background import BackgroundRun, Watcher, refuse_while_running
 from jupyter_shard.pool.cell import POST_MORTEM, CellGathering, Gathering
 from jupyter_shard.pool.connection import Connection
+from jupyter_shard.pool.debugging import DebugLink
 from jupyter_shard.pool.escalation import Escalation
 from jupyter_shard.pool.headstart import Ahead
 from jupyter_shard.pool.history import History
@@ -31,13 +31,13 @@ from jupyter_shard.pool.lifecycle import Lifecycle
 from jupyter_shard.pool.output import RankSink, default_sink
 from jupyter_shard.pool.ranks import RankSnapshot, RankTable
 from jupyter_shard.pool.results import DistributedError, RunResult
-from jupyter_shard.pool.stdin import CallbackStdin
+from jupyter_shard.pool.stdin import CallbackStdin, default_stdin
 from jupyter_shard.pool.transcript import CellEntry, Transcript
-from jupyter_shard.pool.values import Namespace, Values, named_values
+from jupyter_shard.pool.values import Namespace, Transfer, Values, named_values
 from jupyter_shard.spec import DEFAULT_TIMEOUT, LaunchSpec
 from jupyter_shard.strategies import registered
 from jupyter_shard.wire.curve import CurveServer
-from jupyter_shard.wire.messages import SIGNAL, STACKS, STATUS
+from jupyter_shard.wire.messages import STACKS, STATUS
 
 __all__ = ["Observer", "Pool", "latest_pool"]
 
@@ -85,16 +85,14 @@ class Pool:
         conn = self.connection = Connection(self.ranks)
         conn.handle(self.ranks.handlers())
         self.escalation = Escalation(conn, self.ranks, self._notice, partial(self.stacks, 1.0))
-        self.cells = CellGathering(conn, self.ranks, self.escalation, lambda: self.sink, self._tick)
-        if stdin is not None:
-            self.cells.stdin = partial(CallbackStdin, stdin)
+        answers = default_stdin if stdin is None else partial(CallbackStdin, stdin)
+        self.cells = CellGathering(conn, self.ranks, self.escalation, lambda: self.sink, self._tick, answers)
         self.lifecycle = Lifecycle(conn, self.ranks, Path(log_dir) if log_dir else None)
         self.values = Values(conn, self.ranks, self.transcript)
         self._watcher = Watcher(
-            conn.lock, lambda: conn.open, self._idle_step, self._background_step, lambda: self.background
+            conn.lock, lambda: conn.open, self.cells.idle_step, self._background_step, lambda: self.background
         )
         self.ahead = Ahead(self.cells, self.ranks, self.escalation, self._watcher, self._begin, self._end)
-        self.ahead.ready = lambda: self.started and not (self.background and self.background.unsettled)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -156,7 +154,7 @@ class Pool:
         self.escalation.reset()
         self.cells.out_of_step = ""
         self.transcript = self.values.transcript = Transcript()
-        for record in self.lifecycle.start(self.spec, self._deliver_signal):
+        for record in self.lifecycle.start(self.spec, self.escalation.deliver_signal):
             self.sink.log_paths[record.rank] = str(record.log_path)
         _live_pools.add(self)
         global _latest
@@ -214,7 +212,7 @@ class Pool:
     ) -> RunResult:
         ahead = self.ahead.take(code, ranks, timeout) if record else None
         if ahead is None:  # else it was sent ahead (the notebook's head start), as checked there
-            self._refuse_while_background("run a cell")
+            self.refuse_while_background("run a cell")
         foreground, self._watcher.foreground = (ahead.foreground if ahead else self._watcher.foreground), True
         try:
             gathering = ahead.taken() if ahead else self._begin(code, ranks, timeout, exec_count, record)
@@ -245,21 +243,25 @@ class Pool:
         Output and ``on_done`` run in a copy of the caller's context (under ipykernel: the starting
         cell). While it runs, other cells, pushes and pulls are refused; status and stacks work.
         """
-        self._refuse_while_background("start another background run")
+        self.refuse_while_background("start another background run")
         gathering = self._begin(code, ranks, timeout, exec_count, record=True)
-        run = BackgroundRun(gathering, exec_count, on_done)
-        run.serve_prompts = lambda: self.cells.serve_prompts(gathering, self.cells.stdin())
-        self.background = run
+        prompts = partial(self.cells.serve_prompts, gathering)
+        run = self.background = BackgroundRun(gathering, exec_count, on_done, prompts)
         self._watcher.start()
         return run
 
-    def _refuse_while_background(self, what: str) -> None:
-        run = self.background
-        if run is not None and run.running:
-            raise PoolError(
-                f"cannot {what}: {run.describe()} is still running on the ranks; "
-                "%dist_wait waits for it, %dist_interrupt stops it"
-            )
+    def refuse_while_background(self, what: str) -> None:
+        """Raise :class:`PoolError` ("cannot <what>: ...") while a background run goes on."""
+        refuse_while_running(self.background, what)
+
+    def send_ahead(self, code: str, ranks: Sequence[int] | None, timeout: float | None, count: int) -> bool:
+        """Send now the cell the next :meth:`run` with these arguments gathers, where that run would
+        send it without a word first (the notebook's head start); whether it went."""
+        return self.ahead.send(code, ranks, timeout, count)
+
+    def settle_ahead(self) -> None:
+        """End a cell sent ahead that no :meth:`run` took: it is interrupted on the ranks."""
+        self.ahead.settle()
 
     def _prepare(self) -> None:
         """Before a cell or a collective pull: restart or regroup as the last cell left things."""
@@ -290,25 +292,8 @@ class Pool:
             self.transcript.add(CellEntry(gathering.code, gathering.ranks, status, gathering.exec_count))
         self._tick(final=True)
 
-    # -- between cells and in the background (the watcher thread) ------------------------------
-
-    def _idle_step(self) -> None:
-        self.connection.pump(0)
-        for r in self.ranks:
-            self.cells.check_exit(r, None)
-        self._tick()
-
-    def _background_step(self, run: BackgroundRun) -> None:
-        gathering = run.gathering
-        if run.interrupt_requested:
-            run.interrupt_requested = False
-            self.cells.interrupted(gathering, "interrupted (%dist_interrupt)")
-            ended = True
-        else:
-            ended = self.cells.step(gathering, 0.0)
-        if ended:
-            self._end(gathering)
-            run.finish()
+    def _background_step(self, run: BackgroundRun) -> None:  # in the watcher thread
+        run.step(self.cells, self._end)
 
     def _tick(self, final: bool = False) -> None:
         """Let observers (dashboards) redraw; each limits its own rate."""
@@ -324,7 +309,7 @@ class Pool:
     def push(self, namespace: Namespace = None, *, ranks: Sequence[int] | None = None, **values: Any) -> int:
         """Copy values to every rank (or ``ranks``): ``push(x=x)``, or ``push({"x": x})`` as ipyparallel."""
         named = named_values(namespace, values)
-        self._refuse_while_background("push values")
+        self.refuse_while_background("push values")
         self.start()
         return self.values.push(ranks, named)
 
@@ -340,7 +325,7 @@ class Pool:
         self, name: str, ranks: Sequence[int] | None = None, *, gather: bool = False, device: bool = False
     ) -> dict[int, Any]:
         """Copies of ``name`` from every rank (or ``ranks``), by rank (see :meth:`pull`)."""
-        self._refuse_while_background("pull values")
+        self.refuse_while_background("pull values")
         self.start()
         if gather and self.escalation.regroup_needed:  # gathering is a collective: it needs a group
             self._prepare()
@@ -348,9 +333,24 @@ class Pool:
 
     def last_values(self) -> dict[int, Any]:
         """Copies of the last cell's value (its last expression) from each rank that gave one."""
-        self._refuse_while_background("pull values")
+        self.refuse_while_background("pull values")
         last = self.cells.last
         return self.values.pull_last(last.valued_ranks()) if last and self.started else {}
+
+    def last_value(self, rank: int, limit: int | None = None) -> Any:
+        """A copy of the value ``rank`` gave the last cell; one that pickles to over ``limit`` bytes
+        is refused with a :class:`PoolError` (``Out[n]``)."""
+        return self.values.pull_last([rank], limit)[rank]
+
+    @property
+    def last_result(self) -> RunResult | None:
+        """The result of the last cell that ended (its ranks keep a failure's frames until the next)."""
+        return self.cells.last
+
+    @property
+    def last_transfer(self) -> Transfer | None:
+        """How the last push or pull went: bytes, ranks, seconds, the path the bytes took."""
+        return self.values.last
 
     # -- inspecting -----------------------------------------------------------------------------
 
@@ -358,8 +358,7 @@ class Pool:
         """Every rank now: pid, host, device, state, fresh memory, the cell it runs (and where)."""
         live = self.ranks.live() if self.started else []
         replies = self.connection.request(*STATUS({}), live, timeout=1.0) if live else {}
-        for r in self.ranks:
-            self.cells.check_exit(r, None)
+        self.cells.check_exits()
         return self.ranks.status(replies)
 
     def activity(self) -> list[RankSnapshot]:
@@ -372,6 +371,11 @@ class Pool:
         live = [r for r in self.ranks.live() if r.rank in chosen]
         replies = self.connection.request(*STACKS({}), live, timeout=timeout)
         return self.ranks.stacks(chosen, replies, timeout)
+
+    @property
+    def debugger(self) -> DebugLink:
+        """JupyterLab's debugger on the ranks stopped at a breakpoint (the notebook's debug adapter)."""
+        return self.cells.debug
 
     def interrupt(self) -> list[int]:
         """Interrupt whatever the ranks run (outside a foreground :meth:`run`); the ranks. A background
@@ -386,12 +390,6 @@ class Pool:
 
     def _notice(self, text: str) -> None:
         self.on_notice(text) if self.on_notice is not None else self.sink.notice(f"jupyter_shard: {text}")
-
-    def _deliver_signal(self, rank: int, sig: int) -> None:
-        """Ask a rank started by an agent to signal itself (its I/O thread does, even mid-cell)."""
-        r = self.ranks.get(rank)
-        if r is not None and self.connection.open:
-            self.connection.send([r], *SIGNAL({"signal": int(sig)}))
 
 
 @atexit.register

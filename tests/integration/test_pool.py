@@ -173,12 +173,12 @@ SLOW = "import time\nfor _ in range(3000):\n    time.sleep(0.01)"
 
 def test_a_cell_sent_ahead_is_gathered_once_by_the_run_with_its_arguments(pool: Pool) -> None:
     pool.run("runs = 0")
-    assert pool.ahead.send(COUNTED, None, None, 0)
-    assert not pool.ahead.send(COUNTED, None, None, 0), "one cell in flight at a time"
+    assert pool.send_ahead(COUNTED, None, None, 0)
+    assert not pool.send_ahead(COUNTED, None, None, 0), "one cell in flight at a time"
     result = pool.run(COUNTED)
     assert result.ok and result.ranks[1].result == {"text/plain": "2"}
     assert pool.pull("runs", rank=0) == 1 and pool.pull("runs", rank=1) == 1, "sent once, run once"
-    assert pool.ahead.send("ahead_only = shard.rank", (1,), 5.0, 0)
+    assert pool.send_ahead("ahead_only = shard.rank", (1,), 5.0, 0)
     assert pool.run("ahead_only = shard.rank", (1,), timeout=5.0).ok
     with pytest.raises(DistributedError):
         pool.run("ahead_only")  # rank 0 never ran it
@@ -187,18 +187,18 @@ def test_a_cell_sent_ahead_is_gathered_once_by_the_run_with_its_arguments(pool: 
 
 
 def test_a_cell_sent_ahead_that_no_run_takes_is_interrupted_and_the_pool_goes_on(pool: Pool) -> None:
-    assert pool.ahead.send(SLOW, None, None, 0)
+    assert pool.send_ahead(SLOW, None, None, 0)
     time.sleep(0.3)
     started = time.monotonic()
-    pool.ahead.settle()
+    pool.settle_ahead()
     assert time.monotonic() - started < 5.0
     assert {s.state for s in pool.status()} == {"interrupted"}
-    pool.ahead.settle()  # nothing in flight: nothing to do
+    pool.settle_ahead()  # nothing in flight: nothing to do
     assert pool.run("shard.rank").ranks[1].result == {"text/plain": "1"}
 
 
 def test_a_run_with_other_arguments_ends_the_cell_sent_ahead_first(pool: Pool) -> None:
-    assert pool.ahead.send(SLOW, None, None, 0)
+    assert pool.send_ahead(SLOW, None, None, 0)
     started = time.monotonic()
     result = pool.run("'next'")
     assert result.ok and result.value == {"text/plain": "'next'"}
@@ -208,10 +208,10 @@ def test_a_run_with_other_arguments_ends_the_cell_sent_ahead_first(pool: Pool) -
 def test_nothing_is_sent_ahead_where_the_run_would_first_say_something(pool: Pool) -> None:
     with pytest.raises(DistributedError):
         pool.run("if shard.rank == 1:\n    raise ValueError('one rank')")
-    assert not pool.ahead.send("pass", None, None, 0), "the run first says the ranks are out of step"
+    assert not pool.send_ahead("pass", None, None, 0), "the run first says the ranks are out of step"
     assert pool.run("pass").ok
     run = pool.run_background("import time\ntime.sleep(0.5)")
-    assert not pool.ahead.send("pass", None, None, 0), "a background run is going on"
+    assert not pool.send_ahead("pass", None, None, 0), "a background run is going on"
     run.wait(30)
-    assert pool.ahead.send("pass", None, None, 0)
+    assert pool.send_ahead("pass", None, None, 0)
     assert pool.run("pass").ok

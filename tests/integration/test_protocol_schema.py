@@ -60,12 +60,12 @@ def _debug(pool: Pool, filename: str) -> None:
     try:
         run = pool.run_background("a = 1\nb = a + 1\n")
         deadline = time.monotonic() + 20
-        while pool.cells.debug.stopped != {0, 1} and time.monotonic() < deadline:
+        while pool.debugger.stopped != {0, 1} and time.monotonic() < deadline:
             time.sleep(0.05)
         for rank in (0, 1):
-            frames = pool.cells.debug.request(rank, "stackTrace", {"threadId": 1})
+            frames = pool.debugger.request(rank, "stackTrace", {"threadId": 1})
             assert frames["success"] and frames["body"]["stackFrames"][0]["line"] == 2
-            assert pool.cells.debug.request(rank, "continue", {"threadId": 1})["success"]
+            assert pool.debugger.request(rank, "continue", {"threadId": 1})["success"]
         assert run.wait(20).ok
     finally:
         debugging.set_notebook_debugger(None)

@@ -77,20 +77,21 @@ def _type_checking_block(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def _walk_runtime(tree: ast.AST) -> Iterator[ast.AST]:
-    """Every node that runs, leaving out ``if TYPE_CHECKING:`` blocks."""
+def _walk(tree: ast.AST, type_only: bool) -> Iterator[ast.AST]:
+    """Every node that runs, and with ``type_only`` those in ``if TYPE_CHECKING:`` blocks too."""
     for child in ast.iter_child_nodes(tree):
-        if _type_checking_block(child):
+        if _type_checking_block(child) and not type_only:
             continue
         yield child
-        yield from _walk_runtime(child)
+        yield from _walk(child, type_only)
 
 
-def _imports(name: str, path: Path) -> set[str]:
-    """The package modules ``name`` imports when it runs, at any level (functions included)."""
+def _imports(name: str, path: Path, type_only: bool = False) -> set[str]:
+    """The package modules ``name`` imports when it runs, at any level (functions included); with
+    ``type_only``, also those it names for types only."""
     is_package = path.name == "__init__.py"
     out: set[str] = set()
-    for node in _walk_runtime(ast.parse(path.read_text())):
+    for node in _walk(ast.parse(path.read_text()), type_only):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -111,16 +112,18 @@ def _imports(name: str, path: Path) -> set[str]:
 
 
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+# A type-only import ties two modules as much as one that runs: cycles are looked for in this one.
+TYPED_GRAPH = {name: _imports(name, path, type_only=True) for name, path in MODULES.items()}
 
 
-def _cycle() -> list[str] | None:
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}
     stack: list[str] = []
 
     def visit(node: str) -> list[str] | None:
         state[node] = 1
         stack.append(node)
-        for nxt in sorted(GRAPH[node]):
+        for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
                 return [*stack[stack.index(nxt) :], nxt]
             if nxt not in state:
@@ -131,7 +134,7 @@ def _cycle() -> list[str] | None:
         state[node] = 2
         return None
 
-    for node in sorted(GRAPH):
+    for node in sorted(graph):
         if node not in state:
             found = visit(node)
             if found:
@@ -145,8 +148,15 @@ def test_the_reader_sees_imports() -> None:
     assert "jupyter_shard.notebook.display" in GRAPH["jupyter_shard"]  # a function-level import
 
 
-def test_no_import_cycles() -> None:
-    assert _cycle() is None, " -> ".join(_cycle() or [])
+def test_the_reader_sees_type_only_imports() -> None:
+    assert "jupyter_shard.pool.ranks" in TYPED_GRAPH["jupyter_shard.planner.free_memory"]  # for types
+    assert "jupyter_shard.pool.ranks" not in GRAPH["jupyter_shard.planner.free_memory"]
+
+
+@pytest.mark.parametrize("graph", ["runtime", "with type-only imports"])
+def test_no_import_cycles(graph: str) -> None:
+    cycle = _cycle(GRAPH if graph == "runtime" else TYPED_GRAPH)
+    assert cycle is None, " -> ".join(cycle or [])
 
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
@@ -170,3 +180,79 @@ def test_no_module_is_over_500_lines() -> None:
 def test_the_pool_is_a_small_facade() -> None:
     """``Pool`` delegates to its parts (connection, ranks, cell, escalation, lifecycle)."""
     assert len(MODULES["jupyter_shard.pool.pool"].read_text().splitlines()) <= 400
+
+
+# The notebook talks to the pool through the facade's own names: never its parts, never a private
+# name of the pool layer. Private names of objects that are not the pool's, used on purpose:
+NOT_THE_POOLS = {
+    "shell._showtraceback",  # IPython's, to show a traceback as the kernel does
+    "distributed_parser()._actions",  # argparse's, for Tab completion
+    "debug._jupyter_shard",  # the notebook's own mark on its %debug wrapper
+}
+POOL_PARTS = {"cells", "values", "ahead", "connection", "escalation", "lifecycle"}
+
+
+def _private(attr: str) -> bool:
+    return attr.startswith("_") and not attr.startswith("__")
+
+
+def _pool_privates() -> dict[str, set[str]]:
+    """The private methods and attributes each class of the pool layer defines, by class name."""
+    out: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        if not name.startswith("jupyter_shard.pool"):
+            continue
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if isinstance(cls, ast.ClassDef):
+                names = out.setdefault(cls.name, set())
+                for node in ast.walk(cls):
+                    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and _private(node.name):
+                        names.add(node.name)
+                    elif isinstance(node, ast.Attribute) and ast.unparse(node.value) == "self":
+                        names.update({node.attr} if _private(node.attr) else set())
+    return out
+
+
+def _notebook_reaches_into_the_pool(path: Path, pool_privates: dict[str, set[str]]) -> list[str]:
+    tree = ast.parse(path.read_text())
+    wrong: list[str] = []
+    from_pool: set[str] = set()  # names this module imports from the pool layer
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jupyter_shard.pool"):
+            from_pool.update(a.asname or a.name for a in node.names)
+            wrong += [f"imports {a.name}" for a in node.names if _private(a.name)]
+    inherited: dict[ast.AST, set[str]] = {}  # a class's nodes -> private names of its pool base classes
+    for cls in ast.walk(tree):
+        if isinstance(cls, ast.ClassDef):
+            bases = [ast.unparse(b) for b in cls.bases if ast.unparse(b) in from_pool]
+            names = set().union(*(pool_privates.get(b, set()) for b in bases))
+            for node in ast.walk(cls):
+                inherited[node] = names
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        base, where = ast.unparse(node.value), f"line {node.lineno}: {ast.unparse(node)}"
+        if base.endswith(("pool", "pool()")) and node.attr in POOL_PARTS:
+            wrong.append(f"{where} (a part of the pool: ask Pool itself)")
+        elif not _private(node.attr) or ast.unparse(node) in NOT_THE_POOLS:
+            continue
+        elif base in ("self", "cls", "super()"):
+            if node.attr in inherited.get(node, set()):
+                wrong.append(f"{where} (private to a pool class it inherits)")
+        else:
+            wrong.append(f"{where} (private)")
+    return wrong
+
+
+def test_the_notebook_uses_only_public_names_of_the_pool() -> None:
+    """Not ``pool.cells``, ``pool._refuse…``, nor another object's ``._x`` (a pool part is found in
+    anything); nor, in a subclass of a pool class, a private name of that class."""
+    privates = _pool_privates()
+    assert "_begin" in privates["Pool"] and "_assemblers" in privates["RankSink"]  # the reader sees them
+    wrong = {
+        name: found
+        for name, path in MODULES.items()
+        if name.startswith("jupyter_shard.notebook")
+        and (found := _notebook_reaches_into_the_pool(path, privates))
+    }
+    assert not wrong, wrong

@@ -45,23 +45,20 @@ def test_an_ast_transformer_could_change_the_call_so_none_is_read(shell: Interac
         shell.ast_transformers.clear()
 
 
-class StubAhead:
+class StubPool:
+    """The two methods of :class:`Pool` the head start calls, counted."""
+
     def __init__(self) -> None:
+        self.spec = object()
         self.sent: list[tuple[Any, ...]] = []
         self.settled = 0
 
-    def send(self, *args: Any) -> bool:
+    def send_ahead(self, *args: Any) -> bool:
         self.sent.append(args)
         return True
 
-    def settle(self) -> None:
+    def settle_ahead(self) -> None:
         self.settled += 1
-
-
-class StubPool:
-    def __init__(self) -> None:
-        self.spec = object()
-        self.ahead = StubAhead()
 
 
 class StubMagics:
@@ -107,12 +104,12 @@ def test_only_a_repeat_of_the_last_line_on_the_same_pool_is_sent(shell: Interact
         asyncio.run(handle(None, [], request(code)))
     asyncio.run(handle(None, [], request("%%distributed --nproc 2\nx = 1", silent=True)))
     asyncio.run(handle(None, [], request("%%distributed --nproc 2\nx = 1", store_history=False)))
-    assert pool.ahead.sent == [("# %%distributed --nproc 2\nx = 1\n", (1,), 9.0, shell.execution_count)]
-    assert pool.ahead.settled == 1, "after the cell it sent: the pool ends it if no run took it"
+    assert pool.sent == [("# %%distributed --nproc 2\nx = 1\n", (1,), 9.0, shell.execution_count)]
+    assert pool.settled == 1, "after the cell it sent: the pool ends it if no run took it"
     assert len(kernel.handled) == 8, "every request still reaches the kernel's handler"
     magics.pool = StubPool()  # the pool was shut down and another started
     asyncio.run(handle(None, [], request("%%distributed --nproc 2\nx = 1")))
-    assert len(pool.ahead.sent) == 1 and magics.pool.ahead.sent == []
+    assert len(pool.sent) == 1 and magics.pool.sent == []
     head.uninstall()
     assert kernel.shell_handlers["execute_request"] == kernel.execute_request
 
@@ -123,11 +120,11 @@ def test_a_failure_to_send_leaves_the_cell_to_the_magic(shell: InteractiveShell,
     def broken(*args: Any) -> bool:
         raise RuntimeError("no")
 
-    pool.ahead.send = broken  # type: ignore[method-assign]
+    pool.send_ahead = broken  # type: ignore[method-assign]
     head = HeadStart(kernel, StubMagics(shell, pool, ""))  # type: ignore[arg-type]
     head.install()
     asyncio.run(kernel.shell_handlers["execute_request"](None, [], request("%%distributed\npass")))
-    assert kernel.handled == ["%%distributed\npass"] and pool.ahead.settled == 1  # nothing to settle
+    assert kernel.handled == ["%%distributed\npass"] and pool.settled == 1  # nothing to settle
     assert "could not send the cell ahead: RuntimeError('no')" in capfd.readouterr().err
 
 
@@ -149,7 +146,7 @@ def test_a_cell_run_again_is_not_transformed_again_unless_the_transform_changed(
     cell = request("%%distributed --nproc 2\nx = 1")
     for _ in range(3):
         asyncio.run(kernel.shell_handlers["execute_request"](None, [], cell))
-    assert len(calls) == 1 and len(pool.ahead.sent) == 3
+    assert len(calls) == 1 and len(pool.sent) == 3
     shell.input_transformers_post.append(lambda lines: lines)
     try:
         asyncio.run(kernel.shell_handlers["execute_request"](None, [], cell))
@@ -157,7 +154,7 @@ def test_a_cell_run_again_is_not_transformed_again_unless_the_transform_changed(
         shell.input_transformers_post.clear()
     assert len(calls) == 2, "a new transformer: the cell is transformed again"
     asyncio.run(kernel.shell_handlers["execute_request"](None, [], request("%%distributed --nproc 2\nx = 2")))
-    assert len(calls) == 3 and pool.ahead.sent[-1][0] == "# %%distributed --nproc 2\nx = 2\n"
+    assert len(calls) == 3 and pool.sent[-1][0] == "# %%distributed --nproc 2\nx = 2\n"
 
 
 def test_the_lines_kept_are_the_most_recent_ones() -> None:
@@ -186,7 +183,7 @@ def test_unloaded_under_another_wrapper_it_passes_requests_on_untouched(shell: I
     head.uninstall()
     assert kernel.shell_handlers["execute_request"] is later
     asyncio.run(later(None, [], request("%%distributed\npass")))
-    assert kernel.handled == ["%%distributed\npass"] and pool.ahead.sent == []
+    assert kernel.handled == ["%%distributed\npass"] and pool.sent == []
     head.install()  # %reload_ext: in the chain again, and sending
     asyncio.run(kernel.shell_handlers["execute_request"](None, [], request("%%distributed\npass")))
-    assert len(pool.ahead.sent) == 1
+    assert len(pool.sent) == 1

@@ -15,7 +15,6 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from jupyter_shard import spec as spec_mod
 from jupyter_shard.notebook import magics as magics_mod
-from jupyter_shard.notebook.args import parse_options as _parse
 from jupyter_shard.notebook.magics import DistributedMagics
 from jupyter_shard.spec import LaunchSpec
 
@@ -255,13 +254,13 @@ def test_collective_timeout_is_a_pool_setting_kept_across_cells(
 ) -> None:
     from jupyter_shard.notebook.magics import _change
 
-    spec = magics._resolve(_parse(magics._parser, "--nproc 2 --device cpu --collective-timeout 20"))
+    spec = magics.spec_for("--nproc 2 --device cpu --collective-timeout 20")
     assert spec.timeout == 20.0
     pool = _FakePool(nproc=2)
     pool.spec = spec
     magics.pool = pool  # type: ignore[assignment]
-    assert magics._resolve(_parse(magics._parser, "--strategy ddp")).timeout == 20.0
-    assert magics._resolve(_parse(magics._parser, "--timeout 5")).timeout == 20.0  # a cell limit only
+    assert magics.spec_for("--strategy ddp").timeout == 20.0
+    assert magics.spec_for("--timeout 5").timeout == 20.0  # a cell limit only
     assert _change(spec, spec.with_changes(timeout=30.0)) == "collective-timeout 20.0 → 30.0"
     magics.pool = None
     msg = _usage_error(shell, "distributed", "--collective-timeout 0")
@@ -270,12 +269,12 @@ def test_collective_timeout_is_a_pool_setting_kept_across_cells(
 
 def test_a_later_cell_keeps_every_option_it_does_not_name(magics: DistributedMagics) -> None:
     first = "--nproc 2 --device cpu --strategy ddp --precision bf16-mixed --accumulate 4 --clip-grad-norm 1.0"
-    spec = magics._resolve(_parse(magics._parser, first))
+    spec = magics.spec_for(first)
     pool = _FakePool(nproc=2)
     pool.spec = spec
     magics.pool = pool  # type: ignore[assignment]
     try:
-        later = magics._resolve(_parse(magics._parser, "--nproc 3"))
+        later = magics.spec_for("--nproc 3")
     finally:
         magics.pool = None
     assert later == spec.with_changes(nproc=3)
@@ -290,12 +289,12 @@ def test_a_later_cell_keeps_every_option_it_does_not_name(magics: DistributedMag
 def test_a_restart_after_a_later_cell_names_only_what_that_cell_changed(magics: DistributedMagics) -> None:
     from jupyter_shard.notebook.magics import _change
 
-    spec = magics._resolve(_parse(magics._parser, "--nproc 2 --device cpu --precision bf16-mixed"))
+    spec = magics.spec_for("--nproc 2 --device cpu --precision bf16-mixed")
     pool = _FakePool(nproc=2)
     pool.spec = spec
     magics.pool = pool  # type: ignore[assignment]
     try:
-        later = magics._resolve(_parse(magics._parser, "--nproc 3 --accumulate 2"))
+        later = magics.spec_for("--nproc 3 --accumulate 2")
     finally:
         magics.pool = None
     assert _change(spec, later) == "2 → 3 ranks, accumulate 1 → 2"
@@ -327,7 +326,7 @@ def test_gpus_lists_are_checked_before_any_pool(
 
 def test_gpus_list_reaches_the_spec(magics: DistributedMagics, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(spec_mod, "visible_gpus", lambda: 4)
-    spec = magics._resolve(_parse(magics._parser, "--gpus 2,0 --strategy ddp"))
+    spec = magics.spec_for("--gpus 2,0 --strategy ddp")
     assert (spec.nproc, spec.gpus, spec.describe()) == (2, (2, 0), "2 GPU ranks (GPUs 2,0) · ddp")
 
 
