@@ -133,9 +133,11 @@ class NotebookSink(RankSink):
         self._wrote = True
 
     def notice(self, text: str) -> None:
-        """The pool's own lines go out at once, so they stand before the rank output that follows."""
-        super().notice(text)
-        sys.stderr.flush()
+        """The pool's own lines (starting, restarting, a group rebuilt): the product speaking, not a
+        failure, so on stdout, which JupyterLab does not paint as an error; out at once, so they stand
+        before the rank output that follows. Failures are the cell's error output."""
+        self.write("stdout", text.rstrip("\n") + "\n")
+        sys.stdout.flush()
 
     def live_line(self, rank: int, name: str, text: str, final: bool) -> None:
         from IPython.display import DisplayHandle

@@ -118,8 +118,7 @@ class DistributedMagics(Magics):
         pool.run_background(code, ranks, timeout=timeout, exec_count=count, on_done=_report_background)
         print(
             f"jupyter_shard: running in the background on {pool.spec.describe()}; "
-            "%dist_wait waits for it, %dist_interrupt stops it",
-            file=sys.stderr,
+            "%dist_wait waits for it, %dist_interrupt stops it"
         )
         return None
 
@@ -165,12 +164,11 @@ class DistributedMagics(Magics):
                 if pool.started:
                     print(
                         f"jupyter_shard: restarting pool {_change(pool.spec, spec)}; rank state is lost",
-                        file=sys.stderr,
                         flush=True,  # before the new ranks' output, as the start line is
                     )
                 pool.restart(spec)
             if not pool.started:
-                print(f"jupyter_shard: starting {spec.describe()} …", file=sys.stderr, flush=True)
+                print(f"jupyter_shard: starting {spec.describe()} …", flush=True)
                 pool.start()
         except BaseException as exc:
             pool.shutdown()
@@ -332,7 +330,7 @@ class DistributedMagics(Magics):
                 return
             except (DistributedError, PoolError):
                 pass
-            print(f"jupyter_shard: stopped {run.describe()}", file=sys.stderr)
+            print(f"jupyter_shard: stopped {run.describe()}")
 
     @line_magic
     def dist_restart(self, line: str) -> None:
@@ -368,7 +366,7 @@ def _report_background(run: BackgroundRun) -> None:
     """Runs in the background cell's context when it ends: its outcome goes under that cell."""
     shell = InteractiveShell.instance() if InteractiveShell.initialized() else None
     if run.error is None:
-        print(f"jupyter_shard: the background run finished in {run.elapsed:.1f} s", file=sys.stderr)
+        print(f"jupyter_shard: the background run finished in {run.elapsed:.1f} s")
         shown = shown_bundle(run.result)
         if shown is not None:
             display(shown, raw=True)

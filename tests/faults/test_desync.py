@@ -54,7 +54,7 @@ def _recovered_with_state(kernel: Any, failed_at: float) -> str:
     assert nxt.ok, nxt.error_text()
     assert back < 5.0, f"back to a working cell {back:.1f} s after the failing cell ended"
     assert "[rank 0] kept 42 sum 2.0" in nxt.stream() and "[rank 1] kept 42 sum 2.0" in nxt.stream()
-    notices: str = nxt.stream("stderr")
+    notices: str = nxt.stream()
     assert "rebuilt the process group after the desync in" in notices
     assert "rank state is kept" in notices
     return notices
@@ -115,7 +115,7 @@ def test_f6_interrupt_while_one_rank_sleeps_and_the_other_waits_in_all_reduce(
     failed_at = time.monotonic()
     assert not run.ok
     assert run.elapsed < after + 10.0, f"the cell took {run.elapsed:.1f} s"
-    notices = run.stream("stderr")
+    notices = run.stream()
     assert "interrupted: sending SIGINT" in notices
     assert (
         "rank 1 is blocked in" in notices and "closing the process group on rank 0 to release it" in notices
@@ -138,7 +138,7 @@ def test_f6_ranks_all_blocked_are_killed_within_10s_and_replaced(kernel: Any) ->
     failed_at = time.monotonic()
     assert not run.ok
     assert run.elapsed < 2.5 + 10.0, f"the cell took {run.elapsed:.1f} s"
-    notices = run.stream("stderr")
+    notices = run.stream()
     assert "rank 0-1 still running: sending SIGINT" in notices
     assert "killed rank 0-1 (still running 4 s after it was asked to stop)" in notices
     text = run.error_text()
@@ -150,7 +150,7 @@ def test_f6_ranks_all_blocked_are_killed_within_10s_and_replaced(kernel: Any) ->
     nxt = kernel.execute("%%distributed\n'kept' in dir()")
     back = time.monotonic() - failed_at
     assert back < 5.0, f"back to a working cell {back:.1f} s after the failing cell ended"
-    assert "restarting the pool (rank 0-1 was killed); rank state is lost" in nxt.stream("stderr")
+    assert "restarting the pool (rank 0-1 was killed); rank state is lost" in nxt.stream()
     assert nxt.data("execute_result") == [{"text/plain": "False"}]
 
 
@@ -163,7 +163,7 @@ def test_f9_a_rank_spinning_in_python_past_the_timeout_is_shown_with_its_stack(k
     failed_at = time.monotonic()
     assert not run.ok
     assert 5.0 <= run.elapsed < 5.0 + 6.0, f"the cell took {run.elapsed:.1f} s"
-    notices = run.stream("stderr")
+    notices = run.stream()
     assert "rank 1 still running after the 5 s timeout: sending SIGINT" in notices
     text = run.error_text()
     spinning = text[text.index("──── rank 1: KeyboardInterrupt ────") :]

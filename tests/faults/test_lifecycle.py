@@ -125,9 +125,9 @@ def test_start_stop_cycles_leak_nothing(tmp_path: Path, monkeypatch: pytest.Monk
         with Pool(nproc=nproc, device="cpu", log_dir=logs) as pool:
             assert pool.run(cell).ok
             pool.push(payload=payload)
-            assert pool.values.last is not None and pool.values.last.path == path
+            assert pool.last_transfer is not None and pool.last_transfer.path == path
             assert torch.equal(pool.pull("payload", rank=nproc - 1), payload)
-            assert pool.values.last is not None and pool.values.last.path == path
+            assert pool.last_transfer is not None and pool.last_transfer.path == path
     after = _snapshot(runtime, tmp)
     assert after.children == before.children, "leaked child processes"
     assert after.fds <= before.fds, f"leaked fds: {before.fds} -> {after.fds}"

@@ -29,14 +29,14 @@ def test_collective_in_a_subset_cell_ends_fast_and_the_group_is_rebuilt(
     assert run.elapsed < 10.0, f"the cell took {run.elapsed:.1f} s"
     others = "1" if nproc == 2 else "1-2"
     verb = "is" if nproc == 2 else "are"
-    said = run.stream("stderr") + run.error_text()
+    said = run.stream() + run.error_text()
     assert f"rank 0 is waiting in all_reduce while rank {others} {verb} not running this cell" in said, said
     assert "Timed out" not in said and "killed" not in said
     assert "the next cell first rebuilds the group (rank state is kept)" in run.error_text()
 
     back_to_work(kernel, nproc, failed_at, pids)
     again = kernel.execute(NEXT)
-    assert again.ok and "rebuilt" not in again.stream("stderr")
+    assert again.ok and "rebuilt" not in again.stream()
 
 
 def test_a_subset_cell_without_a_collective_is_left_alone(kernel: Any) -> None:
@@ -62,4 +62,4 @@ def test_a_collective_on_a_subgroup_of_the_cells_ranks_completes(kernel: Any) ->
     )
     assert run.ok, run.error_text()
     assert "[rank 0] sum 2.0" in run.stream() and "[rank 1] sum 2.0" in run.stream()
-    assert "not running this cell" not in run.stream("stderr")
+    assert "not running this cell" not in run.stream()

@@ -110,12 +110,12 @@ def test_values_round_trip_exactly_and_each_rank_owns_its_copy(
     monkeypatch.setenv("JUPYTER_SHARD_SHARED_MEMORY", "1" if shared else "0")
     value = sample()
     pool.push(value=value)
-    assert pool.values.last is not None and pool.values.last.path == ("direct" if shared else "messages")
+    assert pool.last_transfer is not None and pool.last_transfer.path == ("direct" if shared else "messages")
     pool.run(ON_RANK)
     digests = pool.pull_all("digest")
     assert digests[0] == digests[1]
     back = pool.pull("value", rank=1)
-    assert pool.values.last is not None and pool.values.last.shared is shared
+    assert pool.last_transfer is not None and pool.last_transfer.shared is shared
     assert same(value, back), "the value came back changed"
 
     pool.run("value['big'][0] = -12345.0; value['arrays']['c'][0] = -1", ranks=[0])
@@ -140,7 +140,7 @@ def test_a_pull_read_from_the_rank_falls_back_to_a_segment_and_the_rank_lets_go(
 
     pool.run(f"import torch; lent = torch.randn({BIG})", ranks=[1])
     lent = pool.pull("lent", rank=1)
-    assert pool.values.last is not None and pool.values.last.path == "direct"
+    assert pool.last_transfer is not None and pool.last_transfer.path == "direct"
     held = "from jupyter_shard.rank import transfer; transfer._lent is None"
     assert pool.run(held, ranks=[1]).value == {"text/plain": "True"}, "the rank still holds the buffers"
 
@@ -149,7 +149,7 @@ def test_a_pull_read_from_the_rank_falls_back_to_a_segment_and_the_rank_lets_go(
 
     monkeypatch.setattr(peer_memory, "read", refused)
     again = pool.pull("lent", rank=1)
-    assert pool.values.last is not None and pool.values.last.path == "segment"
+    assert pool.last_transfer is not None and pool.last_transfer.path == "segment"
     assert torch.equal(again, lent)
     assert pool.run(held, ranks=[1]).value == {"text/plain": "True"}
     assert open_segments() == []
@@ -172,7 +172,7 @@ def test_a_push_that_cannot_be_written_into_a_rank_goes_through_a_segment(
     monkeypatch.setattr(peer_memory, "write", refused_for_rank_1)
     value = sample()
     pool.push(fallback=value)
-    assert pool.values.last is not None and pool.values.last.path == "direct+segment"
+    assert pool.last_transfer is not None and pool.last_transfer.path == "direct+segment"
     assert same(pool.pull("fallback", rank=0), value) and same(pool.pull("fallback", rank=1), value)
     held = "from jupyter_shard.rank import transfer; transfer._landing is None"
     assert all(r.result == {"text/plain": "True"} for r in pool.run(held).ranks.values())
@@ -190,7 +190,7 @@ def test_a_push_with_room_for_one_copy_but_not_one_per_rank_shares_a_segment(
     value = torch.randn(BIG // 2)  # 32 MiB: room for one copy, not for two in 3/4 of what is free
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Room(80 << 20))
     pool.push(roomy=value)
-    assert pool.values.last is not None and pool.values.last.path == "segment"
+    assert pool.last_transfer is not None and pool.last_transfer.path == "segment"
     monkeypatch.undo()
     pool.run("roomy[0] = -1.0", ranks=[0])
     assert torch.equal(pool.pull("roomy", rank=1), value), "one rank's change reached another"
@@ -221,7 +221,7 @@ def test_forged_truncated_and_malformed_pushes_are_refused_and_the_pool_works(po
     """Each push here is signed with the pool's key (it comes from the kernel's own wire), so only
     the checks of the transfer itself stand between it and the rank's namespace."""
     data = np.arange(1 << 18, dtype=np.float64)
-    packed_ok = pool.values.conn  # the connection the kernel's pushes use
+    packed_ok = pool.connection  # the connection the kernel's pushes use
     targets = pool.ranks.targets(None)
 
     def push(body: dict[str, object], frames: list[bytes]) -> dict[int, str]:

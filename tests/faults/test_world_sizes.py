@@ -36,7 +36,7 @@ def test_f3_one_rank_raises_while_the_others_wait_in_all_reduce(kernel: Any, npr
     text = run.error_text()
     assert text.splitlines()[0].startswith("rank 0 failed first: ValueError: bad batch on rank 0")
     assert "the next cell first rebuilds the group (rank state is kept)" in text
-    assert "killed" not in run.stream("stderr")
+    assert "killed" not in run.stream()
     back_to_work(kernel, nproc, failed_at, pids)
 
 
@@ -49,7 +49,7 @@ def test_f4_a_straggler_skips_the_collective(kernel: Any, nproc: int) -> None:
     assert not run.ok
     assert run.elapsed < 10.0, f"the cell took {run.elapsed:.1f} s, not ended early by the desync check"
     assert "which finished the cell without joining it" in run.error_text()
-    assert "killed" not in run.stream("stderr")
+    assert "killed" not in run.stream()
     back_to_work(kernel, nproc, failed_at, pids)
 
 
@@ -63,7 +63,7 @@ def test_f6_interrupt_while_one_rank_sleeps_and_the_others_wait(kernel: Any, npr
     failed_at = time.monotonic()
     assert not run.ok
     assert run.elapsed < 2.5 + 10.0, f"the cell took {run.elapsed:.1f} s"
-    assert "killed" not in run.stream("stderr")
+    assert "killed" not in run.stream()
     back_to_work(kernel, nproc, failed_at, pids)
 
 
@@ -76,6 +76,6 @@ def test_f9_a_rank_spinning_past_the_timeout(kernel: Any, nproc: int) -> None:
     failed_at = time.monotonic()
     assert not run.ok
     assert 5.0 <= run.elapsed < 5.0 + 6.0, f"the cell took {run.elapsed:.1f} s"
-    assert "rank 1 still running after the 5 s timeout: sending SIGINT" in run.stream("stderr")
-    assert "killed" not in run.stream("stderr")
+    assert "rank 1 still running after the 5 s timeout: sending SIGINT" in run.stream()
+    assert "killed" not in run.stream()
     back_to_work(kernel, nproc, failed_at, pids)

@@ -120,7 +120,7 @@ def test_background_run_returns_at_once_and_keeps_updating(nb: Any) -> None:
     returned = time.monotonic()
     assert run.ok, run.outputs
     assert run.elapsed < 1.0
-    assert "running in the background" in run.stream("stderr")
+    assert "running in the background" in run.stream()
     plain = nb.execute("sum(range(10))")
     assert plain.ok and plain.elapsed < 1.0 and plain.data("execute_result") == [{"text/plain": "45"}]
     refused = nb.execute("%%distributed\n1")
@@ -174,7 +174,7 @@ def test_dist_interrupt_stops_a_background_run(nb: Any) -> None:
     time.sleep(0.5)
     stop = nb.execute("%dist_interrupt", timeout=15)
     assert stop.ok and stop.elapsed < 10.0
-    assert "stopped the background run of cell" in stop.stream("stderr")
+    assert "stopped the background run of cell" in stop.stream()
     assert nb.execute("%%distributed\n'free'").data("execute_result") == [{"text/plain": "'free'"}]
 
 

@@ -98,7 +98,7 @@ def test_a_cell_after_one_that_failed_on_some_ranks_is_not_sent_ahead(nb: Any) -
     partial = nb.execute(f"{LINE}\nif shard.rank == 1:\n    raise RuntimeError('only here')")
     assert not partial.ok
     after = nb.execute(f"{LINE}\n{STAMP}")
-    assert "may be out of step" in after.stream("stderr"), after.outputs
+    assert "may be out of step" in after.stream(), after.outputs
     assert not went_ahead(nb)
 
 

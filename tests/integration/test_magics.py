@@ -283,7 +283,7 @@ def test_status_table_and_log_files(nb: Any) -> None:
 def test_changing_rank_count_restarts_and_says_so(nb: Any) -> None:
     run = nb.execute("%%distributed --nproc 3\nshard.world_size")
     assert run.ok, run.outputs
-    assert "restarting pool 2 → 3 ranks; rank state is lost" in run.stream("stderr")
+    assert "restarting pool 2 → 3 ranks; rank state is lost" in run.stream()
     assert run.data("execute_result") == [{"text/plain": "3"}]
     run = nb.execute("%%distributed\n'state' in dir()")
     assert run.data("execute_result") == [{"text/plain": "False"}]

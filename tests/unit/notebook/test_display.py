@@ -47,6 +47,20 @@ def test_without_the_extension_the_sink_writes_plain_rank_lines(
     assert handles == []
 
 
+def test_the_pools_notices_are_plain_output_and_rank_stderr_stays_stderr(
+    handles: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """JupyterLab paints stderr as an error: the pool saying what it does is not one."""
+    sink = NotebookSink()
+    sink.begin_cell()
+    sink.notice("jupyter_shard: restarting the pool (rank 1 was killed); rank state is lost\n")
+    sink.stream(1, "stderr", "careful\n")
+    sink.end_cell()
+    said = capsys.readouterr()
+    assert said.out == "jupyter_shard: restarting the pool (rank 1 was killed); rank state is lost\n"
+    assert said.err == "[rank 1] careful\n"
+
+
 def test_with_the_extension_one_display_holds_the_cell_and_a_text_fallback(
     handles: list[Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
