@@ -369,7 +369,7 @@ class Pool:
         """Every rank's current Python stacks, even mid-cell (safe to call from another thread)."""
         chosen = sorted(r.rank for r in self.ranks) if ranks is None else sorted(ranks)
         live = [r for r in self.ranks.live() if r.rank in chosen]
-        replies = self.connection.request(*STACKS({}), live, timeout=timeout)
+        replies = self.connection.request(*STACKS({}), live, timeout=timeout) if live else {}
         return self.ranks.stacks(chosen, replies, timeout)
 
     @property
