@@ -173,9 +173,17 @@ def demote(text: str, folder: Path, summary_dir: Path) -> str:
     return "\n".join(out)
 
 
+_DATED = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d) UTC")
+
+
 def written(path: Path) -> dt.datetime:
-    """When a section was written: its last commit's time while the file is as committed (a fresh
-    clone's files all carry the clone's time), else its modification time."""
+    """When a section was written: the date its head states (``- Date: 2026-11-23 20:47 UTC``), else
+    its last commit's time while the file is as committed (a fresh clone's files all carry the
+    clone's time), else its modification time."""
+    head = "\n".join(path.read_text().splitlines()[:10])
+    stated = _DATED.search(head)
+    if stated:
+        return dt.datetime.strptime(stated.group(1), "%Y-%m-%d %H:%M").replace(tzinfo=dt.timezone.utc)
     stamp = path.stat().st_mtime
     with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
         where = ["-C", str(path.parent), "--no-pager"]
