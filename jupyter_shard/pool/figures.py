@@ -226,14 +226,9 @@ def _escape(text: str) -> str:
 
 def binned(x: Floats, y: Floats, lo: float, hi: float, bins: int) -> tuple[Floats, Floats]:
     """At most ``bins`` points: the raw points if few, else the mean of ``x`` and ``y`` per bin of x."""
-    if len(x) <= bins or hi <= lo:
+    if len(x) <= bins:
         return x, y
-    index = np.clip(((x - lo) / (hi - lo) * bins).astype(np.int64), 0, bins - 1)
-    counts = np.bincount(index, minlength=bins)
-    used = counts > 0
-    xs = np.bincount(index, weights=x, minlength=bins)[used] / counts[used]
-    ys = np.bincount(index, weights=y, minlength=bins)[used] / counts[used]
-    return xs, ys
+    return bin_means(x, y, lo, hi, bins)
 
 
 def mean_across(

@@ -10,7 +10,6 @@ comes back on the CPU, with no CUDA context in the kernel, is tests/gpu/test_cud
 from __future__ import annotations
 
 from collections import OrderedDict, namedtuple
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -98,20 +97,6 @@ def test_tensor_bytes_counts_tensors_modules_arrays_and_containers_without_pickl
     assert tensor_bytes({"w": np.zeros(8, dtype=np.int16), "m": [layer, (torch.ones(2),)]}) == 16 + 440 + 8
     assert tensor_bytes(torch.empty(1000, device="meta")) == 0
     assert tensor_bytes("text") == 0
-
-
-@pytest.fixture
-def mesh() -> Iterator[Any]:
-    """A 2-rank device mesh, this process rank 1, over torch's fake process group (no peers)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
-    try:
-        yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_tensor_bytes_counts_a_dtensor_as_the_local_shard_a_pull_sends(mesh: Any) -> None:

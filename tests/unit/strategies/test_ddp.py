@@ -5,12 +5,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -18,15 +14,6 @@ from jupyter_shard.strategies.base import StrategyContext
 from jupyter_shard.strategies.ddp import DDPStrategy
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def gloo(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _ready(**options: object) -> DDPStrategy:

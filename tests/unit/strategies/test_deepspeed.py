@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from jupyter_shard.strategies import deepspeed as deepspeed_module
@@ -86,15 +84,6 @@ def ds(monkeypatch: pytest.MonkeyPatch) -> FakeDeepSpeed:
     fake = FakeDeepSpeed()
     monkeypatch.setattr(deepspeed_module, "import_deepspeed", lambda device: fake)
     return fake
-
-
-@pytest.fixture
-def gloo(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _ready(precision: str = "32", accumulate: int = 1, **extra: Any) -> DeepSpeedStrategy:

@@ -75,15 +75,6 @@ def fake_world() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-@pytest.fixture
-def gloo(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 # options
 
 

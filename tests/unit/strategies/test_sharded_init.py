@@ -9,12 +9,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from jupyter_shard.rank.shard import _meta_copy
 from jupyter_shard.strategies.fsdp import SPLIT_ABOVE, default_units
@@ -231,22 +229,12 @@ def test_a_failed_build_leaves_torch_as_it_was() -> None:
     assert not nn.Linear(2, 2).weight.is_meta
 
 
-@pytest.fixture
-def two_rank_mesh() -> Iterator[DeviceMesh]:
-    """Rank 1 of a 2-rank mesh on a fake process group: shapes and placements, no collectives."""
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
-    try:
-        yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("name", ["Sequential", "Transformer", "LSTM", "Bilinear"])
-def test_each_rank_keeps_its_slice_of_the_plain_values(name: str, two_rank_mesh: DeviceMesh) -> None:
+def test_each_rank_keeps_its_slice_of_the_plain_values(name: str, mesh: DeviceMesh) -> None:
     plain = _plain(LAYERS[name])
     model, state = _on_meta(LAYERS[name])
     for unit in [*model.children(), model]:
-        fully_shard(unit, mesh=two_rank_mesh)
+        fully_shard(unit, mesh=mesh)
     materialise(model, CPU, state)
     theirs = dict(plain.named_parameters())
     for n, p in model.named_parameters():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pickle
 from collections import OrderedDict
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -94,20 +93,6 @@ def test_parameters_and_requires_grad_survive_and_autograd_history_does_not() ->
     same_tensor(frozen, value["f"])
     assert value["a"].grad_fn is None and value["a"].requires_grad
     assert torch.equal(value["a"].detach(), activation.detach())
-
-
-@pytest.fixture
-def mesh() -> Iterator[Any]:
-    """A 2-rank device mesh, this process rank 1, over torch's fake process group (no peers)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
-    try:
-        yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_dtensor_is_sent_as_this_ranks_shard_a_plain_tensor(mesh: Any) -> None:
