@@ -14,6 +14,7 @@ oversized transfer is refused with a reply that says why, and the rank goes on."
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from jupyter_shard.transfer import peer_memory, pickling, segments
@@ -117,7 +118,7 @@ def pulled_reply(msg: Message, rank: int, what: str, value: Any, limit: int) -> 
     try:
         packed = pickling.dumps(value, host=not msg.body.get("device", False))
     except Exception as exc:
-        reply["error"] = f"{what} could not be pickled: {type(exc).__name__}: {exc}"
+        reply["error"] = f"{what} could not be pickled: {type(exc).__name__}: {exc}" + _module_hint(value)
         return reply, []
     reply["sizes"] = packed.sizes
     if packed.nbytes > limit:
@@ -150,6 +151,19 @@ def pulled_reply(msg: Message, rank: int, what: str, value: Any, limit: int) -> 
         return reply, []
     reply["ok"] = True
     return reply, [packed.inband, *packed.buffers]
+
+
+def _module_hint(value: Any) -> str:
+    """What to pull instead of a module that cannot be pickled whole: a prepared model holds its
+    process group (and DeepSpeed's engine its optimizer and config)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(value, torch.nn.Module):
+        return ""
+    return (
+        ". A prepared model holds its process group: `%dist_pull NAME --gather` brings its full "
+        "weights as a plain model; `sd = NAME.state_dict()` in a cell, then `%dist_pull sd`, this "
+        "rank's part"
+    )
 
 
 def resent_reply(msg: Message, rank: int) -> PullReply:

@@ -254,6 +254,21 @@ def test_a_value_that_cannot_be_pickled_is_refused_with_why() -> None:
     assert reply["error"].startswith("'x' could not be pickled: TypeError: ")
 
 
+def test_a_module_that_cannot_be_pickled_is_refused_with_what_to_pull_instead() -> None:
+    import threading
+
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    model.group = threading.Lock()  # as a wrapper holds its process group
+    reply, buffers = pulled_reply(_pull(), 0, "'model'", model, BIG)
+    assert not reply["ok"] and buffers == []
+    assert reply["error"].startswith("'model' could not be pickled: TypeError: ")
+    assert "`%dist_pull NAME --gather`" in reply["error"] and "state_dict()" in reply["error"]
+    plain, _ = pulled_reply(_pull(), 0, "'x'", threading.Lock(), BIG)
+    assert "--gather" not in plain["error"]  # the hint is for modules only
+
+
 def test_a_value_over_the_limit_is_refused() -> None:
     reply, buffers = pulled_reply(_pull(), 0, "'x'", np.zeros(3 * 2**20, dtype=np.uint8), 2**20)
     assert not reply["ok"] and buffers == []
