@@ -102,3 +102,43 @@ def test_a_missing_path_entry_does_not_stop_the_scan(
     monkeypatch.syspath_prepend(str(tmp_path / "gone"))
     assert list(entry_point_map(group)) == ["here"]
     assert str(tmp_path / "gone") in sys.path
+
+
+def _registry(group: str) -> plugins.Registry[object]:
+    return plugins.Registry(
+        group,
+        {"plain": object, "lazy": "collections:OrderedDict"},
+        "no plugin {name!r}; available: {available}",
+        error=KeyError,
+    )
+
+
+def test_a_registry_looks_in_this_process_then_built_ins_then_entry_points(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group: str
+) -> None:
+    import collections
+
+    (tmp_path / "ep_target.py").write_text("class Installed:\n    pass\n")
+    _install(tmp_path, "ep_dist", group, installed="ep_target:Installed", plain="ep_target:Installed")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry = _registry(group)
+    assert registry.available() == ["installed", "lazy", "plain"]
+    assert "ep_target" not in sys.modules, "listing imports nothing"
+    assert registry.get("plain") is object, "a built-in wins over an entry point of the same name"
+    assert registry.get("lazy") is collections.OrderedDict, "a 'module:attr' built-in is imported when asked"
+    assert registry.get("installed").__name__ == "Installed"
+    registry.register("plain", dict, size=3)
+    assert registry.get("plain") is dict and registry.defaults("plain") == {"size": 3}
+    assert registry.defaults("lazy") == {} and registry.registration("lazy") is None
+    assert list(registry.loaded()) == ["plain", "lazy", "installed"]
+
+
+def test_a_registry_names_what_is_available_for_an_unknown_name(group: str) -> None:
+    registry = _registry(group)
+    with pytest.raises(KeyError, match=r"no plugin 'nope'; available: lazy, plain"):
+        registry.get("nope")
+    own: dict[str, plugins.Registration[object]] = {"mine": (int, {})}
+    shared = plugins.Registry(group, {}, "{name} not in {available}", registered=lambda: own)
+    assert shared.available() == ["mine"] and shared.get("mine") is int
+    own.pop("mine")  # the registered dict is read on every use
+    assert shared.available() == []
