@@ -162,18 +162,52 @@ def test_ranks_have_torchruns_environment_and_do_not_look_interactive(nb: Any) -
     assert run.data("execute_result")[0]["text/plain"] == "2"
 
 
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _torchrun_reference(script: Path, weights: Path) -> None:
+    """Run ``script`` under plain torchrun: the reference the pool's run is compared with.
+
+    torch 2.13's gloo can abort a process while the interpreter shuts down, after the script has
+    returned (std::terminate from a worker thread; pytorch/pytorch#190489): 5 of 30 plain torchrun
+    runs of this script here, and torchrun then sends SIGTERM to the other rank, which may not
+    have saved yet. That is torchrun's teardown, not the script: a run counts when both ranks
+    printed their line and saved weights that load, and such a run is tried up to three times.
+    Any other failure fails the test at once.
+    """
+    env = {**os.environ, "WEIGHTS_OUT": str(weights), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    files = [Path(f"{weights}-{r}.pt") for r in (0, 1)]
+    for _attempt in range(3):
+        for f in files:
+            f.unlink(missing_ok=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert done.returncode == 0 or GLOO_EXIT_ABORT in done.stderr, done.stderr[-3000:]
+        printed = sorted(line for line in done.stdout.splitlines() if "launched by torchrun" in line)
+        if printed == [f"rank {r} of 2 launched by torchrun: True" for r in (0, 1)] and _load_all(files):
+            return
+    raise AssertionError(f"torchrun's own teardown aborted three times in a row:\n{done.stderr[-3000:]}")
+
+
+def _load_all(files: list[Path]) -> bool:
+    """Whether every file is a whole ``torch.save`` (a file cut short by SIGTERM does not load)."""
+    import torch
+
+    try:
+        return all(isinstance(torch.load(f), torch.Tensor) for f in files)
+    except (OSError, RuntimeError, EOFError):
+        return False
+
+
 def test_a_torchrun_script_runs_unchanged_and_matches_torchrun(nb: Any, tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_SCRIPT)
-    env = {**os.environ, "WEIGHTS_OUT": str(tmp_path / "weights"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    _torchrun_reference(script, tmp_path / "weights")
 
     run = nb.execute("%%distributed\n" + TORCHRUN_SCRIPT)
     assert run.ok, run.outputs
