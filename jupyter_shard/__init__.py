@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from jupyter_shard.pool.history import History
     from jupyter_shard.pool.pool import Pool
     from jupyter_shard.pool.results import DistributedError, RunResult
+    from jupyter_shard.pool.suspend import resume, suspend
     from jupyter_shard.rank.shard import Shard
     from jupyter_shard.spec import LaunchSpec
     from jupyter_shard.strategies import register_strategy
@@ -41,7 +42,9 @@ __all__ = [
     "last_values",
     "load_ipython_extension",
     "register_strategy",
+    "resume",
     "shard",
+    "suspend",
     "unload_ipython_extension",
 ]
 
@@ -55,6 +58,8 @@ _LAZY = {
     "SpecError": "jupyter_shard.errors",
     "register_strategy": "jupyter_shard.strategies",
     "consolidate": "jupyter_shard.pool.checkpoint",
+    "suspend": "jupyter_shard.pool.suspend",
+    "resume": "jupyter_shard.pool.suspend",
 }
 
 

@@ -218,3 +218,19 @@ def parse_options(parser: MagicParser, line: str) -> argparse.Namespace:
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         raise UsageError(f"{parser.magic}: --timeout {timeout:g} is not valid; give seconds above 0")
     return namespace
+
+
+def resume_options(parser: MagicParser, line: str) -> tuple[str | None, dict[str, object]]:
+    """``%dist_resume [DIR] [options]``: the directory, and the ``%%distributed`` pool options that
+    change the suspended ones (``--nproc 4``); cell options (``--ranks``, ``--bg``…) are refused."""
+    words = shlex.split(line)
+    directory = words.pop(0) if words and not words[0].startswith("-") else None
+    given = {k: v for k, v in vars(parse_options(parser, shlex.join(words))).items() if v is not None}
+    cell_only = sorted(k for k in given if k in ("ranks", "timeout", "bg", "no_dashboard") and given[k])
+    if cell_only:
+        shown = ", ".join("--" + k.replace("_", "-") for k in cell_only)
+        raise UsageError(f"%dist_resume takes the pool's options (--nproc, --strategy, …), not {shown}")
+    given = {k: v for k, v in given.items() if k not in ("ranks", "timeout", "bg", "no_dashboard")}
+    if "collective_timeout" in given:
+        given["timeout"] = given.pop("collective_timeout")
+    return directory, given

@@ -28,6 +28,7 @@ from jupyter_shard.notebook.args import (
     magic_line,
     parse_options,
     rank_code,
+    resume_options,
 )
 from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard, StatusTable
 from jupyter_shard.notebook.debug_adapter import RankDebugRouter
@@ -40,6 +41,7 @@ from jupyter_shard.planner.estimate import format_bytes
 from jupyter_shard.pool.background import BackgroundRun
 from jupyter_shard.pool.pool import Pool
 from jupyter_shard.pool.results import DistributedError
+from jupyter_shard.pool.suspend import DEFAULT_DIRECTORY, resume, suspend
 from jupyter_shard.spec import (
     LaunchSpec,
     SpecError,
@@ -155,10 +157,7 @@ class DistributedMagics(Magics):
     def _pool_for(self, spec: LaunchSpec) -> Pool:
         """The pool for ``spec``, started; a start that fails leaves no pool behind (an option only
         the launcher can check, such as ``--launcher slurm`` without ``--interface``, is one line)."""
-        pool = self.pool
-        if pool is None:
-            pool = self.pool = Pool(spec=spec, sink=NotebookSink() if in_kernel() else None)
-            pool.observers.append(PromptNotice())  # the side panel hears of prompts while the kernel is busy
+        pool = self.pool if self.pool is not None else self._new_pool(spec)
         try:
             if spec != pool.spec:
                 if pool.started:
@@ -176,6 +175,11 @@ class DistributedMagics(Magics):
             if isinstance(exc, SpecError):
                 raise UsageError(str(exc)) from None
             raise
+        return pool
+
+    def _new_pool(self, spec: LaunchSpec) -> Pool:
+        pool = self.pool = Pool(spec=spec, sink=NotebookSink() if in_kernel() else None)
+        pool.observers.append(PromptNotice())  # the side panel hears of prompts while the kernel is busy
         return pool
 
     @line_magic
@@ -350,6 +354,26 @@ class DistributedMagics(Magics):
             print(export_magic(line, self.pool))
         except SpecError as exc:
             raise UsageError(str(exc)) from None
+
+    @line_magic
+    def dist_suspend(self, line: str) -> None:
+        """Write every rank's state to a directory, then end the ranks: %dist_suspend [DIR]"""
+        if self.pool is None or not self.pool.started:
+            raise UsageError("no pool is running; there is nothing to suspend")
+        print(suspend(self.pool, line.strip() or DEFAULT_DIRECTORY).summary())
+
+    @line_magic
+    def dist_resume(self, line: str) -> None:
+        """Start a pool from a suspend: %dist_resume [DIR] [--nproc N] [other %%distributed options]"""
+        directory, changes = resume_options(self._parser, line)
+        if self.pool is not None and self.pool.started:
+            print("jupyter_shard: stopping the running pool to resume; its rank state is lost", flush=True)
+        pool = self.pool if self.pool is not None else self._new_pool(LaunchSpec())
+        try:
+            self.pool, report = resume(directory or DEFAULT_DIRECTORY, changes, pool)
+        except SpecError as exc:
+            raise UsageError(str(exc)) from None
+        print(report.summary())
 
     @line_magic
     def dist_shutdown(self, line: str) -> None:

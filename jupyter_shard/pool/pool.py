@@ -1,12 +1,11 @@
 """The kernel side of a rank pool, as one object: start ranks, run cells, move values, stop.
 
-:class:`Pool` is a facade over parts with one job each: the :class:`~.connection.Connection`
-(socket, signing, dispatch), the :class:`~.ranks.RankTable`, the :class:`~.cell.CellGathering` of
-the cell in flight (the only writer of results), :class:`~.escalation.Escalation` (interrupt,
-release, regroup, kill) and the :class:`~.lifecycle.Lifecycle` (processes, private directory,
-clean-up). The thread that calls :meth:`Pool.run` receives until the cell ends; between cells, and
-for a background run, the :class:`~.background.Watcher` thread does.
-"""
+:class:`Pool` is a facade over parts with one job each: the :class:`~.connection.Connection` (socket,
+signing, dispatch), the :class:`~.ranks.RankTable`, the :class:`~.cell.CellGathering` of the cell in
+flight (the only writer of results), :class:`~.escalation.Escalation` (interrupt, release, regroup,
+kill) and the :class:`~.lifecycle.Lifecycle` (processes, private directory, clean-up). The thread that
+calls :meth:`Pool.run` receives until the cell ends; between cells, and for a background run, the
+:class:`~.background.Watcher` thread does."""
 
 from __future__ import annotations
 
@@ -180,7 +179,7 @@ class Pool:
         self.push(_js_strategy=(self.spec.strategy, *entry))
         register = "from jupyter_shard.strategies import register_strategy as _r\n"
         register += "_r(_js_strategy[0], _js_strategy[1], **_js_strategy[2])\ndel _r, _js_strategy"
-        self._run_foreground(register, None, None, 0, record=False)
+        self.run_own(register)
 
     def shutdown(self) -> None:
         """Stop every rank (and its children) and release the socket, key and private directory."""
@@ -225,6 +224,10 @@ class Pool:
         if not gathering.result.ok:
             raise DistributedError(gathering.result)
         return gathering.result
+
+    def run_own(self, code: str) -> RunResult:
+        """Run the pool's own ``code`` on every rank, kept out of ``%dist_export``'s transcript."""
+        return self._run_foreground(code, None, None, 0, record=False)
 
     def post_mortem(self, rank: int) -> RunResult:
         """pdb on ``rank`` at the frame where its last failed cell raised (``%debug``, ``%dist_debug``)."""
@@ -314,9 +317,8 @@ class Pool:
         return self.values.push(ranks, named)
 
     def pull(self, name: str, rank: int = 0, *, gather: bool = False, device: bool = False) -> Any:
-        """A copy of the rank's variable ``name``, its tensors on the CPU (``device=True``: where
-        they were on the rank). ``gather=True``: ``name`` is the model returned by ``shard.prepare``;
-        every rank takes part in gathering its shards and rank 0 returns it as a plain ``nn.Module``."""
+        """A copy of the rank's ``name``, tensors on the CPU (``device=True``: where they were).
+        ``gather=True``: ``name`` is the prepared model, gathered; rank 0 returns a plain ``nn.Module``."""
         if gather:
             return self.pull_all(name, gather=True, device=device)[0]
         return self.pull_all(name, ranks=[rank], device=device)[rank]

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 
 from jupyter_shard.rank import captures
 from jupyter_shard.rank.loaders import distributed_loader
+from jupyter_shard.rank.recipe import Recipe, record
 from jupyter_shard.strategies import create_strategy, strategy_class
 from jupyter_shard.strategies.base import StrategyBase, StrategyContext
 from jupyter_shard.wire.messages import METRICS, MetricsBody
@@ -82,6 +83,7 @@ class Shard:
         self._model: nn.Module | None = None
         self._template: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
+        self._recipe: Recipe | None = None  # how to build the prepared model again (%dist_resume)
         self._step = 0
         self._micro = 0
         self._logged = 0
@@ -170,6 +172,7 @@ class Shard:
         """
         self._impl = self._build_strategy({"accumulate": accumulate, "clip_grad_norm": clip_grad_norm})
         self._template = _meta_copy(model)
+        self._recipe = record(model, self._template, optimizer, accumulate, clip_grad_norm)
         self._impl.built_rng, self._built_rng = self._built_rng, None
         wrapped, new_optimizer = self._impl.prepare(model, optimizer)
         self._model, self._optimizer = wrapped, new_optimizer
@@ -333,6 +336,25 @@ class Shard:
     def prepared_model(self) -> nn.Module | None:
         """The model returned by the last :meth:`prepare`."""
         return self._model
+
+    @property
+    def prepared_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer returned by the last :meth:`prepare` (None without one)."""
+        return self._optimizer
+
+    @property
+    def recipe(self) -> Recipe | None:
+        """How the last :meth:`prepare`'s model and optimizer are built again (``%dist_resume``)."""
+        return self._recipe
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        """(optimizer steps, micro-steps): what a resumed pool continues from."""
+        return self._step, self._micro
+
+    @progress.setter
+    def progress(self, value: tuple[int, int]) -> None:
+        self._step, self._micro = value
 
     def group_rebuilt(self) -> bool:
         """The default process group was replaced; True if a prepared model's wrapper held the old one."""

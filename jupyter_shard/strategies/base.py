@@ -19,6 +19,12 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from jupyter_shard.strategies.precision import PRECISIONS as PRECISIONS
 from jupyter_shard.strategies.precision import Precision
@@ -162,6 +168,30 @@ class StrategyBase:
         if optimizer is not None and optimizer_state is not None:
             optimizer.load_state_dict(optimizer_state)
         return state
+
+    #: what :meth:`dcp_state` writes; a checkpoint loads only into a strategy of the same format
+    dcp_format: ClassVar[str] = "torch"
+
+    def dcp_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        """The model's and optimizer's state as ``torch.distributed.checkpoint`` saves and loads it.
+
+        Keyed by parameter name, the same at every world size, with DTensors where the strategy
+        shards (so DCP reshards on load); every rank calls it. ``load_dcp_state`` puts a state that
+        DCP loaded in place into this same dict back into the model and optimizer.
+        """
+        if optimizer is None:
+            return {"model": get_model_state_dict(model)}
+        model_state, optim_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    def load_dcp_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
+    ) -> None:
+        """Put back what DCP loaded into the dict :meth:`dcp_state` returned (collective)."""
+        if optimizer is None:
+            set_model_state_dict(model, state["model"])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """The whole model's state on rank 0 (CPU tensors); None on other ranks."""

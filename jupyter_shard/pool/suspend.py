@@ -1,0 +1,269 @@
+"""Suspend a pool to a directory and resume it, at the same or another world size.
+
+:func:`suspend` asks every rank to write its part (:mod:`jupyter_shard.rank.suspend`: the prepared
+model and optimizer through ``torch.distributed.checkpoint``, the namespace through cloudpickle)
+into a temporary sibling of the directory, adds the manifest (the pool's options, what each rank
+kept and could not keep, the dashboard's history), and only then swaps it into place: a suspend that
+fails midway (a rank killed, the disk full) leaves the last good one where it was and the ranks
+running with their state. Then the ranks end, and their devices are free.
+
+:func:`resume` starts a pool with the suspended options (or changed ones: another world size),
+restores the history, and asks every rank to load its part; DCP reshards the model and optimizer
+for the new world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jupyter_shard.errors import PoolError
+from jupyter_shard.launchers import merge_spec
+from jupyter_shard.pool.pool import Pool
+from jupyter_shard.pool.results import DistributedError
+from jupyter_shard.spec import LaunchSpec, format_ranks
+
+__all__ = ["DEFAULT_DIRECTORY", "Resumed", "Suspended", "resume", "suspend"]
+
+DEFAULT_DIRECTORY = "jupyter_shard-suspended"
+MANIFEST = "manifest.json"
+SPEC_FILE = "spec.pkl"
+FORMAT = 1
+
+
+@dataclass
+class Suspended:
+    """What a suspend wrote: where, how much, in how long, and which names it kept or could not."""
+
+    directory: Path
+    world_size: int
+    strategy: str
+    seconds: float
+    bytes: int
+    kept: list[str]
+    lost: dict[str, str]  # name -> why (the first rank that could not keep it)
+    prepared: bool
+
+    def summary(self) -> str:
+        model = "the prepared model and optimizer, " if self.prepared else ""
+        kept = ", ".join(self.kept[:12]) + (" …" if len(self.kept) > 12 else "")
+        lines = [
+            f"jupyter_shard: suspended {self.world_size} ranks ({self.strategy}) to {self.directory} in "
+            f"{self.seconds:.1f} s, {self.bytes / 2**20:.1f} MiB: {model}{len(self.kept)} names"
+            + (f" ({kept})" if kept else "")
+            + "; the ranks ended and their devices are free. Resume with %dist_resume"
+        ]
+        for name, why in sorted(self.lost.items()):
+            lines.append(f"jupyter_shard: not kept: {name} ({why})")
+        return "\n".join(lines)
+
+
+@dataclass
+class Resumed:
+    """What a resume restored, on which world size, and what it could not."""
+
+    directory: Path
+    world_size: int
+    saved_world_size: int
+    seconds: float
+    restored: list[str]
+    lost: dict[str, str] = field(default_factory=dict)
+    prepared: bool = False
+
+    def summary(self) -> str:
+        model = "the prepared model and optimizer and " if self.prepared else ""
+        lines = [
+            f"jupyter_shard: resumed {self.directory} on {self.world_size} ranks in {self.seconds:.1f} s: "
+            f"{model}{len(self.restored)} names"
+        ]
+        if self.world_size != self.saved_world_size:
+            lines.append(
+                f"jupyter_shard: suspended at {self.saved_world_size} ranks: the model and optimizer were "
+                "resharded; every rank has rank 0's other names and freshly seeded generators (rebuild "
+                "per-rank data such as a data shard)"
+            )
+        for name, why in sorted(self.lost.items()):
+            lines.append(f"jupyter_shard: not restored: {name} ({why})")
+        return "\n".join(lines)
+
+
+def suspend(pool: Pool, directory: str | os.PathLike[str] = DEFAULT_DIRECTORY) -> Suspended:
+    """Write the pool's state into ``directory`` (atomically), then stop its ranks."""
+    pool.refuse_while_background("suspend the pool")
+    if not pool.started:
+        raise PoolError("no pool is running; there is nothing to suspend")
+    final = Path(directory).expanduser().absolute()
+    tmp = final.with_name(f".{final.name}.suspending")
+    began = time.monotonic()
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True, mode=0o700)
+        pool.run_own(f"__import__('jupyter_shard.rank.suspend', fromlist=['save']).save({str(tmp)!r})")
+        reports = pool.last_values()
+        missing = sorted(set(range(pool.world_size)) - set(reports))
+        if missing:
+            raise PoolError(f"rank {format_ranks(missing)} did not report what it wrote")
+        manifest = {
+            "format": FORMAT,
+            "created": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "world_size": pool.world_size,
+            "strategy": pool.spec.strategy,
+            "options": pool.spec.describe(),
+            "dcp_format": reports[0]["dcp_format"],
+            "ranks": {str(rank): reports[rank] for rank in sorted(reports)},
+            "history": pool.history.records(),
+        }
+        _write(tmp / SPEC_FILE, pickle.dumps(pool.spec))
+        _write(tmp / MANIFEST, json.dumps(manifest, indent=1, default=str).encode())
+        _swap(tmp, final)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise PoolError(_failed("suspend", exc, pool, final)) from exc
+    lost: dict[str, str] = {}
+    for rank in sorted(reports, reverse=True):
+        lost.update(reports[rank]["lost"])
+    pool.shutdown()
+    return Suspended(
+        directory=final,
+        world_size=pool.world_size,
+        strategy=pool.spec.strategy,
+        seconds=time.monotonic() - began,
+        bytes=sum(_sizes(final)),
+        kept=sorted(set(reports[0]["kept"])),
+        lost=lost,
+        prepared=bool(reports[0]["prepared"]),
+    )
+
+
+def resume(
+    directory: str | os.PathLike[str] = DEFAULT_DIRECTORY,
+    changes: Mapping[str, object] | None = None,
+    pool: Pool | None = None,
+) -> tuple[Pool, Resumed]:
+    """Start a pool (``pool`` restarted, or a new one) from a suspend, with ``changes`` to its
+    options (``{"nproc": 4}``), and load every rank's state into it."""
+    root = _readable(Path(directory).expanduser().absolute())
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+        saved: LaunchSpec = pickle.loads((root / SPEC_FILE).read_bytes())
+    except (OSError, ValueError, pickle.UnpicklingError, AttributeError) as exc:
+        raise PoolError(f"{root} is not a readable suspend ({exc}); suspend with %dist_suspend") from None
+    if manifest.get("format") != FORMAT:
+        raise PoolError(
+            f"{root} was written by another version of jupyter_shard (format {manifest.get('format')})"
+        )
+    spec = merge_spec(saved, dict(changes or {}))
+    began = time.monotonic()
+    if pool is None:
+        pool = Pool(spec=spec)
+    elif pool.started:
+        pool.restart(spec)
+    else:
+        pool.spec = spec
+    _restore_history(pool, manifest.get("history", []))
+    try:
+        pool.start()
+        load = f"__import__('jupyter_shard.rank.suspend', fromlist=['load']).load({str(root)!r}, "
+        pool.run_own(load + f"{int(manifest['world_size'])})")
+        reports = pool.last_values()
+    except BaseException as exc:
+        pool.shutdown()
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise PoolError(
+            f"the resume failed: {_cause(exc)}; the pool was stopped and {root} is unchanged"
+        ) from exc
+    lost: dict[str, str] = {}
+    for rank in sorted(reports, reverse=True):
+        lost.update(reports[rank]["lost"])
+    first = reports.get(0, {})
+    return pool, Resumed(
+        directory=root,
+        world_size=pool.world_size,
+        saved_world_size=int(manifest["world_size"]),
+        seconds=time.monotonic() - began,
+        restored=list(first.get("restored", [])),
+        lost=lost,
+        prepared=bool(manifest["ranks"]["0"].get("prepared")),
+    )
+
+
+def _restore_history(pool: Pool, records: list[dict[str, Any]]) -> None:
+    """The dashboard's history carries on from where the suspended pool left it."""
+    for record in records:
+        values = {k: v for k, v in record.items() if k not in ("rank", "step", "time")}
+        pool.history.extend(
+            int(record["rank"]), [{"step": record["step"], "ts": record["time"], "values": values}]
+        )
+
+
+def _failed(what: str, exc: BaseException, pool: Pool, final: Path) -> str:
+    """One line: why, what became of the ranks, and which suspend is on disk."""
+    dead = [r.rank for r in pool.ranks if r.dead]
+    ranks = (
+        f"rank {format_ranks(dead)} died, so the pool needs %dist_restart (the other ranks' state is lost)"
+        if dead
+        else "the ranks keep running with their state"
+    )
+    kept = (
+        f"{final} still holds the last good suspend" if final.exists() else f"nothing was written to {final}"
+    )
+    return f"the {what} failed: {_cause(exc)}; {ranks}; {kept}"
+
+
+def _cause(exc: BaseException) -> str:
+    if isinstance(exc, DistributedError) and exc.failures:
+        failure = exc.failures[0]
+        text = f"{failure.ename}: {failure.evalue}" if failure.status != "dead" else failure.evalue
+        return f"rank {failure.rank}: {text.strip().splitlines()[0] if text.strip() else failure.ename}"
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _readable(final: Path) -> Path:
+    """The suspend directory, or the one a swap interrupted between its two renames left."""
+    old = final.with_name(f".{final.name}.old")
+    if not final.exists() and old.exists():
+        return old
+    if not (final / MANIFEST).is_file():
+        raise PoolError(f"no suspend in {final} (no {MANIFEST}); suspend a pool there with %dist_suspend")
+    return final
+
+
+def _swap(tmp: Path, final: Path) -> None:
+    """``tmp`` becomes ``final``; a crash between the renames leaves ``.final.old``, which resume reads."""
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    _fsync_directory(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sizes(root: Path) -> list[int]:
+    return [p.stat().st_size for p in root.rglob("*") if p.is_file()]

@@ -1,0 +1,288 @@
+"""Suspend and resume, on each rank: the prepared model and optimizer through DCP, the rest of the
+namespace through cloudpickle.
+
+:func:`save` runs on every rank of a pool that is being suspended (``%dist_suspend``). The prepared
+model and optimizer go through ``torch.distributed.checkpoint`` in the form the strategy gives
+(:meth:`~jupyter_shard.strategies.base.StrategyBase.dcp_state`): each rank writes its own part, and a
+pool of another size reads the parts it needs. Rank 0 writes how to build the model again
+(:mod:`.recipe`). Every other name in the namespace is pickled on its own with cloudpickle (classes
+and functions defined in cells by value), so one that cannot be kept (a generator, an open file) is
+named with its reason and the others are kept. A value that refers to the prepared model, one of
+its modules or parameters, or the optimizer (a learning-rate scheduler, ``head = model.head``) is
+written as a reference and bound to the rebuilt object on resume, never copied.
+
+:func:`load` runs on every rank of the resumed pool: it builds and prepares the model at the new
+world size, lets DCP fill it (resharding), then restores the namespace and, at the same world size,
+each rank's random generators, so the next step is the one that would have come. At another world
+size every rank gets rank 0's namespace (rank-specific values, such as a data shard, are then to be
+rebuilt) and freshly seeded generators. The pool (:mod:`jupyter_shard.pool.suspend`) makes the
+directory atomic and keeps the manifest.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import os
+import pickle
+import random
+import re
+import sys
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from jupyter_shard.rank import shard as shard_module
+from jupyter_shard.rank.recipe import Recipe
+
+__all__ = ["load", "save"]
+
+FORMAT = 1
+STATE_DIR = "state"  # the DCP checkpoint of the prepared model and optimizer
+RECIPE_FILE = "model.pkl"
+NAMESPACE_FILE = "namespace-{rank}.pkl"
+
+# IPython's own names and the pool's (the shard helper is the new pool's own)
+_NOT_USERS = re.compile(
+    r"^(_|__|___|_i{1,3}|_i\d+|_\d+|_oh|_dh|_ih|In|Out|exit|quit|get_ipython|shard|_js_\w*|__\w+__)$"
+)
+
+
+def save(directory: str) -> dict[str, Any]:
+    """Write this rank's part of a suspend into ``directory``; what was kept and what was not."""
+    helper = _helper()
+    root = Path(directory)
+    model, optimizer = helper.prepared_model, helper.prepared_optimizer
+    if model is not None:
+        recipe = helper.recipe
+        if helper.rank == 0:
+            _write(root / RECIPE_FILE, _recipe_bytes(recipe))
+        dcp_save(helper.impl.dcp_state(model, optimizer), checkpoint_id=root / STATE_DIR)
+    ns, hidden = _namespace()
+    values, modules, lost = pickle_namespace(ns, hidden, _references(helper))
+    payload = {
+        "format": FORMAT,
+        "rank": helper.rank,
+        "world_size": helper.world_size,
+        "strategy": helper.strategy,
+        "dcp_format": helper.impl.dcp_format if model is not None else "",
+        "prepared": model is not None,
+        "progress": helper.progress,
+        "values": values,
+        "modules": modules,
+        "lost": lost,
+        "rng": _rng_state(),
+    }
+    _write(root / NAMESPACE_FILE.format(rank=helper.rank), pickle.dumps(payload, protocol=5))
+    mine = [root / NAMESPACE_FILE.format(rank=helper.rank), *(root / STATE_DIR).glob(f"__{helper.rank}_*")]
+    return {
+        "kept": sorted([*values, *modules]),
+        "lost": lost,
+        "bytes": sum(p.stat().st_size for p in mine if p.is_file()),
+        "prepared": model is not None,
+        "dcp_format": payload["dcp_format"],
+    }
+
+
+def load(directory: str, saved_world_size: int) -> dict[str, Any]:
+    """Restore a suspend from ``directory`` into this rank; what came back and what did not."""
+    helper = _helper()
+    root = Path(directory)
+    same = helper.world_size == saved_world_size
+    source = helper.rank if same else 0
+    with open(root / NAMESPACE_FILE.format(rank=source), "rb") as fh:
+        payload: dict[str, Any] = pickle.load(fh)
+    if payload.get("format") != FORMAT:
+        raise RuntimeError(
+            f"{root} was written by another version of jupyter_shard (format {payload.get('format')})"
+        )
+    if payload["prepared"]:
+        _prepare_again(helper, root, payload)
+    ns, _ = _namespace()
+    restored, lost = unpickle_namespace(payload["values"], _references(helper), ns)
+    for name, module in payload["modules"].items():
+        try:
+            ns[name] = importlib.import_module(module)
+        except Exception as exc:
+            lost[name] = f"import {module}: {_line(exc)}"
+        else:
+            restored.append(name)
+    if same:
+        _set_rng_state(payload["rng"])
+    return {"restored": sorted(restored), "lost": lost, "namespace_of_rank": source}
+
+
+def _prepare_again(helper: shard_module.Shard, root: Path, payload: Mapping[str, Any]) -> None:
+    """Build, prepare and fill the model and optimizer at this pool's world size."""
+    wanted = helper.impl.dcp_format
+    if payload["dcp_format"] != wanted:
+        raise RuntimeError(
+            f"this suspend was written by --strategy {payload['strategy']} and --strategy {helper.strategy} "
+            f"cannot load it; resume with --strategy {payload['strategy']}"
+            + (" (ddp and fsdp read each other's)" if payload["dcp_format"] == "torch" else "")
+        )
+    with open(root / RECIPE_FILE, "rb") as fh:
+        recipe: Recipe = cloudpickle.load(fh)
+    model, optimizer = recipe.build()
+    prepared = helper.prepare(
+        model, optimizer, accumulate=recipe.accumulate, clip_grad_norm=recipe.clip_grad_norm
+    )
+    wrapped, new_optimizer = (prepared[0], prepared[1]) if optimizer is not None else (prepared, None)
+    state = helper.impl.dcp_state(wrapped, new_optimizer)
+    dcp_load(state, checkpoint_id=root / STATE_DIR)
+    helper.impl.load_dcp_state(wrapped, new_optimizer, state)
+    step, micro = payload["progress"]
+    helper.progress = (int(step), int(micro))
+
+
+# -- the namespace -------------------------------------------------------------------------------
+
+
+def pickle_namespace(
+    ns: Mapping[str, Any], hidden: Mapping[str, Any], references: Mapping[str, Any]
+) -> tuple[dict[str, bytes], dict[str, str], dict[str, str]]:
+    """(pickled values, modules by name, names that could not be kept with why) of the user's names.
+
+    ``references`` maps a tag to an object that is written as that tag, not by value.
+    """
+    refs = {id(obj): tag for tag, obj in references.items()}
+    values: dict[str, bytes] = {}
+    modules: dict[str, str] = {}
+    lost: dict[str, str] = {}
+    for name, value in ns.items():
+        if _NOT_USERS.match(name) or (name in hidden and hidden[name] is value):
+            continue
+        if isinstance(value, types.ModuleType):
+            modules[name] = value.__name__
+            continue
+        buffer = io.BytesIO()
+        try:
+            _Pickler(buffer, refs).dump(value)
+        except Exception as exc:
+            lost[name] = _line(exc)
+        else:
+            values[name] = buffer.getvalue()
+    return values, modules, lost
+
+
+def unpickle_namespace(
+    values: Mapping[str, bytes], references: Mapping[str, Any], ns: dict[str, Any]
+) -> tuple[list[str], dict[str, str]]:
+    """Put the pickled values into ``ns``; (names restored, names that failed with why)."""
+    restored: list[str] = []
+    lost: dict[str, str] = {}
+    for name, blob in values.items():
+        try:
+            ns[name] = _Unpickler(io.BytesIO(blob), references).load()
+        except Exception as exc:
+            lost[name] = _line(exc)
+        else:
+            restored.append(name)
+    return restored, lost
+
+
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+    def __init__(self, file: io.BytesIO, refs: Mapping[int, str]) -> None:
+        super().__init__(file, protocol=5)
+        self._refs = refs
+
+    def persistent_id(self, obj: Any) -> str | None:
+        return self._refs.get(id(obj))
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, references: Mapping[str, Any]) -> None:
+        super().__init__(file)
+        self._references = references
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid not in self._references:
+            raise pickle.UnpicklingError(f"{pid} is not part of the resumed pool's prepared model")
+        return self._references[pid]
+
+
+def _references(helper: shard_module.Shard) -> dict[str, Any]:
+    """Tag -> object for the shard helper and the prepared model, its modules and parameters, and
+    the optimizer: what the namespace refers to rather than holds."""
+    refs: dict[str, Any] = {"shard": helper}
+    model, optimizer = helper.prepared_model, helper.prepared_optimizer
+    if model is None:
+        return refs
+    inner: nn.Module = helper.impl.unwrap(model)
+    for name, module in inner.named_modules():
+        refs[f"module:{name}"] = module
+    for name, p in inner.named_parameters():
+        refs[f"parameter:{name}"] = p
+    refs["model"] = model
+    if optimizer is not None:
+        refs["optimizer"] = optimizer
+    return refs
+
+
+def _namespace() -> tuple[dict[str, Any], dict[str, Any]]:
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None:
+        raise RuntimeError("suspend and resume run inside a rank of a pool")
+    return shell.user_ns, shell.user_ns_hidden
+
+
+def _helper() -> shard_module.Shard:
+    helper = shard_module.current()
+    if helper is None:
+        raise RuntimeError("suspend and resume run inside a rank of a pool")
+    return helper
+
+
+def _recipe_bytes(recipe: Recipe | None) -> bytes:
+    if recipe is None:
+        raise RuntimeError("the prepared model has no recipe; prepare it with shard.prepare")
+    try:
+        return bytes(cloudpickle.dumps(recipe, protocol=5))
+    except Exception as exc:
+        raise RuntimeError(f"the prepared model's architecture cannot be pickled ({_line(exc)})") from None
+
+
+# -- random generators ---------------------------------------------------------------------------
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if "numpy" in sys.modules:
+        state["numpy"] = sys.modules["numpy"].random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "numpy" in state:
+        importlib.import_module("numpy").random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# -- files ---------------------------------------------------------------------------------------
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Write and fsync: the pool renames the directory into place only after every rank returned."""
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
