@@ -153,6 +153,7 @@ def pickle_namespace(
     ``references`` maps a tag to an object that is written as that tag, not by value.
     """
     refs = {id(obj): tag for tag, obj in references.items()}
+    refs[id(ns)] = "namespace"
     values: dict[str, bytes] = {}
     modules: dict[str, str] = {}
     lost: dict[str, str] = {}
@@ -164,7 +165,7 @@ def pickle_namespace(
             continue
         buffer = io.BytesIO()
         try:
-            _Pickler(buffer, refs).dump(value)
+            _Pickler(buffer, refs, ns).dump(value)
         except Exception as exc:
             lost[name] = _line(exc)
         else:
@@ -178,6 +179,7 @@ def unpickle_namespace(
     """Put the pickled values into ``ns``; (names restored, names that failed with why)."""
     restored: list[str] = []
     lost: dict[str, str] = {}
+    references = {**references, "namespace": ns}
     for name, blob in values.items():
         try:
             ns[name] = _Unpickler(io.BytesIO(blob), references).load()
@@ -189,12 +191,58 @@ def unpickle_namespace(
 
 
 class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
-    def __init__(self, file: io.BytesIO, refs: Mapping[int, str]) -> None:
+    """cloudpickle, with the tagged objects written as references, and functions defined in cells
+    written with the namespace itself as their globals (cloudpickle would give each its own copy of
+    the globals it names, so a resumed ``train()`` would step a scheduler nobody else sees)."""
+
+    def __init__(self, file: io.BytesIO, refs: Mapping[int, str], namespace: object) -> None:
         super().__init__(file, protocol=5)
         self._refs = refs
+        self._namespace = namespace
 
     def persistent_id(self, obj: Any) -> str | None:
         return self._refs.get(id(obj))
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.FunctionType) and obj.__globals__ is self._namespace:
+            cells = tuple(_cell_value(c) for c in obj.__closure__) if obj.__closure__ is not None else None
+            attributes = (
+                obj.__defaults__,
+                obj.__kwdefaults__,
+                obj.__qualname__,
+                obj.__module__,
+                obj.__dict__,
+            )
+            return _cell_function, (self._namespace, obj.__code__, obj.__name__, cells, attributes)
+        return super().reducer_override(obj)
+
+
+class _Empty:
+    """An empty closure cell (a name the function's scope binds later)."""
+
+
+def _cell_value(cell: types.CellType) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _Empty
+
+
+def _cell_function(
+    namespace: dict[str, Any], code: types.CodeType, name: str, cells: tuple[Any, ...] | None, attributes: Any
+) -> types.FunctionType:
+    """A function defined in a cell, rebuilt over the resumed rank's namespace."""
+    closure = (
+        None
+        if cells is None
+        else tuple(types.CellType() if v is _Empty else types.CellType(v) for v in cells)
+    )
+    function = types.FunctionType(code, namespace, name, None, closure)
+    function.__defaults__, function.__kwdefaults__, function.__qualname__, function.__module__, extra = (
+        attributes
+    )
+    function.__dict__.update(extra)
+    return function
 
 
 class _Unpickler(pickle.Unpickler):
