@@ -1,0 +1,62 @@
+"""The namespace half of a suspend, in one process: names kept by value, references kept as
+references, functions from cells rebuilt over the new namespace, what cannot be kept named."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from jupyter_shard.rank.suspend import pickle_namespace, unpickle_namespace
+
+
+def _cell_namespace() -> dict[str, object]:
+    ns: dict[str, object] = {"__name__": "__main__", "torch": torch}
+    exec(
+        "counter = [0]\n"
+        "class Box:\n"
+        "    def __init__(self, v):\n"
+        "        self.v = v\n"
+        "def bump(n=1):\n"
+        "    counter[0] += n\n"
+        "    return counter[0]\n"
+        "box = Box(torch.arange(3))\n"
+        "pending = (i for i in range(2))\n"
+        "In, Out, _, _i3, _7 = [], {}, 1, 'x', 2\n",
+        ns,
+    )
+    return ns
+
+
+def test_values_modules_and_lost_names() -> None:
+    ns = _cell_namespace()
+    model = torch.nn.Linear(2, 2)
+    ns["model_alias"], ns["weight"] = model, model.weight
+    values, modules, lost = pickle_namespace(ns, {}, {"model": model, "parameter:weight": model.weight})
+    assert modules == {"torch": "torch"}
+    assert set(values) == {"counter", "Box", "bump", "box", "model_alias", "weight"}  # IPython's own skipped
+    assert set(lost) == {"pending"} and lost["pending"].startswith("TypeError: cannot pickle 'generator'")
+
+    fresh: dict[str, object] = {"__name__": "__main__"}
+    other = torch.nn.Linear(2, 2)
+    restored, failed = unpickle_namespace(values, {"model": other, "parameter:weight": other.weight}, fresh)
+    assert failed == {} and set(restored) == set(values)
+    assert fresh["model_alias"] is other and fresh["weight"] is other.weight  # references, not copies
+    bump = fresh["bump"]
+    assert isinstance(bump, types.FunctionType) and bump.__globals__ is fresh
+    assert bump(2) == 2 and fresh["counter"] == [2]  # the function sees the namespace's own list
+    fresh["counter"] = [10]
+    assert bump() == 11  # and a name rebound later
+
+
+def test_a_reference_the_new_pool_lacks_is_named_not_fatal() -> None:
+    model = torch.nn.Linear(2, 2)
+    values, _, _ = pickle_namespace({"m": model, "x": 3}, {}, {"model": model})
+    restored, failed = unpickle_namespace(values, {}, {})
+    assert restored == ["x"] and "not part of the resumed pool's prepared model" in failed["m"]
+
+
+def test_hidden_names_are_skipped_only_while_unchanged() -> None:
+    start = object()
+    values, _, _ = pickle_namespace({"a": start, "b": 2}, {"a": start, "b": 1}, {})
+    assert set(values) == {"b"}
