@@ -169,8 +169,10 @@ class StrategyBase:
             optimizer.load_state_dict(optimizer_state)
         return state
 
-    #: what :meth:`dcp_state` writes; a checkpoint loads only into a strategy of the same format
-    dcp_format: ClassVar[str] = "torch"
+    @property
+    def dcp_format(self) -> str:
+        """What :meth:`dcp_state` writes; a checkpoint loads only into a strategy of the same format."""
+        return "torch"
 
     def dcp_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
         """The model's and optimizer's state as ``torch.distributed.checkpoint`` saves and loads it.

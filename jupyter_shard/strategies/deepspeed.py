@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from jupyter_shard.strategies import deepspeed_dcp
 from jupyter_shard.strategies.base import StrategyBase, parameter_names, rebuild_optimizer
 from jupyter_shard.strategies.deepspeed_config import build_config, fit_stage3_buffers, parameter_dtype
 from jupyter_shard.strategies.precision import cast_floating_inputs, cast_parameters
@@ -221,6 +222,20 @@ class DeepSpeedStrategy(StrategyBase):
         if load_path is None:
             raise RuntimeError(f"deepspeed could not load a checkpoint from {path}")
         return dict(client_state or {})
+
+    @property
+    def dcp_format(self) -> str:
+        """ZeRO-3 writes partitions, the stages below whole masters: each stage reads its own."""
+        return f"deepspeed-zero{self.stage}"
+
+    def dcp_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        """By parameter name: ZeRO-3's partitions as DTensors, whole fp32 masters below (deepspeed_dcp)."""
+        return deepspeed_dcp.dcp_state(model, optimizer, self.stage, self.ctx.device)
+
+    def load_dcp_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
+    ) -> None:
+        deepspeed_dcp.load_dcp_state(model, optimizer, state, self.stage)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """fp32 weights on rank 0: the optimizer's master copies where ZeRO keeps them (collective).
