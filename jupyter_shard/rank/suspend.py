@@ -121,20 +121,20 @@ def load(directory: str, saved_world_size: int) -> dict[str, Any]:
 
 def _prepare_again(helper: shard_module.Shard, root: Path, payload: Mapping[str, Any]) -> None:
     """Build, prepare and fill the model and optimizer at this pool's world size."""
-    wanted = helper.impl.dcp_format
-    if payload["dcp_format"] != wanted:
-        raise RuntimeError(
-            f"this suspend was written by --strategy {payload['strategy']} and --strategy {helper.strategy} "
-            f"cannot load it; resume with --strategy {payload['strategy']}"
-            + (" (ddp and fsdp read each other's)" if payload["dcp_format"] == "torch" else "")
-        )
     with open(root / RECIPE_FILE, "rb") as fh:
         recipe: Recipe = cloudpickle.load(fh)
     model, optimizer = recipe.build()
-    prepared = helper.prepare(
-        model, optimizer, accumulate=recipe.accumulate, clip_grad_norm=recipe.clip_grad_norm
-    )
+    clip = recipe.clip_grad_norm
+    prepared = helper.prepare(model, optimizer, accumulate=recipe.accumulate, clip_grad_norm=clip)
     wrapped, new_optimizer = (prepared[0], prepared[1]) if optimizer is not None else (prepared, None)
+    saved, wanted = payload["dcp_format"], helper.impl.dcp_format
+    if saved != wanted:
+        raise RuntimeError(
+            f"this suspend was written by --strategy {payload['strategy']} ({saved} state) and this pool's "
+            f"--strategy {helper.strategy} reads {wanted} state, so it cannot load it; resume with "
+            f"--strategy {payload['strategy']} and the options it was suspended with"
+            + (" (ddp and fsdp read each other's)" if saved == "torch" else "")
+        )
     state = helper.impl.dcp_state(wrapped, new_optimizer)
     dcp_load(state, checkpoint_id=root / STATE_DIR)
     helper.impl.load_dcp_state(wrapped, new_optimizer, state)

@@ -1,0 +1,119 @@
+"""F22: a suspend interrupted (a rank killed, the disk full) or a resume that cannot load. The last good
+suspend stays loadable, the error is one line, and the pool is usable or cleanly gone."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from jupyter_shard import Pool, PoolError
+from jupyter_shard.pool.output import ConsoleSink
+from jupyter_shard.pool.suspend import resume, suspend
+from jupyter_shard.spec import LaunchSpec
+
+pytestmark = pytest.mark.timeout(300)
+
+SETUP = """
+import torch
+torch.manual_seed(0)
+net = torch.nn.Linear(4, 2)
+model, opt = shard.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+kept = 41
+"""
+# The next write of a suspend file on the last rank fails as a full disk does, or kills the rank.
+FAIL_NEXT_WRITE = """
+import errno, os, signal
+import jupyter_shard.rank.suspend as _s
+def _broken(path, data):
+    if {kill}:
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise OSError(errno.ENOSPC, "No space left on device", str(path))
+_s._write = _broken
+"""
+
+
+def _pool(nproc: int, strategy: str = "ddp") -> Pool:
+    spec = LaunchSpec.create(nproc=nproc, device="cpu", strategy=strategy)
+    return Pool(spec=spec, sink=ConsoleSink(io.StringIO(), io.StringIO()))
+
+
+def _first_suspend(pool: Pool, directory: Path) -> str:
+    """A good suspend of ``pool`` (which is then started again with the same state), its manifest."""
+    pool.run(SETUP)
+    suspend(pool, directory)
+    resumed, _ = resume(directory, pool=pool)
+    assert resumed is pool and pool.run("kept + 1").value == {"text/plain": "42"}
+    return (directory / "manifest.json").read_text()
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_f22_disk_full_during_a_suspend_keeps_the_ranks_and_the_last_good_suspend(
+    nproc: int, tmp_path: Path
+) -> None:
+    directory = tmp_path / "run"
+    with _pool(nproc) as pool:
+        manifest = _first_suspend(pool, directory)
+        pool.run("kept = 99\n" + FAIL_NEXT_WRITE.format(kill=False), ranks=[nproc - 1])
+        with pytest.raises(PoolError) as failed:
+            suspend(pool, directory)
+        message = str(failed.value)
+        assert len(message.splitlines()) == 1
+        assert f"rank {nproc - 1}: OSError: [Errno 28] No space left on device" in message
+        assert "the ranks keep running with their state" in message
+        assert "still holds the last good suspend" in message
+        assert pool.started and pool.run("kept", ranks=[nproc - 1]).value == {"text/plain": "99"}
+    assert (directory / "manifest.json").read_text() == manifest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # the half-written one is gone
+    again, _ = resume(directory)
+    with again:
+        assert again.run("kept").value == {"text/plain": "41"}
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_f22_a_rank_killed_during_a_suspend_leaves_the_last_good_suspend(nproc: int, tmp_path: Path) -> None:
+    directory = tmp_path / "run"
+    with _pool(nproc) as pool:
+        manifest = _first_suspend(pool, directory)
+        pool.run(FAIL_NEXT_WRITE.format(kill=True), ranks=[nproc - 1])
+        with pytest.raises(PoolError) as failed:
+            suspend(pool, directory)
+        message = str(failed.value)
+        assert len(message.splitlines()) == 1
+        assert f"rank {nproc - 1} died, so the pool needs %dist_restart" in message
+        assert "still holds the last good suspend" in message
+    assert (directory / "manifest.json").read_text() == manifest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    again, report = resume(directory, {"nproc": 2})
+    with again:
+        assert report.saved_world_size == nproc
+        assert again.run("kept").value == {"text/plain": "41"}
+
+
+def test_f22_a_resume_that_cannot_load_stops_cleanly_and_leaves_the_suspend(tmp_path: Path) -> None:
+    directory = tmp_path / "run"
+    with _pool(2, "fsdp") as pool:
+        pool.run(SETUP)
+        suspend(pool, directory)
+    before = sorted((p.relative_to(directory), p.stat().st_size) for p in directory.rglob("*"))
+    with pytest.raises(PoolError) as failed:
+        resume(directory, {"strategy": "deepspeed", "zero_stage": 3})
+    message = str(failed.value)
+    assert len(message.splitlines()) == 1
+    assert "written by --strategy fsdp" in message and "resume with --strategy fsdp" in message
+    assert f"the pool was stopped and {directory} is unchanged" in message
+    assert sorted((p.relative_to(directory), p.stat().st_size) for p in directory.rglob("*")) == before
+    pool, _ = resume(directory, {"strategy": "ddp", "nproc": 3})  # ddp reads what fsdp wrote
+    with pool:
+        assert pool.run("kept").value == {"text/plain": "41"}
+
+
+def test_f22_resume_from_a_directory_without_a_suspend_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(PoolError, match=r"^no suspend in .*; suspend a pool there with %dist_suspend$"):
+        resume(tmp_path / "nothing")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "manifest.json").write_text(json.dumps({"format": 1}))
+    with pytest.raises(PoolError, match="is not a readable suspend"):
+        resume(tmp_path / "broken")
