@@ -150,6 +150,12 @@ class Launcher(ABC):
     def stop(self) -> None:  # noqa: B027 (optional hook)
         """After the ranks were told to stop: end whatever the launcher still runs (cancel jobs)."""
 
+    keeps: ClassVar[bool] = False
+    """Whether its ranks can outlive the kernel that started them (``--keep``)."""
+
+    def keep(self, pids: list[int], on: bool) -> None:  # noqa: B027 (optional hook)
+        """Leave these ranks alive when the kernel goes (``on``), or no longer."""
+
 
 def describe_exit(code: int) -> str:
     """``exited with code 3`` or ``was killed by SIGKILL (possibly out of memory)``."""

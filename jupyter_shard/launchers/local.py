@@ -21,8 +21,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from typing import ClassVar
+
+import psutil
 
 from jupyter_shard.env import ZYGOTE_SWITCH
 from jupyter_shard.gpus import VISIBLE_VAR
@@ -99,12 +102,50 @@ class ForkedRank(_SessionLeader):
         return code if code is not None else self._zygote.wait_exit(self.pid, timeout)
 
 
+class AdoptedRank(_SessionLeader):
+    """A rank of a kept pool that this kernel attached to: neither its child nor forked for it, so
+    it is known by pid and start time (a pid reused by another process is not taken for it)."""
+
+    def __init__(self, rank: int, pid: int, started: float | None) -> None:
+        self.rank = rank
+        self.pid = pid
+        self.host = socket.gethostname()
+        self._started = started
+
+    def poll(self) -> int | None:
+        try:
+            process = psutil.Process(self.pid)
+            same = self._started is None or process.create_time() == self._started
+            if same and process.status() != psutil.STATUS_ZOMBIE:
+                return None
+        except psutil.Error:
+            pass
+        return -signal.SIGKILL  # not this process's child: its exit status cannot be read
+
+    def exit_reason(self, code: int) -> str:
+        return "ended (its exit status is unknown to a kernel that attached to it)"
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.pid, sig)
+
+    def wait(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while (code := self.poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return code
+
+
 class LocalLauncher(Launcher):
     name: ClassVar[str] = "local"
+
+    keeps: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._path = ""
         self._note = ""
+        self._zygote: zygote.ZygoteClient | None = None  # the one that forked the last start's ranks
 
     def start(self, spec: LaunchSpec, ranks: list[RankLaunch], lifeline_fd: int) -> list[RankHandle]:
         visible = spec.rank_visible_devices(os.environ.get(VISIBLE_VAR))
@@ -136,11 +177,18 @@ class LocalLauncher(Launcher):
             for handle in handles:
                 handle.kill_tree()
             raise
+        self._zygote = client if forked else None
         spawned = [launch.rank for launch in ranks if launch.rank not in forked]
         self._path = _path(forked, spawned, zygote_pid, why) + (
             f" · {VISIBLE_VAR}={visible}" if visible is not None else ""
         )
         return handles
+
+    def keep(self, pids: list[int], on: bool) -> None:
+        """Forked ranks: the zygote leaves them alive when it ends with the kernel. Spawned ranks are
+        this process's children, which nothing kills when it ends but their own lifeline."""
+        if self._zygote is not None:
+            self._zygote.keep(pids, on)
 
     def launch_path(self) -> str:
         """``zygote (fork server, pid 4242)`` or ``spawned: <why the zygote was not used>``, and the

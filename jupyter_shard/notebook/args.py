@@ -137,6 +137,11 @@ def distributed_parser() -> MagicParser:
         metavar="S",
         help="the process group's (60 s)",
     )
+    p.add_argument_group("keeping the ranks (no restart)").add_argument(
+        "--keep",
+        metavar="DURATION",
+        help="keep the ranks and their state 30m, 2h... after the kernel ends (%%dist_attach); 0: no",
+    )
     where = p.add_argument_group("where the ranks run")
     where.add_argument("--launcher", metavar="NAME", help="local (default), torchrun or slurm")
     where.add_argument("--nodes", type=int, metavar="N", help="machines (torchrun, slurm)")
@@ -220,17 +225,21 @@ def parse_options(parser: MagicParser, line: str) -> argparse.Namespace:
     return namespace
 
 
-def resume_options(parser: MagicParser, line: str) -> tuple[str | None, dict[str, object]]:
-    """``%dist_resume [DIR] [options]``: the directory, and the ``%%distributed`` pool options that
-    change the suspended ones (``--nproc 4``); cell options (``--ranks``, ``--bg``…) are refused."""
+def resume_options(parser: MagicParser, line: str) -> tuple[str | None, dict[str, object], str | None]:
+    """``%dist_resume [DIR] [options]``: the directory, the ``%%distributed`` pool options that change
+    the suspended ones (``--nproc 4``), and ``--keep``; cell options (``--ranks``, ``--bg``…) are refused."""
     words = shlex.split(line)
     directory = words.pop(0) if words and not words[0].startswith("-") else None
     given = {k: v for k, v in vars(parse_options(parser, shlex.join(words))).items() if v is not None}
-    cell_only = sorted(k for k in given if k in ("ranks", "timeout", "bg", "no_dashboard") and given[k])
+    cell_only = sorted(k for k in given if k in _CELL_ONLY and given[k])
     if cell_only:
         shown = ", ".join("--" + k.replace("_", "-") for k in cell_only)
         raise UsageError(f"%dist_resume takes the pool's options (--nproc, --strategy, …), not {shown}")
-    given = {k: v for k, v in given.items() if k not in ("ranks", "timeout", "bg", "no_dashboard")}
+    given = {k: v for k, v in given.items() if k not in _CELL_ONLY}
+    keep = given.pop("keep", None)
     if "collective_timeout" in given:
         given["timeout"] = given.pop("collective_timeout")
-    return directory, given
+    return directory, given, None if keep is None else str(keep)
+
+
+_CELL_ONLY = ("ranks", "timeout", "bg", "no_dashboard")

@@ -28,20 +28,20 @@ from jupyter_shard.notebook.args import (
     magic_line,
     parse_options,
     rank_code,
-    resume_options,
 )
 from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard, StatusTable
 from jupyter_shard.notebook.debug_adapter import RankDebugRouter
 from jupyter_shard.notebook.display import NotebookSink, in_kernel
 from jupyter_shard.notebook.headstart import HeadStart, Repeat, Repeats
+from jupyter_shard.notebook.keeping import KeepMagics
 from jupyter_shard.notebook.panel import PromptNotice, register_comm, unregister_comm
 from jupyter_shard.notebook.postmortem import PostMortem
 from jupyter_shard.notebook.values import cell_value, shown_bundle
 from jupyter_shard.planner.estimate import format_bytes
 from jupyter_shard.pool.background import BackgroundRun
+from jupyter_shard.pool.keep import parse_duration
 from jupyter_shard.pool.pool import Pool
 from jupyter_shard.pool.results import DistributedError
-from jupyter_shard.pool.suspend import DEFAULT_DIRECTORY, resume, suspend
 from jupyter_shard.spec import (
     LaunchSpec,
     SpecError,
@@ -52,7 +52,7 @@ from jupyter_shard.spec import (
 INTERRUPT_WAIT = 10.0  # seconds %dist_interrupt and an interrupted %dist_wait wait for a background run
 
 
-_RUN_OPTIONS = ("ranks", "timeout", "bg", "no_dashboard")  # options of the cell, not of the pool
+_RUN_OPTIONS = ("ranks", "timeout", "bg", "no_dashboard", "keep")  # not options of the pool's processes
 
 
 @magics_class
@@ -61,7 +61,7 @@ class DistributedMagics(Magics):
         super().__init__(shell)
         self.pool: Pool | None = None
         self.default_line = ""  # options of a bare %%distributed (set from the picker)
-        self._parser = distributed_parser()
+        self.parser = distributed_parser()
         self._dashboard: tuple[Dashboard, DisplayHandle] | None = None
         self.post_mortem = PostMortem(shell, lambda: self.pool)
         self.dap: RankDebugRouter | None = None  # the frontend's debugger on the ranks
@@ -74,17 +74,20 @@ class DistributedMagics(Magics):
     def distributed(self, line: str, cell: str) -> Any:
         """Run the cell on every rank: %%distributed [--nproc N | --gpus N | --gpus 0,2]
         [--device auto|cpu|cuda] [--strategy none|ddp|fsdp|deepspeed] [--ranks SPEC] [--timeout S] ..."""
-        opts = parse_options(self._parser, line or self.default_line)
+        opts = parse_options(self.parser, line or self.default_line)
         self._report_unseen_background_failure()
         try:
             spec = self._resolve(opts)
             ranks = parse_ranks(opts.ranks, spec.world_size) if opts.ranks else None
+            keep = parse_duration(opts.keep) if opts.keep is not None else None
         except SpecError as exc:
             raise UsageError(str(exc)) from None
         if self.pool is not None:
             self.pool.refuse_while_background("run a cell")
         unchanged = self.pool is not None and self.pool.started and spec == self.pool.spec
         pool = self._pool_for(spec)
+        if keep is not None and keep != pool.keep:
+            pool.keep = keep
         repeat = Repeat(line, self.default_line, pool, pool.spec, ranks, opts.timeout)
         self.repeats.ran(repeat, pool_kept=unchanged, background=bool(opts.bg))
         magic = magic_line("distributed", line)
@@ -141,7 +144,7 @@ class DistributedMagics(Magics):
     def spec_for(self, line: str) -> LaunchSpec:
         """The spec a ``%%distributed`` line asks for over the running pool's options (what a cell
         with it would run on); a bad option is a :class:`SpecError` or a ``UsageError``."""
-        return self._resolve(parse_options(self._parser, line or self.default_line))
+        return self._resolve(parse_options(self.parser, line or self.default_line))
 
     def _resolve(self, opts: argparse.Namespace) -> LaunchSpec:
         """The spec this cell asks for: the options it names over the running pool's (``merged``)."""
@@ -157,7 +160,7 @@ class DistributedMagics(Magics):
     def _pool_for(self, spec: LaunchSpec) -> Pool:
         """The pool for ``spec``, started; a start that fails leaves no pool behind (an option only
         the launcher can check, such as ``--launcher slurm`` without ``--interface``, is one line)."""
-        pool = self.pool if self.pool is not None else self._new_pool(spec)
+        pool = self.pool if self.pool is not None else self.new_pool(spec)
         try:
             if spec != pool.spec:
                 if pool.started:
@@ -177,7 +180,8 @@ class DistributedMagics(Magics):
             raise
         return pool
 
-    def _new_pool(self, spec: LaunchSpec) -> Pool:
+    def new_pool(self, spec: LaunchSpec) -> Pool:
+        """This kernel's pool, for ``spec``, not started yet."""
         pool = self.pool = Pool(spec=spec, sink=NotebookSink() if in_kernel() else None)
         pool.observers.append(PromptNotice())  # the side panel hears of prompts while the kernel is busy
         return pool
@@ -356,26 +360,6 @@ class DistributedMagics(Magics):
             raise UsageError(str(exc)) from None
 
     @line_magic
-    def dist_suspend(self, line: str) -> None:
-        """Write every rank's state to a directory, then end the ranks: %dist_suspend [DIR]"""
-        if self.pool is None or not self.pool.started:
-            raise UsageError("no pool is running; there is nothing to suspend")
-        print(suspend(self.pool, line.strip() or DEFAULT_DIRECTORY).summary())
-
-    @line_magic
-    def dist_resume(self, line: str) -> None:
-        """Start a pool from a suspend: %dist_resume [DIR] [--nproc N] [other %%distributed options]"""
-        directory, changes = resume_options(self._parser, line)
-        if self.pool is not None and self.pool.started:
-            print("jupyter_shard: stopping the running pool to resume; its rank state is lost", flush=True)
-        pool = self.pool if self.pool is not None else self._new_pool(LaunchSpec())
-        try:
-            self.pool, report = resume(directory or DEFAULT_DIRECTORY, changes, pool)
-        except SpecError as exc:
-            raise UsageError(str(exc)) from None
-        print(report.summary())
-
-    @line_magic
     def dist_shutdown(self, line: str) -> None:
         """Stop every rank."""
         if self.pool is None or not self.pool.started:
@@ -429,6 +413,7 @@ def _show_error(
 def load(shell: InteractiveShell) -> None:
     magics = DistributedMagics(shell)
     shell.register_magics(magics)
+    shell.register_magics(KeepMagics(shell, magics))
     magics.post_mortem.install()
     kernel = getattr(shell, "kernel", None)
     if getattr(kernel, "debugger", None) is not None:  # ipykernel with debugpy
@@ -449,6 +434,7 @@ def unload(shell: InteractiveShell) -> None:
     and the panel's comm target, and end the zygote, so that nothing is left running or reachable
     only from the old magics; ``%reload_ext`` then loads a fresh extension."""
     manager = shell.magics_manager
+    _unregister(manager, manager.registry.pop("KeepMagics", None))
     magics = manager.registry.pop("DistributedMagics", None)
     if isinstance(magics, DistributedMagics):
         magics.post_mortem.uninstall()
@@ -461,16 +447,23 @@ def unload(shell: InteractiveShell) -> None:
             magics.pool.shutdown()
             magics.pool = None
             print(f"jupyter_shard: unloaded; the pool ({described}) was shut down, rank state is lost")
-        for kind, names in magics.magics.items():
-            for name in names:
-                if getattr(manager.magics[kind].get(name), "__self__", None) is magics:
-                    del manager.magics[kind][name]
+        _unregister(manager, magics)
     completer: Any = shell.Completer
     if complete_distributed in completer.custom_matchers:
         completer.custom_matchers.remove(complete_distributed)
     shell.set_custom_exc((), None)
     unregister_comm(shell)
     close_idle()
+
+
+def _unregister(manager: Any, magics: Magics | None) -> None:
+    """Remove every magic of ``magics`` from IPython's tables."""
+    if magics is None:
+        return
+    for kind, names in magics.magics.items():
+        for name in names:
+            if getattr(manager.magics[kind].get(name), "__self__", None) is magics:
+                del manager.magics[kind][name]
 
 
 DistributedMagics.distributed.__doc__ = (

@@ -184,6 +184,8 @@ class Connection:
             self.on_io(r)
 
     def _on_reply(self, r: RankRecord, msg: Message) -> None:
+        if r.recount and "io_count" in msg.body:  # attached to a kept pool: count on from the rank's count
+            r.io_received, r.recount = int(msg.body["io_count"]) - 1, False  # dispatch adds this reply
         bucket = self._replies.get(str(msg.body.get("req_id")))
         if bucket is not None:
             bucket[r.rank] = msg

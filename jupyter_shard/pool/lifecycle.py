@@ -10,13 +10,16 @@ gone, killing their recorded ranks only when pid *and* start time still match - 
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
+import pickle
 import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -41,6 +44,7 @@ from jupyter_shard.wire.protocol import KERNEL, MAX_FRAME, Wire, new_key
 START_TIMEOUT = float(os.environ.get(START_TIMEOUT_VAR, "180"))
 
 DIR_PREFIX = "jupyter_shard-"
+KEPT_RECORD = "kept.json"  # a kept pool's record (0600: it holds the key), in its private directory
 _POOL_DIR_NAME = re.compile(re.escape(DIR_PREFIX) + r"[a-z0-9_]{8}")
 
 
@@ -94,6 +98,10 @@ def clean_stale_pools(base: Path | None = None) -> list[Path]:
             continue
         if kernel_start is not None and _start_time(kernel_pid) == kernel_start:
             continue
+        if (directory / KEPT_RECORD).exists() and any(
+            started is not None and _start_time(pid) == started for pid, started in ranks
+        ):
+            continue  # a kept pool (--keep) waiting for a kernel: its ranks end it when its lease runs out
         for pid, started in ranks:
             if started is not None and _start_time(pid) == started:
                 kill_recorded(pid)
@@ -140,13 +148,17 @@ class Lifecycle:
         self.curve: CurveServer | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._lifeline_w: int | None = None
+        self.key = b""  # the pool's signing key (a kept pool's record holds it)
+        self.taken_by = ""  # the kernel that took this kept pool over, until the next start says so
+        self.started_at = 0.0
 
     def start(self, spec: LaunchSpec, signal_sender: Callable[[int, int], None]) -> list[RankRecord]:
         """Spawn every rank (not waiting for them); the records of the ranks started."""
         clean_stale_pools()
         launcher = self.launcher = get_launcher(spec.launcher)
         launcher.set_signal_sender(signal_sender)
-        key = new_key()
+        key = self.key = new_key()
+        self.started_at = time.time()
         self.directory = new_pool_dir()
         self.log_dir = new_log_dir(self.log_root)
         self._ctx = zmq.Context()
@@ -261,6 +273,69 @@ class Lifecycle:
             self.launcher = None
         self.teardown()
 
+    # -- kept pools (--keep) ---------------------------------------------------------------------
+
+    def keep(self, seconds: float, spec: LaunchSpec, let_go: Callable[[str], bool] | None = None) -> Path:
+        """Let the ranks outlive this kernel (or no longer, for 0): the launcher leaves them alive and
+        the record (0600, with the key) says how to attach; its path."""
+        assert self.directory is not None and self.launcher is not None and self.key
+        if seconds > 0 and not self.launcher.keeps:
+            raise PoolError(
+                f"--keep works for pools on this machine (--launcher local), not --launcher {spec.launcher}"
+            )
+        pids = [r.handle.pid for r in self.ranks]
+        self.launcher.keep(pids, seconds > 0)
+        path = self.directory / KEPT_RECORD
+        if seconds <= 0:
+            path.unlink(missing_ok=True)
+            return path
+        record = {
+            "format": 1,
+            "created": self.started_at,
+            "keep": seconds,
+            "notebook": os.environ.get("JPY_SESSION_NAME") or os.path.basename(sys.argv[0] or "python"),
+            "owner": [os.getpid(), _start_time(os.getpid())],
+            "orphaned_at": None,
+            "address": self.address,
+            "key": self.key.hex(),
+            "log_dir": str(self.log_dir or ""),
+            "options": spec.describe(),
+            "spec": base64.b64encode(pickle.dumps(spec)).decode(),
+            "ranks": [_rank_entry(r) for r in self.ranks],
+        }
+        _write_private(path, json.dumps(record))
+        if let_go is not None:
+            threading.Thread(target=_watch_take_over, args=(path, let_go), daemon=True).start()
+        return path
+
+    def release(self) -> None:
+        """Let go of the ranks without stopping them (the kernel exits, or another kernel takes the
+        pool over): the socket closes and the lifeline with it, and the private directory stays."""
+        with self.conn.lock:
+            self.ranks.clear()
+            self.launcher = None
+            self.directory = None  # kept: the ranks remove it when their lease runs out
+            self.teardown()
+
+    def adopt(self, directory: Path, address: str, key: bytes, log_dir: Path | None, started: float) -> None:
+        """Become the kernel of a kept pool's ranks: bind their socket again (they reconnect)."""
+        self.directory, self.address, self.log_dir = directory, address, log_dir
+        self.key, self.started_at = key, started
+        self.launcher = get_launcher("local")
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            self._ctx.term()
+            self._ctx, self.directory = None, None
+            raise PoolError(f"cannot bind the kept pool's socket {address}: {exc}") from None
+        self.conn.attach(sock, Wire(key, KERNEL))
+
     def teardown(self) -> None:
         if self.curve is not None:
             self.curve.stop()
@@ -283,3 +358,46 @@ def _tail(path: Path, limit: int = 4000) -> str:
     except OSError:
         return "(no log)"
     return data.decode(errors="replace").strip() or "(the log is empty)"
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``path`` (0600) atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    tmp.replace(path)
+
+
+def _rank_entry(r: RankRecord) -> dict[str, object]:
+    """One rank in a kept pool's record: enough to attach to it by pid and start time."""
+    pid = r.handle.pid
+    return {
+        "rank": r.rank,
+        "pid": pid,
+        "started": _start_time(pid),
+        "device": r.device,
+        "log": str(r.log_path),
+    }
+
+
+def _watch_take_over(path: Path, let_go: Callable[[str], bool]) -> None:
+    """While ``path`` (a kept pool's record) names this process as its kernel: when another kernel
+    asks to take the pool over, ``let_go(who)`` (true once this kernel has let go)."""
+    me = os.getpid()
+    while True:
+        time.sleep(0.1)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return  # the pool stopped, or its record went with --keep 0
+        owner, taker = data.get("owner"), data.get("take_over")
+        if not owner or owner[0] != me:
+            return
+        asked = bool(taker) and taker[0] != me and _start_time(int(taker[0])) == taker[1]
+        if asked and let_go(f"kernel pid {taker[0]}"):
+            data["owner"], data["orphaned_at"] = None, time.time()
+            _write_private(path, json.dumps(data))
+            return

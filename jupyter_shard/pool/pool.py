@@ -18,25 +18,23 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
-from jupyter_shard.launchers import Launcher
 from jupyter_shard.pool.background import BackgroundRun, Watcher, refuse_while_running
 from jupyter_shard.pool.cell import POST_MORTEM, CellGathering, Gathering
 from jupyter_shard.pool.connection import Connection
 from jupyter_shard.pool.debugging import DebugLink
 from jupyter_shard.pool.escalation import Escalation
+from jupyter_shard.pool.facts import PoolFacts
 from jupyter_shard.pool.headstart import Ahead
 from jupyter_shard.pool.history import History
 from jupyter_shard.pool.lifecycle import Lifecycle
 from jupyter_shard.pool.output import RankSink, default_sink
-from jupyter_shard.pool.ranks import RankSnapshot, RankTable
+from jupyter_shard.pool.ranks import RankTable
 from jupyter_shard.pool.results import DistributedError, RunResult
 from jupyter_shard.pool.stdin import CallbackStdin, default_stdin
 from jupyter_shard.pool.transcript import CellEntry, Transcript
 from jupyter_shard.pool.values import Namespace, Transfer, Values, named_values
 from jupyter_shard.spec import DEFAULT_TIMEOUT, LaunchSpec
 from jupyter_shard.strategies import registered
-from jupyter_shard.wire.curve import CurveServer
-from jupyter_shard.wire.messages import STACKS, STATUS
 
 __all__ = ["Observer", "Pool", "latest_pool"]
 
@@ -55,8 +53,11 @@ class Observer(Protocol):
     def refresh(self, pool: Pool, final: bool) -> None: ...
 
 
-class Pool:
-    """A pool of persistent rank processes. Use as a context manager or call :meth:`shutdown`."""
+class Pool(PoolFacts):
+    """A pool of persistent rank processes. Use as a context manager or call :meth:`shutdown`.
+
+    ``keep``: seconds the ranks outlive this process, for another kernel to attach to them
+    (``jupyter_shard.attach()``); 0 (the default) ends them with it."""
 
     def __init__(
         self,
@@ -70,7 +71,9 @@ class Pool:
         log_dir: str | os.PathLike[str] | None = None,
         sink: RankSink | None = None,
         stdin: Callable[[str], str] | None = None,  # answers ranks' input() and pdb (default: the notebook)
+        keep: float = 0.0,
     ) -> None:
+        self._keep = float(keep)
         self.spec = spec or LaunchSpec.create(
             nproc=nproc, device=device, strategy=strategy, timeout=timeout, launcher=launcher
         )
@@ -103,40 +106,6 @@ class Pool:
     def world_size(self) -> int:
         return self.spec.world_size
 
-    @property
-    def log_dir(self) -> Path | None:
-        """This start's rank logs (``rank-<k>.log``); kept after shutdown."""
-        return self.lifecycle.log_dir
-
-    @property
-    def address(self) -> str:
-        """Where ranks connect: ``ipc://`` here, ``tcp://`` for a multi-node pool."""
-        return self.lifecycle.address
-
-    @property
-    def directory(self) -> Path | None:
-        """The pool's private 0700 directory (socket, stores, record) while it runs."""
-        return self.lifecycle.directory
-
-    @property
-    def launcher(self) -> Launcher | None:
-        return self.lifecycle.launcher
-
-    @property
-    def launch_path(self) -> str:
-        """How the ranks came: ``zygote (fork server, pid N)`` or ``spawned: <why>`` (%dist_status)."""
-        return self.launcher.launch_path() if self.launcher is not None else "not started"
-
-    @property
-    def curve(self) -> CurveServer | None:
-        """The encryption of a multi-node pool's TCP socket (None for a local pool)."""
-        return self.lifecycle.curve
-
-    @property
-    def dropped(self) -> int:
-        """Messages rejected: unknown peer, bad signature, replay, or a body of the wrong shape."""
-        return self.connection.dropped + self.ranks.dropped
-
     # -- lifecycle ------------------------------------------------------------------------------
 
     def __enter__(self) -> Pool:
@@ -150,6 +119,9 @@ class Pool:
         """Spawn every rank and wait until all joined the process group (or one failed)."""
         if self.started:
             return
+        if taker := self.lifecycle.taken_by:
+            self.lifecycle.taken_by = ""
+            self._notice(f"{taker} took the kept pool over: its ranks are that kernel's now")
         self.escalation.reset()
         self.cells.out_of_step = ""
         self.transcript = self.values.transcript = Transcript()
@@ -165,6 +137,8 @@ class Pool:
             if note := self.launcher.started_note():
                 self._notice(note)
             self._share_registered_strategy()
+            if self._keep:
+                self.keep = self._keep
         except BaseException:
             self.shutdown()
             raise
@@ -180,6 +154,42 @@ class Pool:
         register = "from jupyter_shard.strategies import register_strategy as _r\n"
         register += "_r(_js_strategy[0], _js_strategy[1], **_js_strategy[2])\ndel _r, _js_strategy"
         self.run_own(register)
+
+    @property
+    def keep(self) -> float:
+        """Seconds the ranks outlive this process, waiting for a kernel to attach; 0: they end with it."""
+        return self._keep
+
+    @keep.setter
+    def keep(self, seconds: float) -> None:
+        if self.started:
+            self.refuse_while_background("change how long the pool is kept")
+            record = self.lifecycle.keep(seconds, self.spec, self._let_go)
+            lease = f"({float(seconds)!r}, {str(record)!r})"
+            self.run_own(f"__import__('jupyter_shard.rank.keep', fromlist=['set_lease']).set_lease{lease}")
+        self._keep = float(seconds)
+
+    def adopt(self, directory: Path, address: str, key: bytes, log_dir: Path | None, started: float) -> None:
+        """Become the kernel of a kept pool's ranks (``jupyter_shard.attach``; the ranks are added)."""
+        self.lifecycle.adopt(directory, address, key, log_dir, started)
+        _live_pools.add(self)
+        global _latest
+        _latest = self
+        self._watcher.start()
+
+    def release(self) -> None:
+        """Let go of a kept pool's ranks without stopping them (they wait for a kernel to attach)."""
+        self._watcher.stop()
+        self.lifecycle.release()
+        _live_pools.discard(self)
+
+    def _let_go(self, taker: str) -> bool:
+        """Another kernel takes this kept pool over: let go, unless a cell runs here now."""
+        if self._watcher.foreground or (self.background is not None and self.background.running):
+            return False
+        self.release()
+        self.lifecycle.taken_by = taker
+        return True
 
     def shutdown(self) -> None:
         """Stop every rank (and its children) and release the socket, key and private directory."""
@@ -356,24 +366,6 @@ class Pool:
 
     # -- inspecting -----------------------------------------------------------------------------
 
-    def status(self) -> list[RankSnapshot]:
-        """Every rank now: pid, host, device, state, fresh memory, the cell it runs (and where)."""
-        live = self.ranks.live() if self.started else []
-        replies = self.connection.request(*STATUS({}), live, timeout=1.0) if live else {}
-        self.cells.check_exits()
-        return self.ranks.status(replies)
-
-    def activity(self) -> list[RankSnapshot]:
-        """Each rank's state, step, throughput, memory and heartbeat age; problems named."""
-        return self.ranks.activity()
-
-    def stacks(self, timeout: float = 2.0, ranks: Sequence[int] | None = None) -> dict[int, str]:
-        """Every rank's current Python stacks, even mid-cell (safe to call from another thread)."""
-        chosen = sorted(r.rank for r in self.ranks) if ranks is None else sorted(ranks)
-        live = [r for r in self.ranks.live() if r.rank in chosen]
-        replies = self.connection.request(*STACKS({}), live, timeout=timeout) if live else {}
-        return self.ranks.stacks(chosen, replies, timeout)
-
     @property
     def debugger(self) -> DebugLink:
         """JupyterLab's debugger on the ranks stopped at a breakpoint (the notebook's debug adapter)."""
@@ -397,4 +389,4 @@ class Pool:
 @atexit.register
 def _shutdown_all() -> None:
     for pool in list(_live_pools):
-        pool.shutdown()
+        pool.release() if pool.keep > 0 else pool.shutdown()

@@ -76,6 +76,7 @@ class RankRecord:
         self.identity = rank_identity(handle.rank).encode()
         self.io_identity = io_identity(handle.rank).encode()
         self.io_received = 0
+        self.recount = False  # take io_received from the rank's next status reply (after an attach)
         self.pending_done: Message | None = None
         self.pending_since = 0.0
         self.state = RankState.STARTING

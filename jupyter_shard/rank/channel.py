@@ -25,7 +25,6 @@ import collections
 import contextlib
 import os
 import queue
-import select
 import signal
 import socket
 import sys
@@ -244,6 +243,14 @@ class Channel:
             self._outbox.put((msg_type, body, buffers))
         self._wake()
 
+    def enqueue_numbered(self, message: Callable[[int], Outgoing]) -> None:
+        """Queue the message ``message(n)`` builds, where it is the n-th this socket was given."""
+        with self._count_lock:
+            self._count += 1
+            msg_type, body = message(self._count)
+            self._outbox.put((msg_type, body, []))
+        self._wake()
+
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"x")
@@ -337,26 +344,6 @@ class Channel:
                 handler(msg)
             except Exception as exc:
                 self.report(f"answering a {msg.type!r} request", exc)
-
-
-def watch_lifeline(fd: int, parent_pid: int) -> None:
-    """Kill this rank's whole process group as soon as the kernel that started it is gone."""
-
-    def run() -> None:
-        while True:
-            readable, _, _ = select.select([fd], [], [], 0.25)
-            gone = os.getppid() != parent_pid
-            if readable:
-                try:
-                    gone = gone or os.read(fd, 1) == b""
-                except OSError:
-                    gone = True
-            if gone:
-                os.killpg(os.getpgrp(), signal.SIGKILL)
-                time.sleep(1)
-                os._exit(1)
-
-    threading.Thread(target=run, name="jupyter_shard-lifeline", daemon=True).start()
 
 
 def watch_kernel(events: zmq.Socket[bytes], parent_pid: int) -> None:

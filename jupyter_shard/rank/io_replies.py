@@ -159,4 +159,5 @@ def collective_and_group(executing: bool) -> tuple[str, list[int]]:
 
 
 def _reply_status(channel: Channel, msg: Message, state: CellState) -> None:
-    channel.enqueue(*STATUS_REPLY({"req_id": str(msg.body["req_id"]), **_status_body(channel, state)}), [])
+    req_id, status = str(msg.body["req_id"]), _status_body(channel, state)
+    channel.enqueue_numbered(lambda count: STATUS_REPLY({"req_id": req_id, **status, "io_count": count}))

@@ -36,6 +36,9 @@ from jupyter_shard.wire.messages import METRICS, MetricsBody
 Sender = Callable[[str, Mapping[str, Any], list[bytes]], None]
 
 
+SENT_KEPT = 50_000  # logged records a rank keeps, per rank, for a kernel that attaches later
+
+
 class Shard:
     """``shard`` in every rank: this rank's place in the pool, and single-process training made
     distributed for the pool's ``--strategy``.
@@ -93,6 +96,8 @@ class Shard:
         self._metrics: deque[tuple[float, float, dict[str, float]]] = deque()
         # records holding device scalars still on their way to the host (see ``log``)
         self._in_flight: deque[tuple[float, float, dict[str, Any]]] = deque()
+        # what was sent, for a kernel that attaches to a kept pool (its dashboard carries on)
+        self.sent: deque[tuple[float, float, dict[str, float]]] = deque(maxlen=SENT_KEPT)
 
     def __repr__(self) -> str:
         return (
@@ -255,6 +260,7 @@ class Shard:
             batch = sorted(batch + self._arrived(), key=itemgetter(1))
         if not batch:
             return
+        self.sent.extend(batch)
         keysets = set(map(tuple, map(itemgetter(2), batch)))
         groups = (
             {keysets.pop(): batch}

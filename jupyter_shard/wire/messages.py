@@ -289,7 +289,9 @@ class StacksReply(Reply):
 
 
 class StatusReply(Reply, HeartbeatBody):
-    pass
+    io_count: (
+        int  # this reply's place among what the rank's I/O socket sent (a kernel that attaches counts on)
+    )
 
 
 class ReleaseReply(OutcomeReply):

@@ -36,6 +36,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     _P + "pool": (*_DRIVER, _P + "planner"),
     _P + "export": (*ROOT, _P + "_util", _P + "pool", _P + "launchers", _P + "strategies"),
     _P + "notebook": (*_DRIVER, _P + "planner", _P + "pool", _P + "export"),
+    _P + "__main__": (_P + "errors", _P + "pool"),  # python -m jupyter_shard pools | stop ID
 }
 # What a room may also name in ``if TYPE_CHECKING:`` blocks (types only).
 MAY_NAME_FOR_TYPES: dict[str, tuple[str, ...]] = {

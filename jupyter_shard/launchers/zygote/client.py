@@ -130,6 +130,13 @@ class ZygoteClient:
                 self._changed.wait(min(left, 0.5))
             return self._pids.pop(token)
 
+    def keep(self, pids: list[int], on: bool = True) -> None:
+        """Leave these children alive when the kernel goes (a kept pool's ranks), or no longer."""
+        try:
+            self._sock.send(json.dumps({"keep": pids, "on": on}).encode())
+        except OSError as exc:
+            raise ZygoteUnavailable(f"the zygote is gone ({exc}): {self.output()}") from None
+
     def output(self, limit: int = 2000) -> str:
         """The end of what the zygote printed (its traceback, when its preload failed)."""
         try:

@@ -5,7 +5,7 @@ IPython and the rank runtime, then waits on a Unix socket. For each request the 
 the child becomes a new session, takes the rank's environment, reseeds its random generators, points
 fds 1 and 2 at its log and runs the rank runtime as a spawned rank would. The zygote reaps its
 children and reports each exit status to the kernel; it ends, killing its children, when the
-kernel's lifeline to it closes.
+kernel's lifeline to it closes (all but the ranks of a kept pool, which the kernel names).
 
 Forking is safe only while the zygote holds no CUDA driver state, which exists from ``cuInit`` on:
 ``torch.cuda.is_initialized()`` sees only torch's own initialisation, so after its imports the zygote
@@ -54,6 +54,7 @@ def _preload() -> str:
 
 def _serve(sock: socket.socket, lifeline: int) -> None:
     children: set[int] = set()
+    kept: set[int] = set()  # ranks of a kept pool (--keep): they outlive the kernel, and this zygote
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -66,15 +67,19 @@ def _serve(sock: socket.socket, lifeline: int) -> None:
                 os.read(wake_r, 4096)
         _reap(sock, children)
         if lifeline in readable and os.read(lifeline, 1) == b"":
-            _end(children)
+            _end(children - kept)
         if sock.fileno() in readable:
             try:
                 data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 1)
             except OSError:
-                _end(children)
+                _end(children - kept)
             if not data:
-                _end(children)
+                _end(children - kept)
             request = json.loads(data)
+            if "keep" in request:  # not a fork: children to leave alive when the kernel goes, or not
+                pids = {int(p) for p in request["keep"]}
+                kept = kept | pids if request.get("on", True) else kept - pids
+                continue
             pid = os.fork()
             if pid == 0:
                 _child(request, fds[0] if fds else -1, sock, lifeline, (wake_r, wake_w))

@@ -41,6 +41,9 @@ class FakeChannel:
         assert check_body(msg_type, body) == [], body
         self.queued.append((msg_type, dict(body)))
 
+    def enqueue_numbered(self, message: Any) -> None:
+        self.enqueue(*message(len(self.queued) + 1), [])
+
     def report(self, what: str, exc: BaseException) -> None:
         self.reports.append((what, exc))
 

@@ -87,7 +87,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> Iterator[Events]:
     events = Events()
     monkeypatch.setattr(runtime, "Channel", lambda *a: FakeChannel(events, *a))
     monkeypatch.setattr(runtime, "ShellSocket", lambda *a: FakeShellSocket(events, *a))
-    monkeypatch.setattr(runtime, "watch_lifeline", lambda *a: events.seen.append(("lifeline", *a)))
+    monkeypatch.setattr(runtime, "watch_owner", lambda *a: events.seen.append(("lifeline", *a)))
     monkeypatch.setattr(runtime, "watch_kernel", lambda *a: events.seen.append(("watch kernel", *a)))
     monkeypatch.setattr(runtime, "_log_to_own_file", lambda path: events.seen.append(("own log", path)))
     monkeypatch.setattr(runtime.time, "sleep", lambda s: None)
@@ -137,7 +137,7 @@ def test_a_local_rank_wires_its_links_hides_the_key_and_runs_its_loop(
         ("channel", env.address, key, io_identity(2), None),
         ("shell socket", env.address, key, rank_identity(2), None),
         ("direct", "/tmp/pool/direct"),
-        ("lifeline", 9, 4321),
+        ("lifeline", 9, 4321, "monitor-socket", 2),
         ("channel started",),
         ("loop",),
     ]

@@ -1,0 +1,309 @@
+"""Kept pools: list them, attach to one from another kernel, stop one, and ``--keep``'s durations.
+
+A pool started with ``keep`` (``%%distributed --keep 30m``) writes a record into its private 0700
+directory (``kept.json``, 0600: it holds the pool's key), so only its user can read it. When its
+kernel exits, restarts or is killed, the ranks live on for the lease and end by themselves when it
+runs out with no kernel attached (:mod:`jupyter_shard.rank.keep`). :func:`attach` binds the pool's
+socket again in this process: the ranks reconnect by themselves, every message stays signed with
+the key, and the ranks' namespaces, prepared model and process group are as they were. The history
+the dashboard shows comes back from the ranks' own copies of what they logged.
+
+A pool has one kernel at a time. Attaching to a pool whose kernel is alive is refused, naming that
+kernel, unless the caller asks to take it over: the record then names the new kernel, and the old
+one lets go (its watcher thread reads the record) before the new one binds.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import re
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from jupyter_shard.errors import PoolError, SpecError
+from jupyter_shard.launchers.local import AdoptedRank
+from jupyter_shard.pool.lifecycle import DIR_PREFIX, KEPT_RECORD, runtime_root
+from jupyter_shard.pool.pool import Pool
+from jupyter_shard.pool.ranks import RankRecord, RankState
+from jupyter_shard.spec import LaunchSpec
+from jupyter_shard.wire.messages import STATUS
+
+__all__ = ["KeptPool", "attach", "kept_pools", "parse_duration", "pools_table", "stop"]
+
+CONNECT_WAIT = 5.0  # seconds for every rank to reconnect to the attaching kernel
+RELEASE_WAIT = 5.0  # seconds the owner of a pool being taken over has to let go
+_DURATION = re.compile(
+    r"^(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?$"
+)
+
+
+def parse_duration(text: str) -> float:
+    """``30m``, ``2h``, ``1h30m``, ``90s``, ``90`` (seconds) or ``0``: seconds."""
+    match = _DURATION.fullmatch(text.strip().lower())
+    if not text.strip() or match is None:
+        raise SpecError(
+            f"--keep {text}: give a duration such as 30m, 2h, 1h30m or 90s (0: end with the kernel)"
+        )
+    days, hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())
+    return days * 86400 + hours * 3600 + minutes * 60 + seconds
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+@dataclass(frozen=True)
+class KeptPool:
+    """A kept pool as its record describes it, and whether its processes live."""
+
+    id: str
+    directory: Path
+    record: dict[str, Any]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.record["ranks"])
+
+    @property
+    def spec(self) -> LaunchSpec:
+        spec: LaunchSpec = pickle.loads(base64.b64decode(self.record["spec"]))
+        return spec
+
+    @property
+    def owner(self) -> int | None:
+        """The pid of the kernel attached to it, if that kernel lives."""
+        owner = self.record.get("owner")
+        if not owner:
+            return None
+        pid, started = owner
+        return int(pid) if _alive(int(pid), started) else None
+
+    def alive_ranks(self) -> list[int]:
+        return [r["rank"] for r in self.record["ranks"] if _alive(int(r["pid"]), r["started"])]
+
+    def time_left(self, now: float | None = None) -> float | None:
+        """Seconds until the lease runs out; None while a kernel is attached."""
+        if self.owner is not None:
+            return None
+        since = self.record.get("orphaned_at") or _mtime(self.directory / KEPT_RECORD)
+        return max(0.0, float(self.record["keep"]) - ((now or time.time()) - since))
+
+    def row(self, now: float) -> list[str]:
+        left = self.time_left(now)
+        owner = self.owner
+        attached = f"kernel pid {owner}" if owner is not None else "none"
+        return [
+            self.id,
+            str(self.world_size),
+            self.spec.strategy,
+            self.spec.device.value,
+            format_duration(now - float(self.record["created"])),
+            "while attached" if left is None else format_duration(left),
+            attached,
+            str(self.record.get("notebook", "")),
+        ]
+
+
+def kept_pools() -> list[KeptPool]:
+    """This user's kept pools on this machine with at least one rank alive."""
+    found = []
+    for record_path in sorted(runtime_root().glob(f"{DIR_PREFIX}*/{KEPT_RECORD}")):
+        directory = record_path.parent
+        try:
+            if directory.stat().st_uid != os.getuid() or record_path.stat().st_uid != os.getuid():
+                continue
+            kept = KeptPool(
+                directory.name.removeprefix(DIR_PREFIX), directory, json.loads(record_path.read_text())
+            )
+            if kept.alive_ranks():
+                found.append(kept)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def find(pool_id: str | None) -> KeptPool:
+    """The kept pool ``pool_id`` (a unique prefix will do), or the only one there is."""
+    pools = kept_pools()
+    if not pools:
+        raise PoolError(
+            "there is no kept pool on this machine: start one with %%distributed --keep 30m "
+            "(or one whose lease ran out has ended)"
+        )
+    if pool_id is None:
+        if len(pools) > 1:
+            ids = ", ".join(p.id for p in pools)
+            raise PoolError(f"there are {len(pools)} kept pools ({ids}); name one: %dist_attach ID")
+        return pools[0]
+    chosen = [p for p in pools if p.id.startswith(pool_id)]
+    if len(chosen) != 1:
+        ids = ", ".join(p.id for p in pools)
+        what = "no" if not chosen else "more than one"
+        raise PoolError(f"{what} kept pool has the id {pool_id!r}; the kept pools are {ids} (%dist_pools)")
+    return chosen[0]
+
+
+def pools_table(pools: list[KeptPool]) -> str:
+    """``%dist_pools`` and ``python -m jupyter_shard pools``: a row per kept pool."""
+    if not pools:
+        return "no kept pools (start one with %%distributed --keep 30m)"
+    now = time.time()
+    head = ["id", "ranks", "strategy", "device", "age", "time left", "kernel", "notebook"]
+    rows = [head, *(p.row(now) for p in pools)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
+
+
+def attach(pool_id: str | None = None, take_over: bool = False, pool: Pool | None = None) -> Pool:
+    """Make a kept pool this process's: its ranks, namespaces, prepared model and process group."""
+    kept = find(pool_id)
+    owner = kept.owner
+    if owner == os.getpid():
+        raise PoolError(f"pool {kept.id} is this kernel's already")
+    if owner is not None:
+        if not take_over:
+            raise PoolError(
+                f"pool {kept.id} is attached to kernel pid {owner} ({kept.record.get('notebook', '')}); "
+                f"%dist_attach {kept.id} --take-over makes it this kernel's"
+            )
+        _take_over(kept, owner)
+    record = kept.record
+    if pool is not None and pool.started:
+        pool.shutdown()
+    pool = pool or Pool(spec=kept.spec)
+    pool.spec = kept.spec
+    log_dir = Path(record["log_dir"]) if record.get("log_dir") else None
+    pool.adopt(
+        kept.directory, record["address"], bytes.fromhex(record["key"]), log_dir, float(record["created"])
+    )
+    for entry in record["ranks"]:
+        rank = RankRecord(
+            AdoptedRank(int(entry["rank"]), int(entry["pid"]), entry["started"]), Path(entry["log"])
+        )
+        rank.state, rank.device, rank.heartbeat = RankState.IDLE, str(entry["device"]), time.monotonic()
+        rank.recount = True  # its I/O count goes on from the kernel that had it (see _wait_connected)
+        pool.ranks.add(rank)
+        pool.sink.log_paths[rank.rank] = str(entry["log"])
+    try:
+        _wait_connected(pool)
+        pool.keep = float(record["keep"])  # the record now names this kernel; the lease goes on
+        _restore_history(pool)
+    except BaseException:
+        pool.release()
+        raise
+    return pool
+
+
+def stop(pool_id: str, force: bool = False) -> str:
+    """End a kept pool's ranks and remove its directory; refused while a kernel holds it (``force``)."""
+    kept = find(pool_id)
+    owner = kept.owner
+    if owner is not None and not force:
+        raise PoolError(f"pool {kept.id} is attached to kernel pid {owner}; stop it there, or use --force")
+    for entry in kept.record["ranks"]:
+        if _alive(int(entry["pid"]), entry["started"]):
+            try:
+                os.killpg(int(entry["pid"]), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                continue
+    import shutil
+
+    shutil.rmtree(kept.directory, ignore_errors=True)
+    return f"stopped kept pool {kept.id} ({kept.world_size} ranks, {kept.spec.strategy})"
+
+
+def _take_over(kept: KeptPool, owner: int) -> None:
+    """Ask the owning kernel to let go (it reads the record), and wait until it has."""
+    path = kept.directory / KEPT_RECORD
+    data = dict(kept.record, take_over=[os.getpid(), _started(os.getpid())])
+    _write(path, data)
+    deadline = time.monotonic() + RELEASE_WAIT
+    while time.monotonic() < deadline:
+        current = json.loads(path.read_text())
+        if not current.get("owner") or not _alive(int(current["owner"][0]), current["owner"][1]):
+            return
+        time.sleep(0.05)
+    raise PoolError(f"kernel pid {owner} did not let go of pool {kept.id} within {RELEASE_WAIT:.0f} s")
+
+
+def _wait_connected(pool: Pool) -> None:
+    """Until every rank answers on both its threads' connections (ZeroMQ reconnects every 0.1 s)."""
+    deadline = time.monotonic() + CONNECT_WAIT
+    pending = list(pool.ranks)
+    while pending:
+        answered = []
+        for r in pending:
+            try:
+                replies = pool.connection.request(*STATUS({}), [r], timeout=0.2)
+            except PoolError:
+                replies = {}
+            if r.rank in replies:
+                answered.append(r)
+        pending = [r for r in pending if r not in answered]
+        if pending and time.monotonic() > deadline:
+            gone = [r.rank for r in pending if r.handle.poll() is not None]
+            why = f"rank {gone} ended" if gone else f"rank {[r.rank for r in pending]} did not reconnect"
+            raise PoolError(f"could not attach: {why} within {CONNECT_WAIT:.0f} s")
+        if pending:
+            time.sleep(0.05)
+    for _ in range(int(CONNECT_WAIT / 0.05)):  # the main threads' sockets reconnect on their own time
+        try:
+            pool.run_own("pass")
+            return
+        except PoolError:
+            time.sleep(0.05)
+    pool.run_own("pass")
+
+
+def _restore_history(pool: Pool) -> None:
+    """The dashboard's history, from what each rank logged (its own copy)."""
+    pool.run_own("list(__import__('jupyter_shard.rank.shard', fromlist=['current']).current().sent)")
+    sent = pool.last_values()
+    pool.history.clear()
+    for rank, records in sorted(sent.items()):
+        pool.history.extend(rank, ({"step": s, "ts": ts, "values": v} for s, ts, v in records))
+
+
+def _alive(pid: int, started: float | None) -> bool:
+    try:
+        process = psutil.Process(pid)
+        return (
+            started is None or process.create_time() == started
+        ) and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _started(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return time.time()
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh)
+    tmp.replace(path)

@@ -1,0 +1,123 @@
+"""A rank's lease: how long it lives on after the kernel that drives it is gone (``--keep``).
+
+By default a rank ends as soon as its kernel is gone (the lifeline pipe closes, or the zygote it was
+forked from ends): no process outlives its kernel. A kept pool's ranks instead start a countdown of
+``LEASE.seconds`` and wait for a kernel to attach: a kernel binding the pool's socket again is seen as
+the connection coming back (ZeroMQ reconnects by itself), which stops the countdown; a lost
+connection starts it again. When it runs out with no kernel attached, rank 0 removes the pool's
+private directory (socket, store, the record with the key) and every rank kills its own process
+group, so nothing is left behind.
+
+Rank 0 also writes into the pool's record when the kernel went, so that ``%dist_pools`` in another
+kernel can say how long the pool has left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+__all__ = ["LEASE", "Lease", "set_lease", "watch_owner"]
+
+POLL = 0.25  # seconds between looks at the lifeline and the connection
+
+
+class Lease:
+    """The rank's current lease; set by the kernel through :func:`set_lease`."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.record: Path | None = None  # the pool's kept.json (rank 0 writes when the kernel went)
+        self.lock = threading.Lock()
+
+
+LEASE = Lease()
+
+
+def set_lease(seconds: float, record: str | None) -> None:
+    """Keep this rank for ``seconds`` after its kernel is gone (0: end with it)."""
+    with LEASE.lock:
+        LEASE.seconds = max(0.0, float(seconds))
+        LEASE.record = Path(record) if record else None
+
+
+def watch_owner(lifeline: int, parent_pid: int, events: zmq.Socket[bytes], rank: int) -> None:
+    """End this rank when its kernel is gone and the lease (if any) runs out with none attached."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    def run() -> None:
+        lifeline_open = True
+        lost_at: float | None = None
+        while True:
+            if lifeline_open:
+                readable, _, _ = select.select([lifeline], [], [], POLL)
+                gone = os.getppid() != parent_pid
+                if readable:
+                    try:
+                        gone = gone or os.read(lifeline, 1) == b""
+                    except OSError:
+                        gone = True
+                if gone:
+                    lifeline_open = False
+                    lost_at = time.monotonic()
+                    _kernel_went(rank)
+                    _check(lost_at)
+            while events.poll(0 if lifeline_open else int(POLL * 1000)):
+                event = recv_monitor_message(events)["event"]
+                if lifeline_open:
+                    continue  # the first kernel's own pipe says whether it lives
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    lost_at = None
+                elif event == zmq.EVENT_DISCONNECTED and lost_at is None:
+                    lost_at = time.monotonic()
+                    _kernel_went(rank)
+            if lost_at is not None:
+                _check(lost_at)
+
+    def _check(lost_at: float) -> None:
+        with LEASE.lock:
+            seconds, record = LEASE.seconds, LEASE.record
+        if seconds <= 0:
+            _end(rank, None, "")
+        if time.monotonic() - lost_at > seconds:
+            _end(rank, record, f"no kernel attached for {seconds:g} s, the lease of this kept pool")
+
+    threading.Thread(target=run, name="jupyter_shard-lifeline", daemon=True).start()
+
+
+def _kernel_went(rank: int) -> None:
+    """Rank 0 notes in the pool's record when the kernel went (for ``%dist_pools``' time left)."""
+    with LEASE.lock:
+        record, seconds = LEASE.record, LEASE.seconds
+    if rank != 0 or record is None or seconds <= 0:
+        return
+    try:
+        data = json.loads(record.read_text())
+        data["orphaned_at"], data["owner"] = time.time(), None
+        tmp = record.with_name(record.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh)
+        tmp.replace(record)
+    except (OSError, ValueError) as exc:
+        print(f"jupyter_shard: could not note the kernel's end in {record}: {exc}", file=sys.__stderr__)
+
+
+def _end(rank: int, record: Path | None, why: str) -> None:
+    """Rank 0 removes the pool's directory; every rank kills its own process group."""
+    if why:
+        print(f"jupyter_shard: ending this rank: {why} ran out", file=sys.__stderr__, flush=True)
+    if rank == 0 and record is not None:
+        shutil.rmtree(record.parent, ignore_errors=True)
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+    time.sleep(1)
+    os._exit(1)

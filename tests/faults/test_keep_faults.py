@@ -1,0 +1,101 @@
+"""F21: a kept pool whose kernel is killed (before or while attaching), whose lease runs out, or that
+is asked for after its lease ran out. Nothing already kept is lost while the lease lasts, the errors
+are one line, and at lease end no process, socket or directory is left. Without ``--keep`` the ranks
+still end with their kernel."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jupyter_shard import PoolError
+from jupyter_shard.env import RUNTIME_DIR_VAR
+from jupyter_shard.pool.keep import attach, kept_pools, stop
+from tests.faults.conftest import alive, wait_gone
+
+pytestmark = pytest.mark.timeout(180)
+
+# A driving process that keeps its pool for KEEP seconds, gives it state, says where, and is killed.
+DRIVER = """
+import json, os, signal, sys
+from jupyter_shard import Pool
+pool = Pool(nproc=int(sys.argv[1]), device="cpu", strategy="ddp", keep=float(sys.argv[2]))
+pool.start()
+pool.run("import torch, torch.distributed as dist\\nkept = 41")
+print(json.dumps({"pids": [r.handle.pid for r in pool.ranks], "dir": str(pool.directory)}), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+# An attaching process killed half-way: after binding the pool's socket, before it is done.
+ATTACH_KILLED = """
+import os, signal
+import jupyter_shard.pool.keep as keep
+def killed(pool):
+    os.kill(os.getpid(), signal.SIGKILL)
+keep._restore_history = killed
+keep.attach()
+"""
+
+
+@pytest.fixture
+def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="js-f21-"))
+    monkeypatch.setenv(RUNTIME_DIR_VAR, str(path))
+    yield path
+    for kept in kept_pools():
+        stop(kept.id, force=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _killed_driver(nproc: int, keep: float) -> tuple[list[int], Path]:
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(nproc), str(keep)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == -9, done.stderr[-2000:]
+    started = json.loads(done.stdout.strip().splitlines()[-1])
+    return started["pids"], Path(started["dir"])
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_f21_the_lease_running_out_leaves_no_process_socket_or_directory(nproc: int, runtime: Path) -> None:
+    pids, directory = _killed_driver(nproc, keep=2.0)
+    assert alive(pids) == pids and (directory / "pool.sock").exists() and (directory / "kept.json").exists()
+    assert oct((directory / "kept.json").stat().st_mode & 0o777) == "0o600"  # it holds the key
+    wait_gone(pids, within=6.0)
+    assert not directory.exists()
+    with pytest.raises(PoolError, match=r"^there is no kept pool on this machine: start one with"):
+        attach()  # asked for after its lease ran out: one line
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_f21_a_kernel_killed_while_attaching_leaves_the_pool_to_the_next(nproc: int, runtime: Path) -> None:
+    pids, _ = _killed_driver(nproc, keep=60.0)
+    env = {**os.environ, RUNTIME_DIR_VAR: str(runtime)}
+    done = subprocess.run([sys.executable, "-c", ATTACH_KILLED], env=env, capture_output=True, timeout=60)
+    assert done.returncode == -9
+    time.sleep(0.5)
+    assert alive(pids) == pids
+    pool = attach()
+    try:
+        assert pool.run("kept + 1").value == {"text/plain": "42"}
+        assert pool.run("t = torch.ones(1)\ndist.all_reduce(t)\nint(t.item())").value == {
+            "text/plain": str(nproc)
+        }
+    finally:
+        pool.shutdown()
+    wait_gone(pids, within=5.0)
+
+
+def test_f21_without_keep_the_ranks_end_with_their_kernel(runtime: Path) -> None:
+    pids, directory = _killed_driver(2, keep=0.0)
+    wait_gone(pids, within=3.0)
+    assert not (directory / "kept.json").exists()
+    assert kept_pools() == []

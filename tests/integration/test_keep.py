@@ -1,0 +1,169 @@
+"""Kept pools (``--keep``): the ranks and their state outlive a killed or restarted kernel, another
+kernel of the same user attaches to them (``%dist_pools``, ``%dist_attach``), a kernel holding the
+pool is refused unless taken over, and ``python -m jupyter_shard pools | stop`` work from a terminal.
+Every test has its own runtime directory, so it sees only its own kept pools."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from jupyter_shard.env import RUNTIME_DIR_VAR
+
+pytestmark = pytest.mark.timeout(240)
+
+SETUP = """%%distributed --nproc 2 --device cpu --strategy ddp --keep 2m
+import os
+import torch, torch.distributed as dist
+torch.manual_seed(0)
+net = torch.nn.Linear(4, 2)
+model, opt = shard.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+x = 41
+for step in range(3):
+    loss = model(torch.ones(2, 4)).pow(2).sum()
+    shard.backward(loss)
+    shard.step()
+    shard.log(loss=loss)
+print("pid", os.getpid())"""
+# A cell that needs the kept namespace, the prepared model and a working process group.
+CHECK = """%%distributed
+t = torch.ones(1)
+dist.all_reduce(t)
+print("kept", x + 1, int(t.item()), shard.global_step, type(model).__name__)"""
+
+
+@pytest.fixture
+def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A short private runtime directory (Unix socket paths are short), emptied of kept pools after."""
+    path = Path(tempfile.mkdtemp(prefix="js-keep-"))
+    monkeypatch.setenv(RUNTIME_DIR_VAR, str(path))
+    yield path
+    _cli("stop-all", path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _cli(command: str, runtime: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, RUNTIME_DIR_VAR: str(runtime)}
+    if command == "stop-all":
+        code = "from jupyter_shard.pool.keep import kept_pools, stop\nfor p in kept_pools(): stop(p.id, True)"
+        argv = [sys.executable, "-c", code]
+    else:
+        argv = [sys.executable, "-m", "jupyter_shard", command, *args]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+
+
+def _rank_pids(run: Any) -> list[int]:
+    return sorted(int(p) for p in re.findall(r"\] pid (\d+)", run.stream()))
+
+
+def _alive(pids: list[int]) -> list[int]:
+    living = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                living.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return living
+
+
+def _kept(kernel: Any) -> list[int]:
+    assert kernel.execute("%load_ext jupyter_shard").ok
+    run = kernel.execute(SETUP)
+    assert run.ok, run.error_text()
+    pids = _rank_pids(run)
+    assert len(pids) == 2
+    return pids
+
+
+def _check(kernel: Any) -> None:
+    run = kernel.execute(CHECK)
+    assert run.ok, run.error_text()
+    lines = sorted(line for line in run.stream().splitlines() if line.startswith("[rank"))
+    assert lines == [f"[rank {r}] kept 42 2 3 DistributedDataParallel" for r in (0, 1)]
+
+
+def test_a_kept_pool_outlives_a_killed_kernel_and_another_kernel_attaches(
+    runtime: Path, kernel_factory: Any
+) -> None:
+    first = kernel_factory()
+    pids = _kept(first)
+    os.kill(first.pid, signal.SIGKILL)
+    time.sleep(1.5)
+    assert _alive(pids) == pids  # the ranks live on
+
+    second = kernel_factory()
+    assert second.execute("%load_ext jupyter_shard").ok
+    run = second.execute("%dist_pools")
+    assert run.ok
+    rows = run.stream().splitlines()
+    assert rows[0].split()[:4] == ["id", "ranks", "strategy", "device"]
+    assert rows[1].split()[1:4] == ["2", "ddp", "cpu"] and "none" in rows[1]  # no kernel holds it
+    run = second.execute("%dist_attach")
+    assert run.ok, run.error_text()
+    seconds = float(re.search(r"attached to .* in ([\d.]+) s", run.stream()).group(1))  # type: ignore[union-attr]
+    assert seconds < 1.0, run.stream()
+    _check(second)
+    run = second.execute("import jupyter_shard\nlen(jupyter_shard.history())")
+    assert run.data("execute_result")[0]["text/plain"] == "6"  # the dashboard's history came back
+    run = second.execute("%%distributed\nprint('pid', os.getpid())")
+    assert _rank_pids(run) == pids
+
+
+def test_a_restarted_kernel_attaches_to_the_pool_it_kept(runtime: Path, kernel_factory: Any) -> None:
+    kernel = kernel_factory()
+    pids = _kept(kernel)
+    kernel.km.restart_kernel(now=False)
+    kernel.kc.wait_for_ready(timeout=60)
+    assert _alive(pids) == pids
+    assert kernel.execute("%load_ext jupyter_shard").ok
+    assert kernel.execute("%dist_attach").ok
+    _check(kernel)
+
+
+def test_a_held_pool_is_refused_unless_taken_over(runtime: Path, kernel_factory: Any) -> None:
+    owner = kernel_factory()
+    pids = _kept(owner)
+    other = kernel_factory()
+    assert other.execute("%load_ext jupyter_shard").ok
+    run = other.execute("%dist_attach")
+    text = str(run.outputs)
+    assert f"is attached to kernel pid {owner.pid}" in text and "--take-over" in text, text
+    run = other.execute("%dist_attach --take-over")
+    assert run.ok, run.outputs
+    _check(other)
+    # the first kernel let go: its next cell starts a pool of its own, and says why
+    run = owner.execute("%%distributed\nimport os\nprint('pid', os.getpid())")
+    assert run.ok, run.error_text()
+    assert f"kernel pid {other.pid} took the kept pool over" in run.stream()
+    assert not set(_rank_pids(run)) & set(pids)
+
+
+def test_the_terminal_lists_and_stops_kept_pools(runtime: Path, kernel_factory: Any) -> None:
+    kernel = kernel_factory()
+    pids = _kept(kernel)
+    listed = _cli("pools", runtime)
+    assert listed.returncode == 0, listed.stderr
+    pool_id = listed.stdout.splitlines()[1].split()[0]
+    assert f"kernel pid {kernel.pid}" in listed.stdout
+    refused = _cli("stop", runtime, pool_id)
+    assert refused.returncode == 1 and f"attached to kernel pid {kernel.pid}" in refused.stderr
+    done = _cli("stop", runtime, pool_id, "--force")
+    assert done.returncode == 0 and f"stopped kept pool {pool_id}" in done.stdout
+    deadline = time.monotonic() + 5
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _alive(pids) == [] and not list(runtime.glob("jupyter_shard-*"))
+    assert "no kept pools" in _cli("pools", runtime).stdout
