@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from jupyter_shard.errors import PoolError, ShardError, SpecError
     from jupyter_shard.pool.checkpoint import consolidate
     from jupyter_shard.pool.history import History
+    from jupyter_shard.pool.keep import attach
     from jupyter_shard.pool.pool import Pool
     from jupyter_shard.pool.results import DistributedError, RunResult
     from jupyter_shard.pool.suspend import resume, suspend
@@ -37,6 +38,7 @@ __all__ = [
     "ShardError",
     "SpecError",
     "__version__",
+    "attach",
     "consolidate",
     "history",
     "last_values",
@@ -59,6 +61,7 @@ _LAZY = {
     "register_strategy": "jupyter_shard.strategies",
     "consolidate": "jupyter_shard.pool.checkpoint",
     "suspend": "jupyter_shard.pool.suspend",
+    "attach": "jupyter_shard.pool.keep",
     "resume": "jupyter_shard.pool.suspend",
 }
 

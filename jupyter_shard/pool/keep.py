@@ -111,7 +111,7 @@ class KeptPool:
             format_duration(now - float(self.record["created"])),
             "while attached" if left is None else format_duration(left),
             attached,
-            str(self.record.get("notebook", "")),
+            os.path.basename(str(self.record.get("notebook", ""))),
         ]
 
 
