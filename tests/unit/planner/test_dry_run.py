@@ -1,0 +1,251 @@
+"""jupyter_shard.planner.dry_run: plans add up, sharding divides what a rank holds, a model too big for
+this machine plans without memory, bad input is one line, the batch finder finds the largest fit, and
+a real default process group is left alone."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import jupyter_shard.planner
+from jupyter_shard.errors import SpecError
+from jupyter_shard.planner.dry_run import STRATEGIES, Plan, dry_run, find_batch
+
+PARTS = ("parameters", "gradients", "optimizer", "activations", "transient")
+
+
+def mlp(width: int = 256, depth: int = 4) -> nn.Module:
+    layers = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())]
+    return nn.Sequential(*layers, nn.Linear(width, 1))
+
+
+class Locked(nn.Linear):
+    """A module holding something that cannot be copied (a lock)."""
+
+    def __init__(self) -> None:
+        super().__init__(16, 1)
+        self.lock = threading.Lock()
+
+
+def plans(world_size: int = 4, **kwargs: object) -> dict[str, Plan]:
+    return dry_run(lambda: mlp(1024, 2), "torch.randn(8, 1024)", world_size, device="cpu", **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def four() -> dict[str, Plan]:
+    return plans(4)
+
+
+def test_every_strategy_is_planned_and_its_parts_add_up_to_the_peak(four: dict[str, Plan]) -> None:
+    assert list(four) == list(STRATEGIES)
+    for name, plan in four.items():
+        assert plan.strategy == name and plan.world_size == 4 and plan.options == dict(STRATEGIES[name])
+        assert sum(getattr(plan, part) for part in PARTS) == plan.peak_bytes > 0
+        assert all(getattr(plan, part) >= 0 for part in PARTS)
+        assert set(PARTS) | {"peak_bytes", "host_bytes"} <= set(plan.source)
+        assert plan.host_bytes == 0
+
+
+def test_full_sharding_holds_a_quarter_of_the_parameters_at_world_size_4(four: dict[str, Plan]) -> None:
+    ddp, full = four["ddp"], four["fsdp FULL_SHARD"]
+    whole = sum(p.numel() * 4 for p in mlp(1024, 2).parameters())
+    assert ddp.parameters == whole
+    assert full.parameters == pytest.approx(whole / 4, rel=0.01)
+    assert full.peak_bytes < ddp.peak_bytes / 2
+    # SHARD_GRAD_OP keeps gathered parameters from forward to backward: more than FULL_SHARD
+    assert four["fsdp SHARD_GRAD_OP"].peak_bytes > full.peak_bytes
+
+
+def test_what_is_not_traced_says_so(four: dict[str, Plan]) -> None:
+    assert "formula" in four["deepspeed ZeRO-3"].source["peak_bytes"]
+    assert "DDP's gradient buckets" in four["ddp"].source["transient"]
+    assert four["fsdp FULL_SHARD"].source["peak_bytes"].startswith("traced")
+    assert four["ddp"].largest_unit is None
+    # over 2**20 parameters: one FSDP unit per Linear, as the fsdp strategy wraps it
+    name, size = four["fsdp FULL_SHARD"].largest_unit or ("", 0)
+    assert name in ("0", "2") and size == 1024 * 1025 * 4
+    small = dry_run(lambda: mlp(64, 1), "torch.randn(2, 64)", 2, strategies=["fsdp FULL_SHARD"])
+    assert small["fsdp FULL_SHARD"].largest_unit == ("<root>", (64 * 65 + 65) * 4)
+
+
+def test_zero3_holds_deepspeeds_flat_float32_partition_besides_full_sharding(four: dict[str, Plan]) -> None:
+    full, zero3 = four["fsdp FULL_SHARD"], four["deepspeed ZeRO-3"]
+    partition = sum(p.numel() * 4 for p in mlp(1024, 2).parameters()) / 4
+    assert zero3.parameters == full.parameters
+    # Adam's two moments and the flat float32 copy, with partition-sized temporaries at the step
+    assert zero3.optimizer >= 3 * partition > full.optimizer
+    assert zero3.peak_bytes > full.peak_bytes + partition
+
+
+def test_a_cpu_plan_holds_gloos_reduce_scatter_copy_of_the_largest_gradient() -> None:
+    """gloo reduce-scatters through a copy of its input; NCCL does not: the embedding's gradient
+    (51.2 MB) is reduce-scattered at the peak."""
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Embedding(100_000, 128), nn.Flatten(), nn.Linear(128 * 4, 8))
+
+    args = (build, "torch.randint(0, 100_000, (16, 4))", 2)
+    cpu = dry_run(*args, device="cpu", strategies=["fsdp FULL_SHARD"])["fsdp FULL_SHARD"]  # type: ignore[arg-type]
+    cuda = dry_run(*args, device="cuda", strategies=["fsdp FULL_SHARD"])["fsdp FULL_SHARD"]  # type: ignore[arg-type]
+    assert cpu.peak_bytes - cuda.peak_bytes == pytest.approx(100_000 * 128 * 4, rel=0.02)
+
+
+def test_a_larger_batch_needs_more_activations() -> None:
+    """Activations saved for backward grow with the batch and, for a large one, set the peak."""
+    small = dry_run(lambda: mlp(256, 4), "torch.randn(8, 256)", 2, strategies=["ddp"])["ddp"]
+    large = dry_run(lambda: mlp(256, 4), "torch.randn(4096, 256)", 2, strategies=["ddp"])["ddp"]
+    batch = 4096 * 256 * 4  # the larger batch itself, counted with the activations
+    assert large.activations > 4 * batch > small.activations
+    assert large.peak_bytes - small.peak_bytes > 3 * batch
+
+
+def test_a_model_bigger_than_this_machine_plans_without_allocating_it() -> None:
+    """6.4 billion parameters (26 GB of float32, more than this machine's RAM)."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def build() -> nn.Module:
+        return nn.Sequential(*(nn.Linear(40_000, 40_000) for _ in range(4)))
+
+    plan = dry_run(build, "torch.randn(2, 40000)", 8, strategies=["fsdp FULL_SHARD"])["fsdp FULL_SHARD"]
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    assert plan.parameters == pytest.approx(4 * 40_000 * 40_001 * 4 / 8, rel=0.01)
+    assert grown < 500 * 2**20, f"the dry run grew the process by {grown / 2**20:.0f} MiB"
+
+
+def test_a_module_is_copied_and_never_touched() -> None:
+    torch.manual_seed(0)
+    model = mlp(64, 2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    pointers = {n: p.data_ptr() for n, p in model.named_parameters()}
+    plan = dry_run(model, torch.randn(4, 64), 2, strategies=["ddp", "fsdp"])
+    assert set(plan) == {"ddp", "fsdp FULL_SHARD", "fsdp SHARD_GRAD_OP"}
+    for name, param in model.named_parameters():
+        assert param.data_ptr() == pointers[name] and param.grad is None
+        assert torch.equal(param, before[name])
+    assert not isinstance(model[0].weight, torch.distributed.tensor.DTensor)
+
+
+def test_tied_parameters_are_counted_once() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(1000, 64)
+            self.head = nn.Linear(64, 1000, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(idx))
+
+    plan = dry_run(Tied, "torch.randint(0, 1000, (2, 8))", 2, strategies=["ddp"])["ddp"]
+    assert plan.parameters == 1000 * 64 * 4
+
+
+def test_a_step_function_is_run_instead_of_the_default() -> None:
+    calls: list[int] = []
+
+    def step(model: nn.Module, batch: object) -> None:
+        calls.append(1)
+        model(batch).sum().backward()  # type: ignore[operator]
+
+    plan = dry_run(lambda: mlp(64, 1), "torch.randn(4, 64)", 2, strategies=["ddp"], step=step)["ddp"]
+    assert len(calls) == 2 and plan.source["step"] == "the step function passed"
+    assert plan.optimizer == 0  # no optimizer in that step
+
+
+def test_the_package_exports_the_dry_run_callable() -> None:
+    result = jupyter_shard.planner.dry_run(nn.Linear(4, 4), torch.randn(2, 4), 2, strategies="ddp")
+    assert isinstance(result["ddp"], jupyter_shard.planner.DryRunPlan)
+    assert jupyter_shard.planner.find_batch is find_batch
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"model_or_builder": lambda: 1 / 0}, "the model builder raised ZeroDivisionError"),
+        ({"model_or_builder": lambda: "not a model"}, "returned str, not an nn.Module"),
+        ({"model_or_builder": 42}, "pass an nn.Module or a function"),
+        ({"model_or_builder": Locked()}, "cannot be copied to plan it"),
+        ({"batch": "torch.randn(8, 3)"}, "pass a batch the model's forward takes"),
+        ({"batch": "torch.randn(8,"}, "the batch expression"),
+        ({"batch": object()}, "pass a tensor, a tuple of tensors"),
+        ({"step": lambda model, batch: 1 / 0}, "the step function raised ZeroDivisionError"),
+        ({"step": 3}, "step must be a function"),
+        ({"world_size": 0}, "give a whole number of ranks"),
+        ({"world_size": 2.0}, "give a whole number of ranks"),
+        ({"world_size": 1, "strategies": ["fsdp"]}, "plan them with world_size of 2 or more"),
+        ({"strategies": ["zero9"]}, "cannot be planned; choose from"),
+        ({"strategies": []}, "no strategy to plan"),
+        ({"device": "tpu"}, "device 'tpu' is not valid"),
+    ],
+)
+def test_bad_input_is_one_line_saying_what_to_pass(kwargs: dict[str, object], says: str) -> None:
+    args: dict[str, object] = {
+        "model_or_builder": lambda: mlp(16, 1),
+        "batch": "torch.randn(4, 16)",
+        "world_size": 2,
+        "strategies": ["ddp", "fsdp FULL_SHARD"],
+    }
+    with pytest.raises(SpecError) as caught:
+        dry_run(**{**args, **kwargs})  # type: ignore[arg-type]
+    message = str(caught.value)
+    assert says in message and "\n" not in message
+    assert not dist.is_initialized(), "the fake process group is destroyed after a failure too"
+
+
+def test_world_size_1_plans_ddp_only() -> None:
+    assert list(dry_run(lambda: mlp(16, 1), "torch.randn(4, 16)", 1)) == ["ddp"]
+
+
+def test_the_callers_excepthook_and_process_group_state_are_restored() -> None:
+    hook = sys.excepthook
+    plans(2, strategies=["ddp"])
+    assert sys.excepthook is hook and not dist.is_initialized()
+
+
+@pytest.fixture
+def real_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dist.ProcessGroup]:
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD  # type: ignore[misc]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_beside_a_real_default_group_the_dry_run_leaves_it_alone(real_group: dist.ProcessGroup) -> None:
+    plan = plans(4, strategies=["fsdp FULL_SHARD"])["fsdp FULL_SHARD"]
+    assert plan.world_size == 4 and plan.peak_bytes > 0
+    assert dist.group.WORLD is real_group and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+    with pytest.raises(SpecError, match="the model builder raised ZeroDivisionError"):
+        dry_run(lambda: 1 / 0, "torch.randn(2)", 2)  # type: ignore[arg-type, return-value]
+
+
+# -- find_batch -----------------------------------------------------------------------------------
+
+
+def peak(size: int) -> int:
+    return dry_run(lambda: mlp(256, 2), f"torch.randn({size}, 256)", 2, strategies=["ddp"])["ddp"].peak_bytes
+
+
+def test_find_batch_returns_the_largest_batch_that_fits() -> None:
+    budget = peak(37)
+    found = find_batch(lambda: mlp(256, 2), lambda b: f"torch.randn({b}, 256)", 2, budget, "ddp")
+    assert found >= 37
+    assert peak(found) <= budget < peak(found + 1)
+
+
+def test_find_batch_is_zero_when_nothing_fits_and_rejects_bad_input() -> None:
+    assert find_batch(lambda: mlp(256, 2), lambda b: f"torch.randn({b}, 256)", 2, 1000, "ddp") == 0
+    with pytest.raises(SpecError, match="find_batch needs one strategy"):
+        find_batch(lambda: mlp(16, 1), lambda b: f"torch.randn({b}, 16)", 2, 10**9, "fsdp")
+    with pytest.raises(SpecError, match=r"make_batch\(1\) raised"):
+        find_batch(lambda: mlp(16, 1), lambda b: 1 / 0, 2, 10**9, "ddp")
+    with pytest.raises(SpecError, match="device_bytes"):
+        find_batch(lambda: mlp(16, 1), lambda b: f"torch.randn({b}, 16)", 2, 0, "ddp")
