@@ -16,7 +16,7 @@ from jupyter_shard.notebook.args import MagicParser, resume_options
 from jupyter_shard.pool.keep import attach, format_duration, kept_pools, parse_duration, pools_table
 from jupyter_shard.pool.pool import Pool
 from jupyter_shard.pool.suspend import DEFAULT_DIRECTORY, resume, suspend
-from jupyter_shard.spec import LaunchSpec
+from jupyter_shard.spec import LaunchSpec, format_ranks
 
 __all__ = ["KeepMagics"]
 
@@ -89,3 +89,10 @@ class KeepMagics(Magics):
             f"jupyter_shard: attached to {pool.spec.describe()} in {time.monotonic() - began:.2f} s; "
             f"its ranks kept their state. Kept for {format_duration(pool.keep)} after this kernel ends"
         )
+        run = pool.background
+        if run is not None and run.running:
+            ranks = format_ranks(list(run.gathering.targets))
+            print(
+                f"jupyter_shard: rank {ranks} still run a background cell ({run.gathering.code}): its "
+                "output follows here; %dist_wait waits for it, %dist_interrupt stops it"
+            )

@@ -145,6 +145,18 @@ class CellGathering:
             r.state, r.cell, r.collective, r.group_ranks, r.waiting = RankState.RUNNING, head, "", [], ""
         return gathering
 
+    def follow(self, cell_id: str, targets: list[RankRecord], head: str) -> Gathering:
+        """Make the cell ``cell_id``, which ``targets`` already run (sent by a kernel before this one,
+        to a kept pool), the cell in flight: its output and its end are gathered from now on."""
+        result = RunResult(cell_id, {r.rank: RankResult(r.rank) for r in targets})
+        self.current = Gathering(
+            result, [r.rank for r in targets], time.monotonic(), None, code=head, record=False
+        )
+        self._sink().begin_cell()
+        for r in targets:
+            r.state, r.cell = RankState.RUNNING, head
+        return self.current
+
     def end(self, gathering: Gathering, notes: Sequence[str]) -> None:
         """Close the cell: add ``notes`` (node failures), flush its output."""
         for line in notes:

@@ -14,6 +14,7 @@ from jupyter_shard.pool.cell import CellGathering
 from jupyter_shard.pool.connection import Connection
 from jupyter_shard.pool.lifecycle import Lifecycle
 from jupyter_shard.pool.ranks import RankSnapshot, RankTable
+from jupyter_shard.spec import LaunchSpec
 from jupyter_shard.wire.curve import CurveServer
 from jupyter_shard.wire.messages import STACKS, STATUS
 
@@ -27,6 +28,15 @@ class PoolFacts:
     connection: Connection
     ranks: RankTable
     cells: CellGathering
+    spec: LaunchSpec
+
+    @property
+    def started(self) -> bool:
+        return self.connection.open
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
 
     @property
     def log_dir(self) -> Path | None:
@@ -64,7 +74,7 @@ class PoolFacts:
 
     def status(self) -> list[RankSnapshot]:
         """Every rank now: pid, host, device, state, fresh memory, the cell it runs (and where)."""
-        live = self.ranks.live() if self.connection.open else []
+        live = self.ranks.live() if self.started else []
         replies = self.connection.request(*STATUS({}), live, timeout=1.0) if live else {}
         self.cells.check_exits()
         return self.ranks.status(replies)

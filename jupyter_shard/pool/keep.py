@@ -34,7 +34,7 @@ from jupyter_shard.pool.lifecycle import DIR_PREFIX, KEPT_RECORD, runtime_root
 from jupyter_shard.pool.pool import Pool
 from jupyter_shard.pool.ranks import RankRecord, RankState
 from jupyter_shard.spec import LaunchSpec
-from jupyter_shard.wire.messages import STATUS
+from jupyter_shard.wire.messages import HISTORY, STATUS
 
 __all__ = ["KeptPool", "attach", "kept_pools", "parse_duration", "pools_table", "stop"]
 
@@ -198,9 +198,13 @@ def attach(pool_id: str | None = None, take_over: bool = False, pool: Pool | Non
         pool.ranks.add(rank)
         pool.sink.log_paths[rank.rank] = str(entry["log"])
     try:
-        _wait_connected(pool)
-        pool.keep = float(record["keep"])  # the record now names this kernel; the lease goes on
+        statuses = _wait_connected(pool)
+        pool.hold(float(record["keep"]))  # the ranks' lease goes on; the record names this kernel now
         _restore_history(pool)
+        running = {k: body for k, body in statuses.items() if body.get("executing") and body.get("cell_id")}
+        if running:  # a cell a kernel before this one left running: followed as a background run
+            first = running[min(running)]
+            pool.follow(str(first["cell_id"]), sorted(running), str(first.get("cell", "")))
     except BaseException:
         pool.release()
         raise
@@ -239,42 +243,47 @@ def _take_over(kept: KeptPool, owner: int) -> None:
     raise PoolError(f"kernel pid {owner} did not let go of pool {kept.id} within {RELEASE_WAIT:.0f} s")
 
 
-def _wait_connected(pool: Pool) -> None:
-    """Until every rank answers on both its threads' connections (ZeroMQ reconnects every 0.1 s)."""
+def _wait_connected(pool: Pool) -> dict[int, dict[str, Any]]:
+    """Every rank's status, once each answers on both its threads' connections (ZeroMQ reconnects
+    every 0.1 s). A rank still running a cell cannot answer on its main thread's: it is not asked."""
     deadline = time.monotonic() + CONNECT_WAIT
-    pending = list(pool.ranks)
-    while pending:
-        answered = []
-        for r in pending:
+    statuses: dict[int, dict[str, Any]] = {}
+    while len(statuses) < len(pool.ranks.records):
+        for r in pool.ranks:
+            if r.rank in statuses:
+                continue
             try:
                 replies = pool.connection.request(*STATUS({}), [r], timeout=0.2)
             except PoolError:
                 replies = {}
             if r.rank in replies:
-                answered.append(r)
-        pending = [r for r in pending if r not in answered]
-        if pending and time.monotonic() > deadline:
-            gone = [r.rank for r in pending if r.handle.poll() is not None]
-            why = f"rank {gone} ended" if gone else f"rank {[r.rank for r in pending]} did not reconnect"
-            raise PoolError(f"could not attach: {why} within {CONNECT_WAIT:.0f} s")
-        if pending:
+                statuses[r.rank] = dict(replies[r.rank].body)
+        if len(statuses) < len(pool.ranks.records):
+            if time.monotonic() > deadline:
+                pending = [r for r in pool.ranks if r.rank not in statuses]
+                gone = [r.rank for r in pending if r.handle.poll() is not None]
+                why = f"rank {gone} ended" if gone else f"rank {[r.rank for r in pending]} did not reconnect"
+                raise PoolError(f"could not attach: {why} within {CONNECT_WAIT:.0f} s")
             time.sleep(0.05)
-    for _ in range(int(CONNECT_WAIT / 0.05)):  # the main threads' sockets reconnect on their own time
-        try:
+    if not any(body.get("executing") for body in statuses.values()):
+        for _ in range(int(CONNECT_WAIT / 0.05)):  # the main threads' sockets reconnect on their own time
+            try:
+                pool.run_own("pass")
+                break
+            except PoolError:
+                time.sleep(0.05)
+        else:
             pool.run_own("pass")
-            return
-        except PoolError:
-            time.sleep(0.05)
-    pool.run_own("pass")
+    return statuses
 
 
 def _restore_history(pool: Pool) -> None:
-    """The dashboard's history, from what each rank logged (its own copy)."""
-    pool.run_own("list(__import__('jupyter_shard.rank.shard', fromlist=['current']).current().sent)")
-    sent = pool.last_values()
+    """The dashboard's history, from what each rank logged (its own copy, sent by its I/O thread)."""
+    replies = pool.connection.request(*HISTORY({}), list(pool.ranks), timeout=CONNECT_WAIT)
     pool.history.clear()
-    for rank, records in sorted(sent.items()):
-        pool.history.extend(rank, ({"step": s, "ts": ts, "values": v} for s, ts, v in records))
+    for rank, reply in sorted(replies.items()):
+        records = ({"step": s, "ts": ts, "values": v} for s, ts, v in reply.body["records"])
+        pool.history.extend(rank, records)
 
 
 def _alive(pid: int, started: float | None) -> bool:

@@ -96,16 +96,6 @@ class Pool(PoolFacts):
         )
         self.ahead = Ahead(self.cells, self.ranks, self.escalation, self._watcher, self._begin, self._end)
 
-    # -- state ----------------------------------------------------------------------------------
-
-    @property
-    def started(self) -> bool:
-        return self.connection.open
-
-    @property
-    def world_size(self) -> int:
-        return self.spec.world_size
-
     # -- lifecycle ------------------------------------------------------------------------------
 
     def __enter__(self) -> Pool:
@@ -170,12 +160,24 @@ class Pool(PoolFacts):
         self._keep = float(seconds)
 
     def adopt(self, directory: Path, address: str, key: bytes, log_dir: Path | None, started: float) -> None:
-        """Become the kernel of a kept pool's ranks (``jupyter_shard.attach``; the ranks are added)."""
+        """Become the kernel of a kept pool's ranks (``jupyter_shard.attach`` adds them, then holds)."""
         self.lifecycle.adopt(directory, address, key, log_dir, started)
         _live_pools.add(self)
         global _latest
         _latest = self
         self._watcher.start()
+
+    def hold(self, seconds: float) -> None:
+        """The adopted ranks' lease goes on as set (they hold it): the record now names this kernel."""
+        self.lifecycle.keep(seconds, self.spec, self._let_go)
+        self._keep = float(seconds)
+
+    def follow(self, cell_id: str, ranks: list[int], head: str) -> BackgroundRun:
+        """Follow a cell an adopted pool's ranks still run, as a background run of this kernel."""
+        gathering = self.cells.follow(cell_id, [self.ranks[r] for r in ranks], head)
+        self.background = BackgroundRun(gathering, 0, None, partial(self.cells.serve_prompts, gathering))
+        self._watcher.start()
+        return self.background
 
     def release(self) -> None:
         """Let go of a kept pool's ranks without stopping them (they wait for a kernel to attach)."""
@@ -268,8 +270,7 @@ class Pool(PoolFacts):
         refuse_while_running(self.background, what)
 
     def send_ahead(self, code: str, ranks: Sequence[int] | None, timeout: float | None, count: int) -> bool:
-        """Send now the cell the next :meth:`run` with these arguments gathers, where that run would
-        send it without a word first (the notebook's head start); whether it went."""
+        """Send now the cell the next :meth:`run` of these arguments gathers (head start); whether it went."""
         return self.ahead.send(code, ranks, timeout, count)
 
     def settle_ahead(self) -> None:
@@ -327,8 +328,7 @@ class Pool(PoolFacts):
         return self.values.push(ranks, named)
 
     def pull(self, name: str, rank: int = 0, *, gather: bool = False, device: bool = False) -> Any:
-        """A copy of the rank's ``name``, tensors on the CPU (``device=True``: where they were).
-        ``gather=True``: ``name`` is the prepared model, gathered; rank 0 returns a plain ``nn.Module``."""
+        """A copy of ``name`` on ``rank``: tensors on the CPU (``device=True``: where they were)."""
         if gather:
             return self.pull_all(name, gather=True, device=device)[0]
         return self.pull_all(name, ranks=[rank], device=device)[rank]
@@ -336,7 +336,8 @@ class Pool(PoolFacts):
     def pull_all(
         self, name: str, ranks: Sequence[int] | None = None, *, gather: bool = False, device: bool = False
     ) -> dict[int, Any]:
-        """Copies of ``name`` from every rank (or ``ranks``), by rank (see :meth:`pull`)."""
+        """Copies of ``name`` from every rank (or ``ranks``), by rank (see :meth:`pull`). ``gather=True``:
+        ``name`` is the prepared model, gathered by every rank; rank 0 gives a plain ``nn.Module``."""
         self.refuse_while_background("pull values")
         self.start()
         if gather and self.escalation.regroup_needed:  # gathering is a collective: it needs a group
@@ -372,8 +373,7 @@ class Pool(PoolFacts):
         return self.cells.debug
 
     def interrupt(self) -> list[int]:
-        """Interrupt whatever the ranks run (outside a foreground :meth:`run`); the ranks. A background
-        run is stopped by the watcher thread (SIGINT, then stacks and a kill); its ``wait()`` sees the end."""
+        """Interrupt what the ranks run outside a foreground :meth:`run` (a background run: the watcher)."""
         run = self.background
         if run is not None and run.running:
             run.interrupt_requested = True

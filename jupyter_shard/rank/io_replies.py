@@ -25,6 +25,7 @@ from jupyter_shard.rank.channel import Channel
 from jupyter_shard.rank.runner import CellState
 from jupyter_shard.wire.messages import (
     HEARTBEAT,
+    HISTORY_REPLY,
     STACKS_REPLY,
     STATUS_REPLY,
     HeartbeatBody,
@@ -45,6 +46,7 @@ def serve_io(channel: Channel, state: CellState) -> None:
             "status": lambda msg: _reply_status(channel, msg, state),
             "signal": _signal_self,
             "abort": lambda msg: _abort_group(channel, state),
+            "history": lambda msg: _reply_history(channel, msg),
         },
     )
     channel.heartbeat = lambda: HEARTBEAT(_status_body(channel, state))
@@ -160,4 +162,16 @@ def collective_and_group(executing: bool) -> tuple[str, list[int]]:
 
 def _reply_status(channel: Channel, msg: Message, state: CellState) -> None:
     req_id, status = str(msg.body["req_id"]), _status_body(channel, state)
-    channel.enqueue_numbered(lambda count: STATUS_REPLY({"req_id": req_id, **status, "io_count": count}))
+    cell_id = state.cell_id if state.executing else ""
+    channel.enqueue_numbered(
+        lambda count: STATUS_REPLY({"req_id": req_id, **status, "io_count": count, "cell_id": cell_id})
+    )
+
+
+def _reply_history(channel: Channel, msg: Message) -> None:
+    """What this rank logged (``shard.sent``): the I/O thread, which alone appends to it, answers."""
+    from jupyter_shard.rank.shard import current
+
+    helper = current()
+    records = [[step, ts, values] for step, ts, values in helper.sent] if helper is not None else []
+    channel.enqueue(*HISTORY_REPLY({"req_id": str(msg.body["req_id"]), "records": records}), [])

@@ -289,9 +289,12 @@ class StacksReply(Reply):
 
 
 class StatusReply(Reply, HeartbeatBody):
-    io_count: (
-        int  # this reply's place among what the rank's I/O socket sent (a kernel that attaches counts on)
-    )
+    io_count: int  # this reply's place among what the rank's I/O socket sent (an attaching kernel counts on)
+    cell_id: str  # the running cell's, "" when idle (an attaching kernel follows a background run)
+
+
+class HistoryReply(Reply):
+    records: list[list[Any]]  # what the rank logged and sent: [step, wall time, {name: value}], oldest first
 
 
 class ReleaseReply(OutcomeReply):
@@ -359,6 +362,7 @@ PUSH_REPLY = _to_kernel("push_reply", PushReply)
 PULL_REPLY = _to_kernel("pull_reply", PullReply)
 STACKS_REPLY = _to_kernel("stacks_reply", StacksReply, io=True)
 STATUS_REPLY = _to_kernel("status_reply", StatusReply, io=True)
+HISTORY_REPLY = _to_kernel("history_reply", HistoryReply, io=True)
 RELEASE_REPLY = _to_kernel("release_reply", ReleaseReply)
 REGROUP_REPLY = _to_kernel("regroup_reply", RegroupReply)
 PROMPT = _to_kernel("prompt", PromptBody)
@@ -370,6 +374,8 @@ PUSH = Kind("push", "to_rank", PushBody, reply=PUSH_REPLY)
 PULL = Kind("pull", "to_rank", PullBody, reply=PULL_REPLY)
 STACKS = Kind("stacks", "to_rank", Empty, io=True, reply=STACKS_REPLY)
 STATUS = Kind("status", "to_rank", Empty, io=True, reply=STATUS_REPLY)
+# what the rank logged, for a kernel that attaches to a kept pool (answered while a cell runs)
+HISTORY = Kind("history", "to_rank", Empty, io=True, reply=HISTORY_REPLY)
 SIGNAL = Kind("signal", "to_rank", SignalBody, io=True)
 # to a rank of an NCCL pool blocked in a collective: abort its group from the I/O thread
 ABORT = Kind("abort", "to_rank", Empty, io=True)
@@ -383,7 +389,7 @@ MsgType = Literal[
     "execute", "push", "pull", "stacks", "status", "signal", "abort", "shutdown", "release", "regroup",
     "ready", "startup_failed", "stream", "display", "result", "done", "metrics", "heartbeat",
     "push_reply", "pull_reply", "stacks_reply", "status_reply", "release_reply", "regroup_reply",
-    "prompt", "answer", "debug_request", "debug_response", "debug_event",
+    "prompt", "answer", "debug_request", "debug_response", "debug_event", "history", "history_reply",
 ]  # fmt: skip
 MESSAGES: Mapping[str, Kind[Any]] = {
     str(k): k
@@ -391,7 +397,7 @@ MESSAGES: Mapping[str, Kind[Any]] = {
         *(EXECUTE, PUSH, PULL, STACKS, STATUS, SIGNAL, ABORT, SHUTDOWN, RELEASE, REGROUP),
         *(READY, STARTUP_FAILED, STREAM, DISPLAY, RESULT, DONE, METRICS, HEARTBEAT),
         *(PUSH_REPLY, PULL_REPLY, STACKS_REPLY, STATUS_REPLY, RELEASE_REPLY, REGROUP_REPLY),
-        *(PROMPT, ANSWER, DEBUG_REQUEST, DEBUG_RESPONSE, DEBUG_EVENT),
+        *(PROMPT, ANSWER, DEBUG_REQUEST, DEBUG_RESPONSE, DEBUG_EVENT, HISTORY, HISTORY_REPLY),
     )
 }
 MSG_TYPES: frozenset[str] = frozenset(MESSAGES)

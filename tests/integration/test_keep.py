@@ -167,3 +167,32 @@ def test_the_terminal_lists_and_stops_kept_pools(runtime: Path, kernel_factory: 
         time.sleep(0.05)
     assert _alive(pids) == [] and not list(runtime.glob("jupyter_shard-*"))
     assert "no kept pools" in _cli("pools", runtime).stdout
+
+
+def test_a_background_cell_left_running_follows_the_pool_to_the_next_kernel(
+    runtime: Path, kernel_factory: Any
+) -> None:
+    first = kernel_factory()
+    assert first.execute("%load_ext jupyter_shard").ok
+    run = first.execute(
+        "%%distributed --nproc 2 --device cpu --keep 2m --bg\nimport time\n"
+        "for i in range(40):\n    time.sleep(0.1)\n    print('tick', i, flush=True)\nshard.rank + 100"
+    )
+    assert run.ok, run.error_text()
+    time.sleep(1.0)
+    os.kill(first.pid, signal.SIGKILL)
+    second = kernel_factory()
+    assert second.execute("%load_ext jupyter_shard").ok
+    run = second.execute("%dist_attach")
+    assert run.ok, run.error_text()
+    assert "rank 0-1 still run a background cell" in run.stream()
+    done = second.execute("%dist_wait")
+    assert done.ok, done.error_text()
+    assert done.data("execute_result")[0]["text/plain"] == "[rank 0] 100\n[rank 1] 101"
+    ticks = [m for _, m in second.messages if m["msg_type"] == "stream" and "tick 39" in m["content"]["text"]]
+    assert ticks, "the background cell's output did not reach the new kernel"
+    run = second.execute("%%distributed\nprint('after', i)")
+    assert sorted(line for line in run.stream().splitlines() if line.startswith("[rank")) == [
+        "[rank 0] after 39",
+        "[rank 1] after 39",
+    ]

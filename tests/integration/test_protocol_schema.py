@@ -21,7 +21,7 @@ from jupyter_shard import DistributedError, Pool
 from jupyter_shard.env import CHECK_PROTOCOL_VAR as CHECK_ENV
 from jupyter_shard.pool import debugging
 from jupyter_shard.pool.output import ConsoleSink
-from jupyter_shard.wire.messages import MSG_TYPES, DebugSetup, check_body
+from jupyter_shard.wire.messages import HISTORY, MSG_TYPES, DebugSetup, check_body
 from jupyter_shard.wire.protocol import KERNEL
 
 pytestmark = pytest.mark.timeout(150)
@@ -80,6 +80,7 @@ def _drive(pool: Pool, tmp_path: Path) -> None:
     assert pool.pull("x", rank=1) == 42
     assert set(pool.stacks()) == {0, 1}
     assert len(pool.status()) == 2
+    assert set(pool.connection.request(*HISTORY({}), list(pool.ranks), timeout=5.0)) == {0, 1}  # an attach
     time.sleep(1.2)  # a heartbeat from each rank's I/O thread
     with pytest.raises(DistributedError):
         pool.run(DESYNC)  # rank 1 closes its group (release) so rank 0's all_reduce fails
