@@ -1,0 +1,252 @@
+"""Keeping a pool's state: attaching to a kept pool at 2, 4 and 8 ranks; what a kept pool costs while
+no kernel holds it; suspending a 1.3 GB model at 2 ranks and resuming it at 2 and at 4, against
+starting a pool and building and preparing the model again (which loses the training state).
+
+Attach: a driving process starts a pool with ``keep``, gives it state and is killed with SIGKILL; this
+process then attaches (``jupyter_shard.attach``) and lets go again, ``--repeats`` times; the time is
+the call's, median over repeats. Cost while kept: each rank's CPU time over ``--idle`` seconds and its
+resident memory, with no kernel attached and then held (idle) by this process. Suspend and resume:
+fsdp on CPU ranks, ``--depth`` blocks of Linear(``--width``) with AdamW after one step; each phase
+timed once (the model is large), the suspend's bytes on disk from the directory. Writes
+``benchmarks/results/keep.md``. Run: ``.venv/bin/python -m benchmarks.keep [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks.common import RESULTS, LoadWatch, cpu, format_loads, git_revision, target_table, write_section
+
+ATTACH_TARGET = 1.0  # seconds: attaching to a kept pool takes under a second
+
+DRIVER = """
+import json, os, signal, sys
+from jupyter_shard import Pool
+pool = Pool(nproc=int(sys.argv[1]), device="cpu", strategy="ddp", keep=600)
+pool.start()
+pool.run("import torch\\nstate = torch.ones(1000)")
+print(json.dumps([r.handle.pid for r in pool.ranks]), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+MODEL = """
+import time, torch, torch.nn as nn
+t0 = time.perf_counter()
+torch.manual_seed(0)
+net = nn.Sequential(*[nn.Linear({width}, {width}) for _ in range({depth})])
+model, opt = shard.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-4))
+built = time.perf_counter() - t0
+"""
+STEP = """
+x = torch.randn(4, {width}, generator=torch.Generator().manual_seed(shard.rank))
+loss = model(x).pow(2).mean()
+shard.backward(loss)
+shard.step()
+loss = loss.item()
+"""
+
+
+def _sink() -> Any:
+    from jupyter_shard.pool.output import ConsoleSink
+
+    return ConsoleSink(io.StringIO(), io.StringIO())
+
+
+def attach_times(nproc: int, repeats: int, idle: float) -> dict[str, Any]:
+    """Attach to a pool whose kernel was killed, ``repeats`` times; and its cost while kept."""
+    from jupyter_shard.pool.keep import attach, kept_pools, stop
+
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(nproc)], capture_output=True, text=True, timeout=300
+    )
+    pids = json.loads(done.stdout.strip().splitlines()[-1])
+    time.sleep(0.5)
+    kept = _cost(pids, idle)
+    times = []
+    pool = None
+    for _ in range(repeats):
+        began = time.perf_counter()
+        pool = attach()
+        times.append(time.perf_counter() - began)
+        assert pool.run("int(state.sum())").value == {"text/plain": "1000"}
+        pool.release()
+        time.sleep(0.3)
+    pool = attach()
+    held = _cost(pids, idle)
+    pool.release()
+    for p in kept_pools():
+        stop(p.id, force=True)
+    return {"times": times, "kept": kept, "held": held}
+
+
+def _cost(pids: list[int], seconds: float) -> dict[str, float]:
+    """Mean CPU % per rank over ``seconds``, and the mean resident memory per rank (MiB)."""
+    procs = [psutil.Process(pid) for pid in pids]
+    before = [sum(p.cpu_times()[:2]) for p in procs]
+    time.sleep(seconds)
+    after = [sum(p.cpu_times()[:2]) for p in procs]
+    cpu_pct = statistics.mean((a - b) / seconds * 100 for a, b in zip(after, before, strict=True))
+    rss = statistics.mean(p.memory_info().rss for p in procs) / 2**20
+    return {"cpu": cpu_pct, "rss": rss}
+
+
+def suspend_resume(width: int, depth: int, work: Path) -> dict[str, float]:
+    from jupyter_shard import Pool
+    from jupyter_shard.pool.suspend import resume, suspend
+    from jupyter_shard.spec import LaunchSpec
+
+    spec = LaunchSpec.create(nproc=2, device="cpu", strategy="fsdp")
+    out: dict[str, float] = {"model_bytes": depth * (width * width + width) * 4.0}
+    directory = work / "suspended"
+    pool = Pool(spec=spec, sink=_sink())
+    began = time.perf_counter()
+    pool.start()
+    pool.run(MODEL.format(width=width, depth=depth), timeout=1800)
+    out["start_build_prepare"] = time.perf_counter() - began
+    pool.run(STEP.format(width=width), timeout=1800)
+    loss_before = float(pool.pull("loss"))
+    began = time.perf_counter()
+    report = suspend(pool, directory)
+    out["suspend"] = time.perf_counter() - began
+    out["disk_bytes"] = float(report.bytes)
+    for nproc in (2, 4):
+        began = time.perf_counter()
+        resumed, _ = resume(directory, {"nproc": nproc})
+        out[f"resume_{nproc}"] = time.perf_counter() - began
+        resumed.run(STEP.format(width=width), timeout=1800)
+        out[f"loss_after_resume_{nproc}"] = float(resumed.pull("loss"))
+        resumed.shutdown()
+    out["loss_before"] = loss_before
+    shutil.rmtree(directory, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--repeats", type=int, default=5, help="attaches per world size")
+    parser.add_argument(
+        "--idle", type=float, default=10.0, help="seconds the cost while kept is measured over"
+    )
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--depth", type=int, default=19, help="19 × 4096² fp32: 1.28 GB")
+    parser.add_argument("--sizes", default="2,4,8", help="world sizes to attach at")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 ranks, a 34 MB model")
+    parser.add_argument(
+        "--results", default=str(RESULTS / "keep.md"), help="markdown file to write; - only prints"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.idle, args.width, args.depth, args.sizes = 2, 2.0, 1024, 8, "2"
+    sizes = [int(n) for n in args.sizes.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="jskeep-"))
+    old_runtime = os.environ.get("JUPYTER_SHARD_RUNTIME_DIR")
+    os.environ["JUPYTER_SHARD_RUNTIME_DIR"] = str(work)  # this run's kept pools only
+    attaches: dict[int, dict[str, Any]] = {}
+    try:
+        with LoadWatch() as watch:
+            for n in sizes:
+                print(f"attach at {n} ranks ...", flush=True)
+                attaches[n] = attach_times(n, args.repeats, args.idle)
+            print("suspend and resume ...", flush=True)
+            sr = suspend_resume(args.width, args.depth, work)
+    finally:
+        if old_runtime is None:
+            os.environ.pop("JUPYTER_SHARD_RUNTIME_DIR", None)
+        else:
+            os.environ["JUPYTER_SHARD_RUNTIME_DIR"] = old_runtime
+        shutil.rmtree(work, ignore_errors=True)
+    write_section("\n".join(_report(attaches, sr, args, watch)) + "\n", args.results)
+    return 0
+
+
+def _report(
+    attaches: dict[int, dict[str, Any]], sr: dict[str, float], args: argparse.Namespace, watch: LoadWatch
+) -> list[str]:
+    import torch
+
+    loads = f"{format_loads(watch.before)} / {format_loads(watch.after)}"
+    lines = [
+        "# Keeping a pool's state: attach, the cost of a kept pool, suspend and resume",
+        "",
+        "Produced by `.venv/bin/python -m benchmarks.keep"
+        + (" --quick" if args.quick else "")
+        + "`; how to read it: "
+        "`benchmarks/README.md`.",
+        "",
+        f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; whole run {watch.seconds:.0f} s; "
+        f"revision {git_revision()}",
+        f"- CPU: {cpu()}; {platform.platform()}",
+        f"- Python {platform.python_version()}; torch {torch.__version__}",
+        f"- Load average (1, 5, 15 min) before / after: {loads}; other benchmarks or test runs seen: "
+        f"{', '.join(sorted(watch.others)) or 'none'}",
+        "",
+        "## Attaching to a kept pool",
+        "",
+        "A pool (ddp, CPU ranks) kept by a process killed with SIGKILL; `jupyter_shard.attach()` from "
+        f"another process, {args.repeats} times per world size (letting go in between); median and range "
+        f"of the call. The cost of the kept pool: each rank's CPU time over {args.idle:g} s and its resident "
+        "memory, mean over ranks, with no kernel attached and then attached and idle.",
+        "",
+        "| ranks | attach, median (s) | range (s) | CPU per rank, kept (%) | CPU per rank, attached idle (%) "
+        "| RSS per rank (MiB) |",
+        "|---:|---:|---|---:|---:|---:|",
+    ]
+    targets: list[tuple[str, str, bool | None]] = []
+    for n, a in attaches.items():
+        t = a["times"]
+        median = statistics.median(t)
+        lines.append(
+            f"| {n} | {median:.3f} | {min(t):.3f}–{max(t):.3f} | {a['kept']['cpu']:.2f} "
+            f"| {a['held']['cpu']:.2f} | {a['kept']['rss']:.0f} |"
+        )
+        targets.append(
+            (
+                f"attach to a kept pool of {n} CPU ranks in under {ATTACH_TARGET:g} s",
+                f"{median:.3f} s",
+                median < ATTACH_TARGET,
+            )
+        )
+    m = sr["model_bytes"]
+    lines += [
+        "",
+        "## Suspend and resume",
+        "",
+        f"fsdp, {args.depth} × Linear({args.width}, {args.width}) = {m / 1e9:.2f} GB of fp32 parameters, "
+        "AdamW after one step (its state twice the parameters); each phase once. The baseline is what a "
+        "restart without a suspend costs: a fresh pool of 2 ranks that builds and prepares the model "
+        "(the training state is then lost). A resume includes starting its pool.",
+        "",
+        "| | seconds | on disk (GB) |",
+        "|---|---:|---:|",
+        f"| start a pool of 2, build and prepare the model (baseline) | {sr['start_build_prepare']:.1f} | |",
+        f"| `%dist_suspend` at 2 ranks (ranks end) | {sr['suspend']:.1f} | {sr['disk_bytes'] / 1e9:.2f} |",
+        f"| `%dist_resume` at 2 ranks | {sr['resume_2']:.1f} | |",
+        f"| `%dist_resume --nproc 4` (resharded) | {sr['resume_4']:.1f} | |",
+        "",
+        f"The step before the suspend had loss {sr['loss_before']:.6f}; the first step after resuming at 2 "
+        f"and 4 ranks: {sr['loss_after_resume_2']:.6f} and {sr['loss_after_resume_4']:.6f} (each rank's own "
+        "batch at 2; rank 0's namespace at 4).",
+        "",
+        "### Targets",
+        "",
+        *target_table(targets),
+    ]
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
