@@ -41,7 +41,7 @@ KERNEL_RECEIVES = {
     "debug_response",
     "debug_event",
 }
-RANK_IO_SERVES = {"stacks", "status", "signal", "abort"}
+RANK_IO_SERVES = {"stacks", "status", "signal", "abort", "history"}
 
 
 def _done(**changes: Any) -> dict[str, Any]:
