@@ -1,5 +1,6 @@
-"""Files the kernel writes for the user (metrics CSV, strategy configs, exported scripts) appear whole
-or not at all, with the mode a plain ``open()`` would have given them (the file replaced keeps its own)."""
+"""Files appear whole or not at all: those the kernel writes for the user (metrics CSV, strategy configs,
+exported scripts) with the mode a plain ``open()`` would have given them (the file replaced keeps its
+own), and private ones (a kept pool's record, which holds its key; the parts of a suspend) as 0600."""
 
 from __future__ import annotations
 
@@ -23,6 +24,22 @@ def write_atomic(path: str | os.PathLike[str], content: str | Callable[[TextIO],
                 content(fh)
             fh.flush()
             os.fchmod(fh.fileno(), _mode_for(target))  # mkstemp made it 0600
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def write_private(path: str | os.PathLike[str], data: bytes | str) -> Path:
+    """Write ``data`` readable by this user only (0600), synced, renamed into place when whole."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
+            fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, target)
     except BaseException:

@@ -28,6 +28,7 @@ from typing import Any
 
 import psutil
 
+from jupyter_shard._util.atomic import write_private
 from jupyter_shard.errors import PoolError, SpecError
 from jupyter_shard.launchers.local import AdoptedRank
 from jupyter_shard.pool.lifecycle import DIR_PREFIX, KEPT_RECORD, runtime_root
@@ -233,7 +234,7 @@ def _take_over(kept: KeptPool, owner: int) -> None:
     """Ask the owning kernel to let go (it reads the record), and wait until it has."""
     path = kept.directory / KEPT_RECORD
     data = dict(kept.record, take_over=[os.getpid(), _started(os.getpid())])
-    _write(path, data)
+    write_private(path, json.dumps(data))
     deadline = time.monotonic() + RELEASE_WAIT
     while time.monotonic() < deadline:
         current = json.loads(path.read_text())
@@ -308,11 +309,3 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:
         return time.time()
-
-
-def _write(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(data, fh)
-    tmp.replace(path)

@@ -28,6 +28,7 @@ from pathlib import Path
 import psutil
 import zmq
 
+from jupyter_shard._util.atomic import write_private
 from jupyter_shard._util.net import free_port
 from jupyter_shard.env import LOG_DIR_VAR, RUNTIME_DIR_VAR, START_TIMEOUT_VAR
 from jupyter_shard.errors import PoolError
@@ -303,7 +304,7 @@ class Lifecycle:
             "spec": base64.b64encode(pickle.dumps(spec)).decode(),
             "ranks": [_rank_entry(r) for r in self.ranks],
         }
-        _write_private(path, json.dumps(record))
+        write_private(path, json.dumps(record))
         if let_go is not None:
             threading.Thread(target=_watch_take_over, args=(path, let_go), daemon=True).start()
         return path
@@ -360,17 +361,6 @@ def _tail(path: Path, limit: int = 4000) -> str:
     return data.decode(errors="replace").strip() or "(the log is empty)"
 
 
-def _write_private(path: Path, text: str) -> None:
-    """Write ``path`` (0600) atomically."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.replace(path)
-
-
 def _rank_entry(r: RankRecord) -> dict[str, object]:
     """One rank in a kept pool's record: enough to attach to it by pid and start time."""
     pid = r.handle.pid
@@ -399,5 +389,5 @@ def _watch_take_over(path: Path, let_go: Callable[[str], bool]) -> None:
         asked = bool(taker) and taker[0] != me and _start_time(int(taker[0])) == taker[1]
         if asked and let_go(f"kernel pid {taker[0]}"):
             data["owner"], data["orphaned_at"] = None, time.time()
-            _write_private(path, json.dumps(data))
+            write_private(path, json.dumps(data))
             return

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jupyter_shard._util.atomic import write_private
 from jupyter_shard.errors import PoolError
 from jupyter_shard.launchers import merge_spec
 from jupyter_shard.pool.pool import Pool
@@ -120,8 +121,8 @@ def suspend(pool: Pool, directory: str | os.PathLike[str] = DEFAULT_DIRECTORY) -
             "ranks": {str(rank): reports[rank] for rank in sorted(reports)},
             "history": pool.history.records(),
         }
-        _write(tmp / SPEC_FILE, pickle.dumps(pool.spec))
-        _write(tmp / MANIFEST, json.dumps(manifest, indent=1, default=str).encode())
+        write_private(tmp / SPEC_FILE, pickle.dumps(pool.spec))
+        write_private(tmp / MANIFEST, json.dumps(manifest, indent=1, default=str).encode())
         _swap(tmp, final)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -248,13 +249,6 @@ def _swap(tmp: Path, final: Path) -> None:
     tmp.rename(final)
     _fsync_directory(final.parent)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _fsync_directory(path: Path) -> None:

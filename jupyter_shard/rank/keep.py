@@ -26,6 +26,8 @@ from pathlib import Path
 
 import zmq
 
+from jupyter_shard._util.atomic import write_private
+
 __all__ = ["LEASE", "Lease", "set_lease", "watch_owner"]
 
 POLL = 0.25  # seconds between looks at the lifeline and the connection
@@ -103,11 +105,7 @@ def _kernel_went(rank: int) -> None:
     try:
         data = json.loads(record.read_text())
         data["orphaned_at"], data["owner"] = time.time(), None
-        tmp = record.with_name(record.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh)
-        tmp.replace(record)
+        write_private(record, json.dumps(data))
     except (OSError, ValueError) as exc:
         print(f"jupyter_shard: could not note the kernel's end in {record}: {exc}", file=sys.__stderr__)
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib
 import io
-import os
 import pickle
 import random
 import re
@@ -39,6 +38,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from jupyter_shard._util.atomic import write_private
 from jupyter_shard.rank import shard as shard_module
 from jupyter_shard.rank.recipe import Recipe
 
@@ -324,11 +324,9 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def _write(path: Path, data: bytes) -> None:
-    """Write and fsync: the pool renames the directory into place only after every rank returned."""
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    """Each part is whole once written; the pool renames the directory into place only after every
+    rank returned."""
+    write_private(path, data)
 
 
 def _line(exc: BaseException) -> str:

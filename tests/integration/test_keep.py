@@ -17,10 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from jupyter_shard.env import RUNTIME_DIR_VAR
+from tests.faults.conftest import alive
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -68,17 +68,6 @@ def _rank_pids(run: Any) -> list[int]:
     return sorted(int(p) for p in re.findall(r"\] pid (\d+)", run.stream()))
 
 
-def _alive(pids: list[int]) -> list[int]:
-    living = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                living.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return living
-
-
 def _kept(kernel: Any) -> list[int]:
     assert kernel.execute("%load_ext jupyter_shard").ok
     run = kernel.execute(SETUP)
@@ -102,7 +91,7 @@ def test_a_kept_pool_outlives_a_killed_kernel_and_another_kernel_attaches(
     pids = _kept(first)
     os.kill(first.pid, signal.SIGKILL)
     time.sleep(1.5)
-    assert _alive(pids) == pids  # the ranks live on
+    assert alive(pids) == pids  # the ranks live on
 
     second = kernel_factory()
     assert second.execute("%load_ext jupyter_shard").ok
@@ -127,7 +116,7 @@ def test_a_restarted_kernel_attaches_to_the_pool_it_kept(runtime: Path, kernel_f
     pids = _kept(kernel)
     kernel.km.restart_kernel(now=False)
     kernel.kc.wait_for_ready(timeout=60)
-    assert _alive(pids) == pids
+    assert alive(pids) == pids
     assert kernel.execute("%load_ext jupyter_shard").ok
     assert kernel.execute("%dist_attach").ok
     _check(kernel)
@@ -163,9 +152,9 @@ def test_the_terminal_lists_and_stops_kept_pools(runtime: Path, kernel_factory: 
     done = _cli("stop", runtime, pool_id, "--force")
     assert done.returncode == 0 and f"stopped kept pool {pool_id}" in done.stdout
     deadline = time.monotonic() + 5
-    while _alive(pids) and time.monotonic() < deadline:
+    while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _alive(pids) == [] and not list(runtime.glob("jupyter_shard-*"))
+    assert alive(pids) == [] and not list(runtime.glob("jupyter_shard-*"))
     assert "no kept pools" in _cli("pools", runtime).stdout
 
 

@@ -118,3 +118,16 @@ def test_a_replaced_file_keeps_its_own_mode(tmp_path: Path) -> None:
     target.chmod(0o600)
     write_atomic(target, '{"a": 1}')
     assert stat.S_IMODE(target.stat().st_mode) == 0o600 and target.read_text() == '{"a": 1}'
+
+
+def test_private_files_are_0600_whole_and_leave_no_temporary(tmp_path: Path) -> None:
+    from jupyter_shard._util.atomic import write_private
+
+    target = tmp_path / "kept.json"
+    target.write_text("old")
+    target.chmod(0o644)
+    write_private(target, '{"key": "00"}')
+    assert target.read_text() == '{"key": "00"}' and oct(target.stat().st_mode & 0o777) == "0o600"
+    write_private(tmp_path / "part.pkl", b"\x00\x01")
+    assert (tmp_path / "part.pkl").read_bytes() == b"\x00\x01"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.json", "part.pkl"]
