@@ -70,6 +70,7 @@ BENCHMARKS = (
     Benchmark("frameworks", "A Lightning Trainer against the same script under torchrun", quick=("--quick",)),
     Benchmark("bigmodel", "Peak memory per rank of a 1.5 GB model, sharded initialisation or not"),
     Benchmark("transfer", "Moving values: push and pull against ipyparallel and memcpy"),
+    Benchmark("dry_run", "Dry run: predicted against measured peak per rank (CPU pools)"),
     Benchmark(
         "gpu_check",
         "One GPU: a training step against torchrun, cold start, warm restart, the GPU tests",

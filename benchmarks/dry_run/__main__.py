@@ -10,8 +10,10 @@ tensors, which counts every tensor storage allocated or written during the steps
 optimizer and batch registered before them. The measured figure is the largest peak over the ranks.
 
 Also times the dry run of a 7B GPT at world size 8 (all strategies). Writes
-``benchmarks/dry_run/RESULTS.md`` (``--results -`` only prints).
-Run: ``.venv/bin/python -m benchmarks.dry_run [--world-sizes 2 4] [--skip-7b]``.
+``benchmarks/results/dry_run.md`` (``--results PATH`` elsewhere, ``-`` only prints), the section
+``python -m benchmarks.run_all`` assembles into ``benchmarks/RESULTS.md``.
+Run: ``.venv/bin/python -m benchmarks.dry_run [--world-sizes 2 4] [--skip-7b] [--quick]``
+(``--quick``: world size 2 only, no 7B).
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.common import LoadWatch, load_average, target_table, write_section
+from benchmarks.common import RESULTS, LoadWatch, cpu, load_average, target_table, write_section
 from benchmarks.dry_run.models import CASES, Case, gpt_7b, parameter_count
 from jupyter_shard.planner.dry_run import STRATEGIES, dry_run
 
 TOLERANCE = 0.10
-RESULTS_FILE = Path(__file__).with_name("RESULTS.md")
+RESULTS_FILE = RESULTS / "dry_run.md"
 POOLS = {"ddp": ["ddp"], "fsdp": ["fsdp FULL_SHARD", "fsdp SHARD_GRAD_OP"], "deepspeed": ["deepspeed ZeRO-3"]}
 
 MEASURE = """
@@ -129,8 +131,8 @@ def report(
     lines = [
         "# Dry run: predicted against measured peak per rank",
         "",
-        f"{stamp}: {platform.platform()}, Python {platform.python_version()}; load average (1 min) before "
-        f"{before}, during the run {load}; whole run {whole:.0f} s.",
+        f"{stamp}: {platform.platform()}, {cpu()}, Python {platform.python_version()}; load average "
+        f"(1 min) before {before}, during the run {load}; whole run {whole:.0f} s.",
         "",
         'Predicted: `jupyter_shard.planner.dry_run(build, batch, world_size, device="cpu")`, peak bytes of '
         "rank 0 over two steps (forward, mean of the output, backward, AdamW; ZeRO-3 is modelled, not "
@@ -175,8 +177,11 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--strategies", nargs="+", default=list(POOLS), choices=list(POOLS))
     parser.add_argument("--skip-7b", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: world size 2, no 7B")
     parser.add_argument("--results", default=str(RESULTS_FILE), help="'-' prints only")
     args = parser.parse_args()
+    if args.quick:
+        args.world_sizes, args.skip_7b = [2], True
     start, before = time.perf_counter(), load_average()
     rows: list[tuple[str, int, str, int, int]] = []
     seconds: dict[int, float] = {}

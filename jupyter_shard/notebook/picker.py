@@ -25,6 +25,8 @@ from IPython.display import clear_output, display
 
 from jupyter_shard._util.atomic import write_atomic
 from jupyter_shard.notebook.picker_chart import memory_figure
+from jupyter_shard.notebook.picker_dry_run import plan_line, wants_dry_run
+from jupyter_shard.notebook.picker_dry_run_view import DryRunPicker
 from jupyter_shard.planner import estimate as est
 from jupyter_shard.planner.choice import (
     DEFAULT_CONFIG,
@@ -45,7 +47,7 @@ from jupyter_shard.spec import Device, Offload, Precision, SpecError, visible_gp
 if TYPE_CHECKING:
     from jupyter_shard.pool.pool import Pool
 
-__all__ = ["Picker", "picker"]
+__all__ = ["DryRunPicker", "Picker", "picker"]
 
 PLAN_FIELDS = ("strategy", "zero_stage", "sharding", "offload")
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
@@ -54,8 +56,14 @@ DEFAULT_NVME = "/local_nvme"
 
 def picker(
     arg: str, namespace: Mapping[str, Any], pool: Pool | None, set_default: Callable[[str], None]
-) -> Picker:
-    """The form for ``%dist_picker ARG``; a bad ``ARG`` is one :class:`SpecError` line."""
+) -> Picker | DryRunPicker:
+    """The form for ``%dist_picker ARG``; a bad ``ARG`` is one :class:`SpecError` line.
+
+    A line with options (``MODEL --batch EXPR ...``) dry-runs the user's model and batch instead of
+    counting bytes by formula (:mod:`jupyter_shard.notebook.picker_dry_run`)."""
+    if wants_dry_run(arg):
+        deepspeed = importlib.util.find_spec("deepspeed") is not None
+        return DryRunPicker(plan_line(arg, namespace, pool, deepspeed=deepspeed), set_default)
     return Picker(model_info(arg, namespace), set_default, pool=pool)
 
 

@@ -41,7 +41,7 @@ STRATEGIES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
 _ALIASES = {"fsdp": ("fsdp FULL_SHARD", "fsdp SHARD_GRAD_OP"), "deepspeed": ("deepspeed ZeRO-3",)}
 MAX_WORLD = 1 << 16
 MAX_BATCH = 1 << 24
-RESULTS = "benchmarks/dry_run/RESULTS.md"
+RESULTS = "benchmarks/results/dry_run.md"
 TRACED = (
     "traced: training steps under fake tensors and a fake process group (on CPU, with gloo's copy of "
     "each reduce-scatter input); against real 2- and 4-rank CPU pools (an MLP, a small GPT, a large "
