@@ -71,6 +71,7 @@ BENCHMARKS = (
     Benchmark("bigmodel", "Peak memory per rank of a 1.5 GB model, sharded initialisation or not"),
     Benchmark("transfer", "Moving values: push and pull against ipyparallel and memcpy"),
     Benchmark("dry_run", "Dry run: predicted against measured peak per rank (CPU pools)"),
+    Benchmark("keep", "Keeping a pool's state: attach, the cost of a kept pool, suspend and resume"),
     Benchmark(
         "gpu_check",
         "One GPU: a training step against torchrun, cold start, warm restart, the GPU tests",

@@ -231,7 +231,8 @@ class DistributedMagics(Magics):
 
     @line_magic
     def dist_picker(self, line: str) -> Any:
-        """Strategy picker: %dist_picker [MODEL_VARIABLE | PARAMETER_COUNT like 1.3B]"""
+        """Strategy picker: %dist_picker [MODEL | 1.3B], or a dry run of the model and a batch:
+        %dist_picker MODEL --batch EXPR [--world-size N] [--device cuda] [--gpu NAME] [--find-batch]"""
         from jupyter_shard.notebook.picker import picker
 
         def set_default(options: str) -> None:
