@@ -27,8 +27,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from jupyter_shard.errors import SpecError
 
-#: a model below this many parameters stays one FSDP unit, as the real fsdp strategy does
-SPLIT_ABOVE = 1 << 20
 #: steps run: the second one holds optimizer state through forward and backward, the steady state
 STEPS = 2
 _CPU = torch.device("cpu")
@@ -154,44 +152,11 @@ def batch_tensors(batch: object) -> list[torch.Tensor]:
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
-    """The submodules the fsdp strategy shards on their own, children before parents (its rule,
-    repeated here because the planner must not import the strategies): one unit per repeated block
-    that together hold a third of the parameters, and one per other module at least as large as an
-    average block; a model under :data:`SPLIT_ABOVE` parameters stays one unit."""
-    total = sum(p.numel() for p in model.parameters())
-    if total < SPLIT_ABOVE:
-        return []
-    named = [(n, m) for n, m in model.named_modules() if n]
-    blocks: list[nn.Module] = []
-    for instances in _outermost_by_class(named).values():
-        covered = sum(p.numel() for m in instances for p in m.parameters())
-        if len(instances) >= 2 and 3 * covered >= total and (not blocks or len(instances) < len(blocks)):
-            blocks = instances
-    chosen = {id(m) for m in blocks}
-    claimed = {id(p) for m in blocks for p in m.parameters()}
-    in_blocks = sum(p.numel() for m in blocks for p in m.parameters())
-    threshold = in_blocks // len(blocks) if blocks else total // 8
-    targets: list[nn.Module] = []
-    for _, module in reversed(named):
-        if id(module) in chosen:
-            targets.append(module)
-            continue
-        free = [p for p in module.parameters() if id(p) not in claimed]
-        if free and sum(p.numel() for p in free) >= threshold:
-            targets.append(module)
-            claimed.update(id(p) for p in free)
-    return targets
+    """The submodules the fsdp strategy shards on their own, children before parents: its own rule
+    (:func:`jupyter_shard.strategies.fsdp.default_units`), so that a plan wraps what a pool would."""
+    from jupyter_shard.strategies.fsdp import default_units as fsdp_units
 
-
-def _outermost_by_class(named: list[tuple[str, nn.Module]]) -> dict[str, list[nn.Module]]:
-    found: dict[str, list[tuple[str, nn.Module]]] = {}
-    for name, module in named:
-        if not any(True for _ in module.parameters()):
-            continue
-        seen = found.setdefault(type(module).__name__, [])
-        if not any(name.startswith(outer + ".") for outer, _ in seen):
-            seen.append((name, module))
-    return {kind: [m for _, m in pairs] for kind, pairs in found.items()}
+    return fsdp_units(model)
 
 
 def largest_unit(model: nn.Module, units: list[nn.Module]) -> tuple[str, int]:

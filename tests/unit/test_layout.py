@@ -28,7 +28,12 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     _P + "wire": (_P + "env", _P + "errors"),
     _P + "transfer": (_P + "wire", _P + "env", _P + "errors"),
     _P + "strategies": (_P + "errors", _P + "_util"),
-    _P + "planner": (_P + "spec", _P + "gpus", _P + "errors"),
+    _P + "planner": (
+        _P + "spec",
+        _P + "gpus",
+        _P + "errors",
+        _P + "strategies",
+    ),  # a dry run wraps as they do
     _P + "launchers": (*ROOT, _P + "_util"),
     # the fork server preloads the rank runtime in the process ranks are forked from
     _P + "launchers.zygote.server": (*ROOT, _P + "_util", _P + "launchers", _P + "rank"),
