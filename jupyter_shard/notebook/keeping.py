@@ -53,11 +53,9 @@ class KeepMagics(Magics):
         except SpecError as exc:
             raise UsageError(str(exc)) from None
         holder = self.holder
-        if holder.pool is not None and holder.pool.started:
-            print("jupyter_shard: stopping the running pool to resume; its rank state is lost", flush=True)
         pool = holder.pool if holder.pool is not None else holder.new_pool(LaunchSpec())
         try:
-            holder.pool, report = resume(directory or DEFAULT_DIRECTORY, changes, pool)
+            holder.pool, report = resume(directory or DEFAULT_DIRECTORY, changes, pool, _say)
         except SpecError as exc:
             raise UsageError(str(exc)) from None
         if seconds is not None:
@@ -80,11 +78,9 @@ class KeepMagics(Magics):
                 "%dist_attach [ID] [--take-over]: the id %dist_pools shows, or none for the only one"
             )
         holder = self.holder
-        if holder.pool is not None and holder.pool.started:
-            print("jupyter_shard: stopping this kernel's pool to attach; its rank state is lost", flush=True)
         began = time.monotonic()
         pool = holder.pool if holder.pool is not None else holder.new_pool(LaunchSpec())
-        holder.pool = attach(rest[0] if rest else None, take_over, pool)
+        holder.pool = attach(rest[0] if rest else None, take_over, pool, _say)
         print(
             f"jupyter_shard: attached to {pool.spec.describe()} in {time.monotonic() - began:.2f} s; "
             f"its ranks kept their state. Kept for {format_duration(pool.keep)} after this kernel ends"
@@ -96,3 +92,7 @@ class KeepMagics(Magics):
                 f"jupyter_shard: rank {ranks} still run a background cell ({run.gathering.code}): its "
                 "output follows here; %dist_wait waits for it, %dist_interrupt stops it"
             )
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)  # before the ranks' own output, as the pool's start line is

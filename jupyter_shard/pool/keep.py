@@ -22,6 +22,7 @@ import pickle
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,8 +169,15 @@ def pools_table(pools: list[KeptPool]) -> str:
     )
 
 
-def attach(pool_id: str | None = None, take_over: bool = False, pool: Pool | None = None) -> Pool:
-    """Make a kept pool this process's: its ranks, namespaces, prepared model and process group."""
+def attach(
+    pool_id: str | None = None,
+    take_over: bool = False,
+    pool: Pool | None = None,
+    say: Callable[[str], None] = lambda line: None,
+) -> Pool:
+    """Make a kept pool this process's: its ranks, namespaces, prepared model and process group.
+
+    ``pool``, if given, becomes it; if it runs, it is let go first (:func:`let_go`, told to ``say``)."""
     kept = find(pool_id)
     owner = kept.owner
     if owner == os.getpid():
@@ -183,7 +191,7 @@ def attach(pool_id: str | None = None, take_over: bool = False, pool: Pool | Non
         _take_over(kept, owner)
     record = kept.record
     if pool is not None and pool.started:
-        pool.shutdown()
+        let_go(pool, say)
     pool = pool or Pool(spec=kept.spec)
     pool.spec = kept.spec
     log_dir = Path(record["log_dir"]) if record.get("log_dir") else None
@@ -210,6 +218,18 @@ def attach(pool_id: str | None = None, take_over: bool = False, pool: Pool | Non
         pool.release()
         raise
     return pool
+
+
+def let_go(pool: Pool, say: Callable[[str], None]) -> None:
+    """Before this kernel's running pool is replaced: a kept one is released (it waits out its lease
+    for a kernel to attach), any other stopped, and ``say`` is told which."""
+    if pool.keep > 0:
+        described = pool.spec.describe()
+        say(f"jupyter_shard: letting go of this kernel's kept pool ({described}); %dist_pools lists it")
+        pool.release()
+    else:
+        say("jupyter_shard: stopping this kernel's pool; its rank state is lost")
+        pool.shutdown()
 
 
 def stop(pool_id: str, force: bool = False) -> str:

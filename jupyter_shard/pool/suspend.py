@@ -19,7 +19,7 @@ import os
 import pickle
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from typing import Any
 from jupyter_shard._util.atomic import write_private
 from jupyter_shard.errors import PoolError
 from jupyter_shard.launchers import merge_spec
+from jupyter_shard.pool.keep import let_go
 from jupyter_shard.pool.pool import Pool
 from jupyter_shard.pool.results import DistributedError
 from jupyter_shard.spec import LaunchSpec, format_ranks
@@ -149,9 +150,11 @@ def resume(
     directory: str | os.PathLike[str] = DEFAULT_DIRECTORY,
     changes: Mapping[str, object] | None = None,
     pool: Pool | None = None,
+    say: Callable[[str], None] = lambda line: None,
 ) -> tuple[Pool, Resumed]:
-    """Start a pool (``pool`` restarted, or a new one) from a suspend, with ``changes`` to its
-    options (``{"nproc": 4}``), and load every rank's state into it."""
+    """Start a pool (``pool``, or a new one) from a suspend, with ``changes`` to its options
+    (``{"nproc": 4}``), and load every rank's state into it. A running ``pool`` is let go first
+    (a kept one released, any other stopped; ``say`` is told which)."""
     root = _readable(Path(directory).expanduser().absolute())
     try:
         manifest = json.loads((root / MANIFEST).read_text())
@@ -167,9 +170,8 @@ def resume(
     if pool is None:
         pool = Pool(spec=spec)
     elif pool.started:
-        pool.restart(spec)
-    else:
-        pool.spec = spec
+        let_go(pool, say)
+    pool.spec = spec
     _restore_history(pool, manifest.get("history", []))
     try:
         pool.start()

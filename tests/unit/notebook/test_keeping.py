@@ -64,7 +64,7 @@ def test_attach_passes_the_id_and_take_over_and_refuses_other_words(
 ) -> None:
     asked: list[tuple[Any, ...]] = []
 
-    def attach(pool_id: str | None, take_over: bool, pool: Any) -> Any:
+    def attach(pool_id: str | None, take_over: bool, pool: Any, say: Any) -> Any:
         asked.append((pool_id, take_over))
         raise PoolError("no kept pool here")
 

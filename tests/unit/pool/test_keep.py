@@ -147,3 +147,30 @@ def test_this_kernels_own_pool_is_not_attached_again(runtime: Path, sleeper: Pop
     _record(runtime, "abcd1234", [sleeper.pid], owner=os.getpid())
     with pytest.raises(PoolError, match="pool abcd1234 is this kernel's already"):
         keep.attach()
+
+
+class _Running:
+    """A running pool as let_go sees it: its keep, its spec, and what was done to it."""
+
+    def __init__(self, keep_for: float) -> None:
+        self.keep = keep_for
+        self.spec = LaunchSpec.create(nproc=2, device="cpu", strategy="ddp")
+        self.done: list[str] = []
+
+    def release(self) -> None:
+        self.done.append("released")
+
+    def shutdown(self) -> None:
+        self.done.append("shut down")
+
+
+def test_a_replaced_pool_is_released_if_kept_and_stopped_otherwise() -> None:
+    said: list[str] = []
+    kept, plain = _Running(600.0), _Running(0.0)
+    keep.let_go(kept, said.append)  # type: ignore[arg-type]
+    keep.let_go(plain, said.append)  # type: ignore[arg-type]
+    assert kept.done == ["released"] and plain.done == ["shut down"]
+    assert said == [
+        "jupyter_shard: letting go of this kernel's kept pool (2 CPU ranks · ddp); %dist_pools lists it",
+        "jupyter_shard: stopping this kernel's pool; its rank state is lost",
+    ]
