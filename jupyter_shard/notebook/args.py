@@ -140,7 +140,7 @@ def distributed_parser() -> MagicParser:
     p.add_argument_group("keeping the ranks (no restart)").add_argument(
         "--keep",
         metavar="DURATION",
-        help="keep the ranks and their state 30m, 2h... after the kernel ends (%%dist_attach); 0: no",
+        help="keep the ranks and their state for 30m, 2h, 90s after the kernel ends (%%dist_attach); 0: no",
     )
     where = p.add_argument_group("where the ranks run")
     where.add_argument("--launcher", metavar="NAME", help="local (default), torchrun or slurm")

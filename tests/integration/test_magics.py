@@ -387,6 +387,7 @@ def test_help_documents_every_option_and_tab_completes_them(nb: Any) -> None:
         "--interface",
         "--bg",
         "--no-dashboard",
+        "--keep",
     ):
         assert option in doc, option
     assert "..." not in doc
