@@ -7,7 +7,9 @@ over the line and a ``--config`` JSON. The form shows every strategy's per-rank 
 not work, and produces the line (copy, insert as a cell, use as default) and the config file. A plan
 that fits only when the model is built under ``shard.init_module()`` says so, in the table and in
 the recommendation (:mod:`jupyter_shard.planner.sharded_init`); on GPUs older than Ampere the form
-chooses 16-mixed rather than bf16.
+chooses 16-mixed rather than bf16. Formulas leave activations out, so the form also takes a batch and
+runs the dry run of :mod:`jupyter_shard.notebook.picker_dry_run` on the model it was opened on, at the
+form's ranks and device, showing that picker's table below the form.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import html
 import importlib.util
 import json
+import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +28,7 @@ from IPython.display import clear_output, display
 
 from jupyter_shard._util.atomic import write_atomic
 from jupyter_shard.notebook.picker_chart import memory_figure
-from jupyter_shard.notebook.picker_dry_run import plan_line, wants_dry_run
+from jupyter_shard.notebook.picker_dry_run import GPUS, PRECISIONS, plan_line, wants_dry_run
 from jupyter_shard.notebook.picker_dry_run_view import DryRunPicker
 from jupyter_shard.planner import estimate as est
 from jupyter_shard.planner.choice import (
@@ -64,7 +67,9 @@ def picker(
     if wants_dry_run(arg):
         deepspeed = importlib.util.find_spec("deepspeed") is not None
         return DryRunPicker(plan_line(arg, namespace, pool, deepspeed=deepspeed), set_default)
-    return Picker(model_info(arg, namespace), set_default, pool=pool)
+    return Picker(
+        model_info(arg, namespace), set_default, pool=pool, model_expr=arg.strip(), namespace=namespace
+    )
 
 
 class Picker(widgets.VBox):  # type: ignore[misc]
@@ -79,8 +84,14 @@ class Picker(widgets.VBox):  # type: ignore[misc]
         memory: MemorySnapshot | None = None,
         gpu_count: int | None = None,
         deepspeed: bool | None = None,
+        model_expr: str = "",
+        namespace: Mapping[str, Any] | None = None,
     ) -> None:
         self.model = model
+        self.model_expr = model_expr
+        self.namespace: Mapping[str, Any] = namespace if namespace is not None else {}
+        self.pool = pool
+        self.dry_run: DryRunPicker | None = None  # the last dry run the form ran
         self.memory = memory if memory is not None else probe_memory(pool)
         self.gpu_count = visible_gpus() if gpu_count is None else gpu_count
         self.deepspeed = importlib.util.find_spec("deepspeed") is not None if deepspeed is None else deepspeed
@@ -165,6 +176,18 @@ class Picker(widgets.VBox):  # type: ignore[misc]
         self.buttons["insert"].on_click(lambda _: self.insert_cell())
         self.buttons["default"].on_click(lambda _: self.use_as_default())
         self.buttons["recommended"].on_click(lambda _: self.apply_recommendation())
+        self.dry_fields: dict[str, Any] = {
+            "batch": text(description="Batch", placeholder="torch.randn(8, 1024), one rank's", style=style),
+            "gpu": widgets.Dropdown(
+                options=[("free memory here", ""), *((name, name) for name in GPUS)],
+                description="Judge against",
+                style=style,
+            ),
+        }
+        self.buttons["dry_run"] = widgets.Button(description="Dry run", icon="play")
+        self.buttons["dry_run"].on_click(lambda _: self.run_dry_run())
+        self.outputs["dry_run"] = widgets.HTML()
+        self.dry_run_view = widgets.VBox()
         names = list(self.fields)
         left, right = [self.fields[n] for n in names[:5]], [self.fields[n] for n in names[5:]]
         out, buttons = self.outputs, self.buttons
@@ -178,6 +201,9 @@ class Picker(widgets.VBox):  # type: ignore[misc]
             self.text,
             widgets.HBox(row),
             out["done"],
+            widgets.HBox([*self.dry_fields.values(), self.buttons["dry_run"]]),
+            out["dry_run"],
+            self.dry_run_view,
         ]
 
     # -- following the fields --------------------------------------------------------------------
@@ -355,6 +381,54 @@ class Picker(widgets.VBox):  # type: ignore[misc]
 
     def _done(self, message: str) -> None:
         self.outputs["done"].value = f"<i>{html.escape(message)}</i>"
+
+    # -- the dry run ---------------------------------------------------------------------------
+
+    def dry_run_line(self) -> str:
+        """The ``%dist_picker`` line the form's dry run runs: its model, the batch field, and the form's
+        ranks, device and precision (16-mixed, which the dry run does not follow, plans in 32)."""
+        if not self.model_expr or not all(n.isidentifier() for n in self.model_expr.split(".")):
+            raise SpecError(
+                "%dist_picker: the dry run needs the model itself; open the form with `%dist_picker model` "
+                "on a variable holding it (or a function that builds it)"
+            )
+        batch = str(self.dry_fields["batch"].value).strip()
+        if not batch:
+            raise SpecError("%dist_picker: type a batch, such as torch.randn(8, 1024), to dry-run the model")
+        parts = [self.model_expr, "--batch", batch, "--world-size", str(self.fields["nproc"].value)]
+        device = str(self.fields["device"].value)
+        gpu = str(self.dry_fields["gpu"].value)
+        if gpu:
+            device = "cuda"
+            parts += ["--gpu", gpu]
+        parts += ["--device", device] if device != "auto" else []
+        precision = str(self.fields["precision"].value)
+        parts += ["--precision", precision] if precision in PRECISIONS else []
+        return shlex.join(parts)
+
+    def run_dry_run(self) -> DryRunPicker | None:
+        """Run the dry run for the form's fields and show its picker below the form (its table, its
+        recommended line to insert or use as default); a mistake is one line in the form."""
+        self.outputs["dry_run"].value = ""
+        try:
+            line = self.dry_run_line()
+            outcome = plan_line(
+                line,
+                self.namespace,
+                self.pool,
+                memory=self.memory,
+                gpu_count=self.gpu_count,
+                deepspeed=self.deepspeed,
+            )
+        except SpecError as exc:
+            self.dry_run = None
+            self.dry_run_view.children = ()
+            self.outputs["dry_run"].value = f"<i>{html.escape(str(exc))}</i>"
+            return None
+        self.dry_run = DryRunPicker(outcome, self._set_default)
+        self.dry_run_view.children = (self.dry_run,)
+        self.outputs["dry_run"].value = f"<i>Ran <code>%dist_picker {html.escape(line)}</code></i>"
+        return self.dry_run
 
 
 def _advice_html(recommendation: str, current: est.Estimate | None, free: FreeMemory | None) -> str:

@@ -6,7 +6,9 @@ activations out, so it cannot say whether a given batch fits. With ``--batch`` t
 the target world size, compares each strategy's traced peak per rank with the free memory of the pool's
 devices or of a named GPU, recommends the fastest plan that fits, and says for each faster plan that
 does not fit what would make it fit (more ranks, a smaller batch, checkpointing, offload), each with a
-predicted peak where one was computed. ``--find-batch`` searches the largest batch that fits.
+predicted peak where one was computed (offload's is its own traced plan, kept last in the order as
+the slowest). ``--find-batch`` searches the largest batch that fits; ``--precision bf16-mixed`` plans
+each strategy as it runs that precision, and the recommended line carries it.
 
 This module reads the line and judges each plan (:func:`plan_line`);
 :mod:`jupyter_shard.notebook.picker_inputs` reads the model, batch and step out of the kernel, and
@@ -32,7 +34,7 @@ from jupyter_shard.notebook.picker_inputs import (
 )
 from jupyter_shard.planner import estimate as est
 from jupyter_shard.planner.free_memory import MemorySnapshot, probe_memory
-from jupyter_shard.spec import Device, SpecError, visible_gpus
+from jupyter_shard.spec import Device, Offload, Precision, SpecError, visible_gpus
 
 if TYPE_CHECKING:
     from jupyter_shard.planner.dry_run import Plan
@@ -42,7 +44,7 @@ __all__ = ["GPUS", "ORDER", "DryRunArgs", "Outcome", "parse_line", "plan_line", 
 
 USAGE = (
     '%dist_picker MODEL --batch "torch.randn(8, 1024)" [--world-size N] [--device cuda|cpu] '
-    '[--gpu "H100 80GB"] [--strategy NAME] [--step FN] [--find-batch]'
+    '[--gpu "H100 80GB"] [--strategy NAME] [--step FN] [--precision 32|bf16-mixed] [--find-batch]'
 )
 MIB = 1 << 20
 #: what a CUDA context and the allocator's first pools take before any tensor: not usable by a plan
@@ -64,14 +66,32 @@ GPU_TOTAL_MIB: Mapping[str, int] = {
 #: usable bytes per device of each named GPU
 GPUS: Mapping[str, int] = {name: mib * MIB - CONTEXT for name, mib in GPU_TOTAL_MIB.items()}
 #: the dry run's plans, fastest first (as :func:`jupyter_shard.planner.estimate.plans` orders them)
-ORDER = ("ddp", "fsdp SHARD_GRAD_OP", "fsdp FULL_SHARD", "deepspeed ZeRO-3")
+ORDER = (
+    "ddp",
+    "fsdp SHARD_GRAD_OP",
+    "fsdp FULL_SHARD",
+    "deepspeed ZeRO-3",
+    "fsdp FULL_SHARD + offload",
+    "deepspeed ZeRO-3 + offload",
+)
 LINE_PLANS: Mapping[str, est.Plan] = {
     "ddp": est.Plan("ddp"),
     "fsdp SHARD_GRAD_OP": est.Plan("fsdp", sharding="SHARD_GRAD_OP"),
     "fsdp FULL_SHARD": est.Plan("fsdp"),
     "deepspeed ZeRO-3": est.Plan("deepspeed", 3),
+    "fsdp FULL_SHARD + offload": est.Plan("fsdp", offload=Offload.CPU),
+    "deepspeed ZeRO-3 + offload": est.Plan("deepspeed", 3, offload=Offload.CPU),
 }
+#: each plan that the offload suggestion applies to, and the offload plan the dry run traced for it
+OFFLOADED = {
+    "fsdp FULL_SHARD": "fsdp FULL_SHARD + offload",
+    "fsdp SHARD_GRAD_OP": "fsdp FULL_SHARD + offload",
+}
+OFFLOADED["deepspeed ZeRO-3"] = "deepspeed ZeRO-3 + offload"
 _STRATEGY_NAMES = (*ORDER, "fsdp", "deepspeed")
+#: the precisions a dry run follows (:data:`jupyter_shard.planner.dry_run.PRECISIONS`, kept here so
+#: that parsing the line does not import torch)
+PRECISIONS = (Precision.FP32.value, Precision.BF16_MIXED.value)
 
 
 def wants_dry_run(line: str) -> bool:
@@ -95,6 +115,7 @@ class DryRunArgs:
     strategy: str | None = None
     step: str | None = None
     find_batch: bool = False
+    precision: str = Precision.FP32.value
 
 
 def _parser() -> MagicParser:
@@ -107,6 +128,7 @@ def _parser() -> MagicParser:
     p.add_argument("--strategy")
     p.add_argument("--step")
     p.add_argument("--find-batch", dest="find_batch", action="store_true")
+    p.add_argument("--precision", choices=PRECISIONS, default=Precision.FP32.value)
     return p
 
 
@@ -134,7 +156,15 @@ def parse_line(line: str, pool: Pool | None = None, gpu_count: int | None = None
             f"%dist_picker: --strategy {opts.strategy!r} cannot be planned; choose one of: {choices}"
         )
     return DryRunArgs(
-        opts.model, opts.batch, world, Device(device), gpu, opts.strategy, opts.step, bool(opts.find_batch)
+        opts.model,
+        opts.batch,
+        world,
+        Device(device),
+        gpu,
+        opts.strategy,
+        opts.step,
+        bool(opts.find_batch),
+        opts.precision,
     )
 
 
@@ -202,7 +232,7 @@ def plan_line(
     step = resolve_step(args.step, namespace)
     shape = batch_shape(args.batch, namespace)
     strategies = [args.strategy] if args.strategy else None
-    plans = _run(model, shape.expression(), args.world_size, args.device, strategies, step)
+    plans = _run(model, shape.expression(), args.world_size, args.device, strategies, step, args.precision)
     free, source = _free(args, pool, memory)
     usable = int(est.HEADROOM * free) if free is not None else None
     names = [n for n in ORDER if n in plans]
@@ -212,7 +242,7 @@ def plan_line(
     recommended = fitting[0] if fitting else (candidates[0] if usable is None and candidates else None)
     # what would make each plan faster than the recommendation fit (every plan, when nothing fits)
     faster = names[: names.index(recommended)] if recommended in names else names
-    context = _Context(model, shape, args, step, usable, namespace)
+    context = _Context(model, shape, args, step, usable, namespace, plans)
     more_ranks = _more_ranks(context, [n for n in faster if n != "ddp"]) if usable is not None else {}
     verdicts = []
     for name in names:
@@ -229,14 +259,20 @@ def plan_line(
 
 
 def _run(
-    model: Any, batch: object, world: int, device: Device, strategies: list[str] | None, step: Any
+    model: Any,
+    batch: object,
+    world: int,
+    device: Device,
+    strategies: list[str] | None,
+    step: Any,
+    precision: str,
 ) -> dict[str, Plan]:
     from jupyter_shard.planner.dry_run import dry_run
 
     try:
         with warnings.catch_warnings():  # FSDP's warnings about the traced model's views are not the user's
             warnings.simplefilter("ignore")
-            return dry_run(model, batch, world, device.value, strategies, step)
+            return dry_run(model, batch, world, device.value, strategies, step, precision)
     except SpecError as exc:
         raise SpecError(f"%dist_picker: {exc}") from None
     except Exception as exc:  # torch's own failure while tracing: still one line, the kernel stays usable
@@ -266,6 +302,7 @@ class _Context:
     step: Any
     usable: int | None
     namespace: Mapping[str, Any]
+    plans: Mapping[str, Plan] = field(default_factory=dict)
 
 
 def _more_ranks(ctx: _Context, names: Sequence[str]) -> dict[str, Plan]:
@@ -275,7 +312,8 @@ def _more_ranks(ctx: _Context, names: Sequence[str]) -> dict[str, Plan]:
     world = ctx.args.world_size * 2
     if not names or world > MAX_WORLD:
         return {}
-    return _run(ctx.model, ctx.shape.expression(), world, ctx.args.device, list(names), ctx.step)
+    args = ctx.args
+    return _run(ctx.model, ctx.shape.expression(), world, args.device, list(names), ctx.step, args.precision)
 
 
 def _fixes(ctx: _Context, plan: Plan, doubled: Plan | None) -> tuple[Fix, ...]:
@@ -290,9 +328,9 @@ def _fixes(ctx: _Context, plan: Plan, doubled: Plan | None) -> tuple[Fix, ...]:
     if ctx.shape.size > 1:
         size = _find(ctx, plan.strategy)
         if size:
-            peak = _run(
-                ctx.model, ctx.shape.expression(size), world, ctx.args.device, [plan.strategy], ctx.step
-            )
+            args = ctx.args
+            batch = ctx.shape.expression(size)
+            peak = _run(ctx.model, batch, world, args.device, [plan.strategy], ctx.step, args.precision)
             fixes.append(Fix(f"a batch of {size} (the largest that fits)", peak[plan.strategy].peak_bytes))
         else:
             fixes.append(Fix("a smaller batch: not even a batch of 1 fits"))
@@ -307,7 +345,18 @@ def _fixes(ctx: _Context, plan: Plan, doubled: Plan | None) -> tuple[Fix, ...]:
                 traced=False,
             )
         )
-    elif plan.strategy != "ddp" and state:
+    elif plan.strategy in OFFLOADED and OFFLOADED[plan.strategy] in ctx.plans:
+        offloaded = ctx.plans[OFFLOADED[plan.strategy]]
+        verdict = "fits" if offloaded.peak_bytes <= ctx.usable else "still does not fit"
+        fixes.append(
+            Fix(
+                f"--offload cpu ({offloaded.strategy}, traced): keeps "
+                f"{est.format_bytes(offloaded.host_bytes)} of sharded parameters, gradients and optimizer "
+                f"state in host RAM, at the cost of a slower step: {verdict}",
+                offloaded.peak_bytes,
+            )
+        )
+    elif plan.strategy != "ddp" and "offload" not in plan.options and state:
         fixes.append(
             Fix(
                 f"--offload cpu (a suggestion, not traced): moves {est.format_bytes(state)} of parameters, "
@@ -328,8 +377,9 @@ def _find(ctx: _Context, name: str) -> int:
         return ctx.shape.expression(size)
 
     try:
+        args = ctx.args
         return find_batch(
-            ctx.model, make, ctx.args.world_size, ctx.usable, name, ctx.step, ctx.args.device.value
+            ctx.model, make, args.world_size, ctx.usable, name, ctx.step, args.device.value, args.precision
         )
     except SpecError as exc:
         raise SpecError(f"%dist_picker: {exc}") from None
@@ -402,5 +452,8 @@ def _largest_batch(ctx: _Context, out: Outcome, plans: Mapping[str, Plan]) -> tu
     size = _find(ctx, name)
     if not size:
         return name, 0, None
-    peak = _run(ctx.model, ctx.shape.expression(size), ctx.args.world_size, ctx.args.device, [name], ctx.step)
+    args = ctx.args
+    peak = _run(
+        ctx.model, ctx.shape.expression(size), args.world_size, args.device, [name], ctx.step, args.precision
+    )
     return name, size, peak[name].peak_bytes

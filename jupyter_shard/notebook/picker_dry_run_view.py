@@ -46,7 +46,7 @@ def _sources(out: Outcome) -> list[str]:
     """Each distinct source line once, numbered in the order the plans use them."""
     seen: list[str] = []
     for v in out.verdicts:
-        for key in (*COLUMNS, "peak_bytes", "host_bytes", "step", "device"):
+        for key in (*COLUMNS, "peak_bytes", "host_bytes", "step", "precision", "device"):
             text = v.plan.source.get(key)
             if text and text not in seen:
                 seen.append(text)
@@ -65,7 +65,8 @@ def _fix_lines(v: Verdict) -> list[str]:
 def _heading(out: Outcome) -> str:
     a = out.args
     where = f"{a.world_size} {'GPUs' if a.device.value == 'cuda' else 'CPU ranks'}"
-    return f"Dry run of {a.model} on batch {out.batch.expression()}, {where}"
+    mixed = "" if a.precision == Precision.FP32.value else f", {a.precision}"
+    return f"Dry run of {a.model} on batch {out.batch.expression()}, {where}{mixed}"
 
 
 def report(out: Outcome, line: str) -> str:
@@ -122,8 +123,9 @@ class DryRunPicker(widgets.VBox):  # type: ignore[misc]
             self.config = strategy_config(plan, (), NVME_PATH)
             self.config_file = f"{DEFAULT_CONFIG.get(plan.strategy, 'options')}.json" if self.config else ""
             config = self.config_file or None
-            # the dry run traced the model in its own dtype with fp32 AdamW: the line keeps that precision
-            self.line = distributed_line(plan, args.device, args.world_size, Precision.FP32, config)
+            # the line runs the precision the dry run traced (the model's own dtype, or bf16-mixed)
+            precision = Precision(args.precision)
+            self.line = distributed_line(plan, args.device, args.world_size, precision, config)
         self.report = report(outcome, self.line)
         self.done = widgets.HTML()
         self.buttons = {

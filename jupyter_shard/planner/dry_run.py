@@ -6,6 +6,8 @@ whether a run fits. :func:`dry_run` builds the model under fake tensors, prepare
 would at world size N over a fake process group, runs training steps and reports what one rank holds
 at its peak, with no GPU and no memory of the model's size. :func:`find_batch` searches the largest
 batch that fits. Both are for the picker and for code: ``jupyter_shard.planner.dry_run(...)``.
+Offload plans say what stays on the device and what the host holds, and ``precision="bf16-mixed"``
+plans each strategy as its ``--precision bf16-mixed`` runs, since both change what a rank must fit.
 
 The fake process group is the default group of this process for the length of a call; where a real
 group is already the default (inside a rank), the dry run runs in a forked child so as not to touch it.
@@ -36,9 +38,17 @@ STRATEGIES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
         "fsdp FULL_SHARD": MappingProxyType({"sharding": "FULL_SHARD"}),
         "fsdp SHARD_GRAD_OP": MappingProxyType({"sharding": "SHARD_GRAD_OP"}),
         "deepspeed ZeRO-3": MappingProxyType({"zero_stage": 3}),
+        "fsdp FULL_SHARD + offload": MappingProxyType({"sharding": "FULL_SHARD", "offload": "cpu"}),
+        "deepspeed ZeRO-3 + offload": MappingProxyType({"zero_stage": 3, "offload": "cpu"}),
     }
 )
-_ALIASES = {"fsdp": ("fsdp FULL_SHARD", "fsdp SHARD_GRAD_OP"), "deepspeed": ("deepspeed ZeRO-3",)}
+_ALIASES = {
+    "fsdp": ("fsdp FULL_SHARD", "fsdp SHARD_GRAD_OP", "fsdp FULL_SHARD + offload"),
+    "deepspeed": ("deepspeed ZeRO-3", "deepspeed ZeRO-3 + offload"),
+}
+#: the tracker's categories that an offload plan keeps in host memory: the sharded parameters, their
+#: gradients and the optimizer state (the optimizer steps on the host)
+HOST_ROLES = ("Sharded Param", "Sharded Grad", "Optstate", "OptState")
 MAX_WORLD = 1 << 16
 MAX_BATCH = 1 << 24
 RESULTS = "benchmarks/results/dry_run.md"
@@ -53,7 +63,28 @@ ZERO3 = (
     "persistent gradient partition) plus its reduce bucket by formula; against real 2- and 4-rank CPU "
     f"pools it came within 10% of the measured peak, 6% low to 9% high ({RESULTS})"
 )
+OFFLOAD = (
+    "split by role: the trace runs everything on CPU fake tensors, so of its peak the sharded parameters, "
+    "their gradients and the optimizer state (what CPUOffloadPolicy keeps on the host, where the "
+    "optimizer steps) are host bytes, and the rest (gathered units and their copies to the device, "
+    "unsharded gradients, activations, temporaries, buffers) is the device peak"
+)
+ZERO3_OFFLOAD = (
+    "modelled: ZeRO-3 with offload_param and offload_optimizer on the CPU as FSDP2's CPUOffloadPolicy "
+    "over the same units, with DeepSpeed's flat float32 optimizer partition on the host; not measured "
+    "against a real DeepSpeed pool"
+)
 DEVICES = ("cuda", "cpu")
+#: the ``--precision`` values a dry run follows, each as its strategy applies it
+PRECISIONS = ("32", "bf16-mixed")
+MIXED = {
+    "ddp": "bf16-mixed as the ddp strategy runs it: the forward under CPU autocast to bfloat16 over float32 "
+    "parameters (the trace's autocast stands in for CUDA's)",
+    "fsdp": "bf16-mixed as the fsdp strategy runs it: FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, "
+    "reduce_dtype=float32), so units are gathered and computed in bfloat16 over float32 shards",
+    "deepspeed": "bf16-mixed as the deepspeed strategy runs it: bfloat16 parameters and floating-point "
+    "inputs, float32 master copies in the optimizer's flat partition",
+}
 
 
 @dataclass(frozen=True)
@@ -62,7 +93,9 @@ class Plan:
 
     ``parameters``, ``gradients``, ``optimizer``, ``activations`` and ``transient`` (gathered
     parameters, collective and bucket buffers, backward temporaries) are the breakdown at the peak,
-    so they add up to ``peak_bytes``. ``host_bytes`` is what is offloaded to host memory.
+    so they add up to ``peak_bytes``, the device's. ``host_bytes`` is what an offload plan keeps in
+    host memory (split from the trace by role, :data:`OFFLOAD`), 0 for the others. ``precision`` is
+    the ``--precision`` the plan was traced with.
     ``largest_unit`` is the name and whole size of the largest group of parameters gathered at once
     (None where parameters are never gathered). ``source`` says, per figure, whether it was traced or
     comes from a formula, and how far off that has been.
@@ -81,6 +114,7 @@ class Plan:
     host_bytes: int = 0
     largest_unit: tuple[str, int] | None = None
     source: dict[str, str] = field(default_factory=dict)
+    precision: str = "32"
 
 
 def dry_run(
@@ -90,6 +124,7 @@ def dry_run(
     device: str = "cuda",
     strategies: Iterable[str] | None = None,
     step: Step | None = None,
+    precision: str = "32",
 ) -> dict[str, Plan]:
     """Per strategy name (:data:`STRATEGIES`; ``"fsdp"`` and ``"deepspeed"`` name all of theirs),
     what each of ``world_size`` ranks holds at the peak of a training step on ``batch``.
@@ -98,6 +133,8 @@ def dry_run(
     touched) or a function of no arguments that builds it (run on the meta device). ``batch`` is a
     tensor, a tuple, list or dict of tensors, or an expression such as ``"torch.randn(8, 1024)"``.
     ``step(model, batch)`` replaces the default step (forward, mean of the output, backward, AdamW).
+    ``precision`` is ``"32"`` (the model's own dtype) or ``"bf16-mixed"``, applied as each strategy
+    applies ``--precision bf16-mixed`` (:data:`MIXED`), so a plan is for the line that would run it.
     Bad input raises :class:`~jupyter_shard.errors.SpecError` with one line saying what to pass.
     """
     names = _strategy_names(strategies)
@@ -106,10 +143,12 @@ def dry_run(
         raise SpecError(f"device {device!r} is not valid; choose one of: {', '.join(DEVICES)}")
     if step is not None and not callable(step):
         raise SpecError(f"step must be a function step(model, batch), not a {type(step).__name__}")
+    if precision not in PRECISIONS:
+        raise SpecError(f"precision {precision!r} cannot be planned; choose one of: {', '.join(PRECISIONS)}")
     if dist.is_available() and dist.is_initialized():
         # a real default group (inside a rank): plan in a forked child, leaving it alone
-        return forked(lambda: _plan_all(model_or_builder, batch, world_size, device, names, step))
-    return _plan_all(model_or_builder, batch, world_size, device, names, step)
+        return forked(lambda: _plan_all(model_or_builder, batch, world_size, device, names, step, precision))
+    return _plan_all(model_or_builder, batch, world_size, device, names, step, precision)
 
 
 def find_batch(
@@ -120,6 +159,7 @@ def find_batch(
     strategy: str,
     step: Step | None = None,
     device: str = "cuda",
+    precision: str = "32",
 ) -> int:
     """The largest batch size whose dry-run peak per rank fits in ``device_bytes`` with ``strategy``
     (one name of :data:`STRATEGIES`): doubling from 1 until a size does not fit, then bisecting.
@@ -137,7 +177,7 @@ def find_batch(
                 f"make_batch({size}) raised {tracing._one_line(exc)}; pass a function of the batch size "
                 "that returns a batch"
             ) from exc
-        plan = dry_run(model_or_builder, batch, world_size, device, [strategy], step)[strategy]
+        plan = dry_run(model_or_builder, batch, world_size, device, [strategy], step, precision)[strategy]
         return plan.peak_bytes <= device_bytes
 
     if not fits(1):
@@ -194,6 +234,7 @@ def _plan_all(
     device: str,
     names: list[str],
     step: Step | None,
+    precision: str = "32",
 ) -> dict[str, Plan]:
     """Every plan, under a fake default process group made for this call and destroyed after it."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -207,8 +248,8 @@ def _plan_all(
         for name in names:
             if world_size == 1 and name != "ddp":
                 continue
-            traced = _trace(name, model_or_builder, batch, mesh, world_size, device, step)
-            plans[name] = _plan(name, traced, world_size, device, step)
+            traced = _trace(name, model_or_builder, batch, mesh, world_size, device, step, precision)
+            plans[name] = _plan(name, traced, world_size, device, step, precision)
         return plans
     finally:
         dist.destroy_process_group()
@@ -223,10 +264,13 @@ def _trace(
     world_size: int,
     device: str,
     step: Step | None,
+    precision: str = "32",
 ) -> Traced:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from jupyter_shard.strategies.precision import Precision, cast_floating_inputs, cast_parameters
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     model = tracing.fake_model(model_or_builder, mode)
@@ -234,8 +278,11 @@ def _trace(
     tensors = tracing.batch_tensors(inputs)
     formula: dict[str, int] = {}
     unit = None
+    dtype = Precision.parse(precision).dtype
     with mode:
         if name == "ddp":
+            if dtype is not None:
+                Precision.parse(precision).autocast_forward(model, "cpu")  # fake tensors live on the CPU
             # DDP's reducer keeps one flat copy of the gradients in its buckets (real storage it reads,
             # so DDP itself cannot run on fake tensors)
             formula["transient"] = tracing.parameter_bytes(model)
@@ -249,8 +296,17 @@ def _trace(
             unit = tracing.largest_unit(model, units)
             reshard = STRATEGIES[name].get("sharding", "FULL_SHARD") != "SHARD_GRAD_OP"
             whole = tracing.parameter_bytes(model)
+            policies: dict[str, Any] = {}  # fully_shard's, as the fsdp strategy passes them
+            if dtype is not None and name.startswith("fsdp"):
+                policies["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+            elif dtype is not None:
+                cast_parameters(model, dtype)  # DeepSpeed holds the parameters in the low dtype
+                cast_floating_inputs(model, dtype)
+            if STRATEGIES[name].get("offload") == "cpu":
+                # fake tensors live on the CPU, where pinning would need CUDA: pinning changes no size
+                policies["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
             for module in [*units, model]:
-                fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+                fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **policies)
                 if device == "cpu" and name.startswith("fsdp"):
                     # DeepSpeed reduces through its own bucket (counted below), not FSDP's reduce-scatter
                     module.set_custom_reduce_scatter(tracing.gloo_reduce_scatter())  # type: ignore[operator]
@@ -272,7 +328,7 @@ def _trace(
         assert run is not None
         tracker = tracing.run_steps(model, inputs, run, optimizer, make_tracker)
     snap = tracing.peak_snapshot(tracker)
-    return _breakdown(snap, unit, formula)
+    return _breakdown(snap, unit, formula, offloaded="offload" in STRATEGIES[name])
 
 
 def _zero3_buffers(model: nn.Module, whole: int, world_size: int, traced_optimizer: bool) -> dict[str, int]:
@@ -284,12 +340,17 @@ def _zero3_buffers(model: nn.Module, whole: int, world_size: int, traced_optimiz
     return extra if traced_optimizer else {**extra, "optimizer": -(-whole // world_size)}
 
 
-def _breakdown(snap: dict[str, int], unit: tuple[str, int] | None, formula: dict[str, int]) -> Traced:
-    def take(*keys: str) -> int:
-        return sum(snap.get(k, 0) for k in keys)
+def _breakdown(
+    snap: dict[str, int], unit: tuple[str, int] | None, formula: dict[str, int], offloaded: bool = False
+) -> Traced:
+    """The tracker's categories at the peak as the plan's figures; with ``offloaded``, what the offload
+    policy keeps on the host (:data:`HOST_ROLES`) is taken out of the device figures into ``host``."""
 
-    traced = Traced(
-        peak=take("Total"),
+    def take(*keys: str) -> int:
+        return sum(snap.get(k, 0) for k in keys if not (offloaded and k in HOST_ROLES))
+
+    return Traced(
+        peak=take("Total") - (sum(snap.get(k, 0) for k in HOST_ROLES) if offloaded else 0),
         parameters=take("Parameter", "Sharded Param", "Buffer"),
         gradients=take("Gradient", "Sharded Grad", "Unsharded Grad"),
         optimizer=take("Optstate", "OptState"),
@@ -297,11 +358,13 @@ def _breakdown(snap: dict[str, int], unit: tuple[str, int] | None, formula: dict
         transient=take("Temp", "Unsharded Param", "All Gather", "Reduce Scatter"),
         largest_unit=unit,
         formula=formula,
+        host=sum(snap.get(k, 0) for k in HOST_ROLES) if offloaded else 0,
     )
-    return traced
 
 
-def _plan(name: str, traced: Traced, world_size: int, device: str, step: Step | None) -> Plan:
+def _plan(
+    name: str, traced: Traced, world_size: int, device: str, step: Step | None, precision: str = "32"
+) -> Plan:
     parts = {
         "parameters": traced.parameters,
         "gradients": traced.gradients,
@@ -309,18 +372,28 @@ def _plan(name: str, traced: Traced, world_size: int, device: str, step: Step | 
         "activations": traced.activations,
         "transient": traced.transient,
     }
+    offloaded = "offload" in STRATEGIES[name]
+    host = traced.host
     source = dict.fromkeys(parts, TRACED)
+    notes = _FORMULA_NOTES.get(name.removesuffix(" + offload"), {})
     for key, extra in traced.formula.items():
+        if offloaded and key == "optimizer":
+            host += extra  # DeepSpeed's float32 partition is offloaded with the optimizer
+            continue
         parts[key] += extra
-        source[key] = f"traced, plus {_FORMULA_NOTES[name][key]}"
+        source[key] = f"traced, plus {notes[key]}"
     peak = sum(parts.values())
     source["peak_bytes"] = "formula and trace" if traced.formula else TRACED
     if name.startswith("deepspeed"):
-        source["peak_bytes"] = f"{ZERO3}; {_ds_estimate()}"
-    source["host_bytes"] = "no offload planned"
+        source["peak_bytes"] = f"{ZERO3_OFFLOAD if offloaded else ZERO3}; {_ds_estimate()}"
+    source["host_bytes"] = OFFLOAD if offloaded else "no offload planned"
+    if offloaded:
+        source["parameters"] = source["gradients"] = source["optimizer"] = f"{TRACED}; {OFFLOAD}"
     source["step"] = "the step function passed" if step is not None else f"{tracing.STEPS} steps of AdamW"
     if step is None and name.startswith("deepspeed"):
         source["step"] += " over DeepSpeed's flat float32 partition"
+    if precision != "32":
+        source["precision"] = MIXED[name.split()[0]]
     if device == "cuda":
         source["device"] = "traced on CPU shapes: CUDA's allocator rounding (512 B a block) is not added"
     return Plan(
@@ -329,9 +402,10 @@ def _plan(name: str, traced: Traced, world_size: int, device: str, step: Step | 
         world_size=world_size,
         device=device,
         peak_bytes=peak,
-        host_bytes=0,
+        host_bytes=host,
         largest_unit=traced.largest_unit,
         source=source,
+        precision=precision,
         **parts,
     )
 
@@ -371,8 +445,9 @@ class _CallableModule(ModuleType):
         device: str = "cuda",
         strategies: Iterable[str] | None = None,
         step: Step | None = None,
+        precision: str = "32",
     ) -> dict[str, Plan]:
-        return dry_run(model_or_builder, batch, world_size, device, strategies, step)
+        return dry_run(model_or_builder, batch, world_size, device, strategies, step, precision)
 
 
 sys.modules[__name__].__class__ = _CallableModule

@@ -35,7 +35,8 @@ Step = Callable[[nn.Module, Any], object]
 
 @dataclass(frozen=True)
 class Traced:
-    """Bytes per rank at the traced peak, by what holds them, and the figures added by formula."""
+    """Bytes per rank at the traced peak, by what holds them, and the figures added by formula; the
+    figures are the device's, and ``host`` is what an offload plan keeps in host memory."""
 
     peak: int
     parameters: int
@@ -45,6 +46,7 @@ class Traced:
     transient: int
     largest_unit: tuple[str, int] | None
     formula: dict[str, int] = field(default_factory=dict)
+    host: int = 0  # what an offload plan keeps in host memory, not counted in the figures above
 
 
 # -- the model and the batch, fake -----------------------------------------------------------------

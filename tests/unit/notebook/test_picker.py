@@ -340,3 +340,56 @@ def test_the_chart_counts_offloaded_state_on_cpu_ranks() -> None:
     first = p.estimates[0]
     assert total == pytest.approx(first.device_bytes + first.host_bytes)
     assert p.chart is not None and p.chart["layout"]["shapes"][0]["name"].startswith("host RAM per rank: ")
+
+
+# -- the dry run from the form ----------------------------------------------------------------------
+
+
+def small() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+
+
+def test_the_form_dry_runs_its_model_on_the_batch_at_its_ranks_and_device() -> None:
+    defaults: list[str] = []
+    p = picker("model", {"model": small()}, None, defaults.append)
+    assert isinstance(p, Picker) and p.dry_run is None and not p.dry_run_view.children
+    p.fields["nproc"].value = 2
+    p.fields["device"].value = "cpu"
+    p.fields["precision"].value = "32"
+    p.dry_fields["batch"].value = "torch.randn(4, 16)"
+    p.buttons["dry_run"].click()
+    assert p.dry_run_line() == "model --batch 'torch.randn(4, 16)' --world-size 2 --device cpu --precision 32"
+    view = p.dry_run
+    assert view is not None and p.dry_run_view.children == (view,)
+    args = view.outcome.args
+    assert (args.world_size, args.device.value, args.batch) == (2, "cpu", "torch.randn(4, 16)")
+    assert "fsdp FULL_SHARD + offload" in view.report and "CPU ranks" in view.report
+    assert "Ran <code>%dist_picker model --batch" in p.outputs["dry_run"].value
+    # a named GPU and bf16: judged against it, and the line carries the precision
+    p.dry_fields["gpu"].value = "H100 80GB"
+    p.fields["precision"].value = "bf16-mixed"
+    view = p.run_dry_run()
+    assert view is not None and view.outcome.free_source.startswith("a H100 80GB")
+    assert view.outcome.args.device.value == "cuda" and view.outcome.args.precision == "bf16-mixed"
+    assert view.line == "%%distributed --strategy ddp --gpus 2 --precision bf16-mixed"
+    view.use_as_default()
+    assert defaults == [view.line]
+
+
+@pytest.mark.parametrize(
+    ("arg", "batch", "says"),
+    [
+        ("124M", "torch.randn(4, 16)", "the dry run needs the model itself"),
+        ("model", "", "type a batch"),
+        ("model", "torch.randn(4, 7)", "pass a batch the model's forward takes"),
+    ],
+)
+def test_a_dry_run_the_form_cannot_run_is_one_line_in_the_form(arg: str, batch: str, says: str) -> None:
+    p = picker(arg, {"model": small()}, None, print)
+    assert isinstance(p, Picker)
+    p.fields["nproc"].value = 2
+    p.dry_fields["batch"].value = batch
+    p.buttons["dry_run"].click()
+    assert p.dry_run is None and not p.dry_run_view.children
+    assert says in html.unescape(p.outputs["dry_run"].value)
+    assert p.line.startswith("%%distributed")  # the form itself is untouched

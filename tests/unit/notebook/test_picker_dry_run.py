@@ -74,7 +74,7 @@ def test_a_named_gpu_gets_every_plan_and_the_fastest_that_fits() -> None:
     for v in out.verdicts:
         plan = v.plan
         parts = plan.parameters + plan.gradients + plan.optimizer + plan.activations + plan.transient
-        assert parts == plan.peak_bytes > 0 and plan.host_bytes == 0
+        assert parts == plan.peak_bytes > 0 and (plan.host_bytes > 0) == ("offload" in v.name)
     assert "peak" in p.report and "fsdp FULL_SHARD" in p.report and "traced:" in p.report
     assert "within 10% of the measured peak" in p.report  # ZeRO-3's figure says how far off it has been
     assert "Largest batch" not in p.report
@@ -119,12 +119,12 @@ def test_where_ddp_does_not_fit_a_sharded_plan_is_recommended_with_its_config() 
 
 def test_nothing_fits_each_plan_says_what_would_with_its_peak() -> None:
     plans = dry_run(build, "torch.randn(64, 16)", 2, "cuda")
-    free = int(min(p.peak_bytes for p in plans.values()) * 0.9 / HEADROOM)
+    # room for no plan that keeps its state on the device; offload, the leanest, still fits
+    free = int(min(p.peak_bytes for n, p in plans.items() if "offload" not in n) * 0.9 / HEADROOM)
     p = DryRunPicker(run('model --batch "torch.randn(64, 16)" --world-size 2', memory=gpus(free)), print)
     out = p.outcome
-    assert out.recommended is None and p.line == "" and p.buttons["insert"].disabled
-    assert out.reason.startswith("Nothing fits")
-    for v in out.verdicts:
+    assert out.recommended == "fsdp FULL_SHARD + offload"
+    for v in out.verdicts[: ORDER.index("fsdp FULL_SHARD + offload")]:
         assert v.fits is False and v.over > 0 and v.fixes
         smaller = [f for f in v.fixes if "the largest that fits" in f.what]
         assert smaller and smaller[0].peak is not None and smaller[0].peak <= out.usable  # type: ignore[operator]
@@ -132,6 +132,42 @@ def test_nothing_fits_each_plan_says_what_would_with_its_peak() -> None:
             doubled = [f for f in v.fixes if f.what.startswith("4 ranks")]
             assert doubled and doubled[0].peak is not None
     assert "to fit fsdp FULL_SHARD: a batch of" in p.report
+    # one plan that does not fit: nothing to recommend, no line
+    full = plans["fsdp FULL_SHARD"].peak_bytes
+    line = 'model --batch "torch.randn(64, 16)" --world-size 2 --strategy "fsdp FULL_SHARD"'
+    p = DryRunPicker(run(line, memory=gpus(int(full * 0.9 / HEADROOM))), print)
+    out = p.outcome
+    assert out.recommended is None and p.line == "" and p.buttons["insert"].disabled
+    assert out.reason.startswith("Nothing fits") and out.verdicts[0].fixes
+
+
+def test_where_only_offload_fits_the_suggestion_shows_the_traced_offload_plan() -> None:
+    plans = dry_run(build, "torch.randn(4, 16)", 2, "cuda")
+    offloaded = plans["fsdp FULL_SHARD + offload"]
+    free = int(offloaded.peak_bytes / HEADROOM) + 64
+    assert plans["fsdp FULL_SHARD"].peak_bytes > HEADROOM * free  # only offload plans fit
+    p = DryRunPicker(run(f"model {BATCH} --world-size 2", memory=gpus(free)), print)
+    out = p.outcome
+    assert out.recommended == "fsdp FULL_SHARD + offload"
+    assert p.line == "%%distributed --strategy fsdp --gpus 2 --offload cpu"
+    full = next(v for v in out.verdicts if v.name == "fsdp FULL_SHARD")
+    offload = [f for f in full.fixes if f.what.startswith("--offload cpu")]
+    assert len(offload) == 1 and offload[0].traced and offload[0].peak == offloaded.peak_bytes
+    assert "(fsdp FULL_SHARD + offload, traced)" in offload[0].what and "fits" in offload[0].what
+    assert (
+        "(trace less the saving)" not in p.report.split("to fit fsdp FULL_SHARD: --offload")[1].split("\n")[0]
+    )
+
+
+def test_bf16_mixed_is_planned_and_carried_on_the_recommended_line() -> None:
+    line = f"model {BATCH} --world-size 2 --gpu 'H100 80GB' --strategy 'fsdp FULL_SHARD'"
+    full = DryRunPicker(run(line), print)
+    mixed = DryRunPicker(run(f"{line} --precision bf16-mixed"), print)
+    assert mixed.outcome.args.precision == "bf16-mixed" and full.outcome.args.precision == "32"
+    assert mixed.line == "%%distributed --strategy fsdp --gpus 2 --precision bf16-mixed"
+    assert full.line == "%%distributed --strategy fsdp --gpus 2"
+    assert mixed.outcome.verdicts[0].plan.precision == "bf16-mixed"
+    assert "MixedPrecisionPolicy" in mixed.report and ", bf16-mixed, per rank" in mixed.report
 
 
 def test_find_batch_gives_the_largest_batch_that_fits() -> None:
@@ -176,6 +212,7 @@ def raising_step(model: nn.Module, batch: object) -> None:
         (f"model {BATCH} --world-size two", "invalid int value"),
         ("model --world-size 2", "the following arguments are required: --batch"),
         (f"model {BATCH} --find-batch", "--find-batch needs the free memory"),
+        (f"model {BATCH} --precision 16-mixed", "invalid choice: '16-mixed'"),
     ],
 )
 def test_bad_input_is_one_line_and_the_picker_stays_usable(line: str, says: str) -> None:

@@ -50,7 +50,23 @@ def test_every_strategy_is_planned_and_its_parts_add_up_to_the_peak(four: dict[s
         assert sum(getattr(plan, part) for part in PARTS) == plan.peak_bytes > 0
         assert all(getattr(plan, part) >= 0 for part in PARTS)
         assert set(PARTS) | {"peak_bytes", "host_bytes"} <= set(plan.source)
-        assert plan.host_bytes == 0
+        assert (plan.host_bytes > 0) == name.endswith("+ offload")
+
+
+def test_offload_keeps_the_sharded_state_on_the_host_and_the_rest_on_the_device(
+    four: dict[str, Plan],
+) -> None:
+    """The same trace, split by role: sharded parameters, their gradients and the optimizer state are
+    host bytes; what the device peak loses is what the host gains."""
+    for name in ("fsdp FULL_SHARD", "deepspeed ZeRO-3"):
+        plan, offloaded = four[name], four[f"{name} + offload"]
+        assert offloaded.parameters == offloaded.optimizer == 0  # the MLP has no buffers
+        assert offloaded.activations == plan.activations and offloaded.transient == plan.transient
+        assert offloaded.host_bytes >= plan.parameters + plan.optimizer
+        assert offloaded.peak_bytes + offloaded.host_bytes == pytest.approx(plan.peak_bytes, rel=0.01)
+        assert offloaded.peak_bytes < plan.peak_bytes - plan.parameters
+        assert "host" in offloaded.source["host_bytes"] and offloaded.options["offload"] == "cpu"
+    assert "modelled" in four["deepspeed ZeRO-3 + offload"].source["peak_bytes"]
 
 
 def test_full_sharding_holds_a_quarter_of_the_parameters_at_world_size_4(four: dict[str, Plan]) -> None:
@@ -82,6 +98,37 @@ def test_zero3_holds_deepspeeds_flat_float32_partition_besides_full_sharding(fou
     # Adam's two moments and the flat float32 copy, with partition-sized temporaries at the step
     assert zero3.optimizer >= 3 * partition > full.optimizer
     assert zero3.peak_bytes > full.peak_bytes + partition
+
+
+def test_bf16_mixed_halves_the_saved_activations_as_each_strategy_applies_it() -> None:
+    """Each strategy's bf16-mixed: autocast over float32 weights (ddp), bfloat16 gathered units over
+    float32 shards (fsdp), bfloat16 parameters with float32 masters (ZeRO-3). The batch stays float32
+    and one bfloat16 copy of it feeds the first layer; every activation saved after that is bfloat16."""
+    names = ["ddp", "fsdp FULL_SHARD", "deepspeed ZeRO-3"]
+    batch, size = "torch.randn(8192, 256)", 8192 * 256 * 4  # activations dominate the 0.3M parameters
+
+    def run(precision: str) -> dict[str, Plan]:
+        return dry_run(lambda: mlp(256, 4), batch, 2, device="cpu", strategies=names, precision=precision)
+
+    full, mixed = run("32"), run("bf16-mixed")
+    for name in names:
+        saved_full = full[name].activations - size
+        saved_mixed = mixed[name].activations - size - size // 2
+        assert saved_mixed == pytest.approx(saved_full / 2, rel=0.05), name
+        assert mixed[name].peak_bytes < full[name].peak_bytes
+        assert (
+            mixed[name].precision == "bf16-mixed" and "bf16-mixed as the" in mixed[name].source["precision"]
+        )
+        assert full[name].precision == "32" and "precision" not in full[name].source
+    # float32 weights and shards where the strategy keeps them; ZeRO-3 holds bfloat16 partitions and its
+    # float32 masters in the optimizer
+    for name in ("ddp", "fsdp FULL_SHARD"):
+        assert mixed[name].parameters == full[name].parameters
+    zero3 = "deepspeed ZeRO-3"
+    assert mixed[zero3].parameters == full[zero3].parameters // 2
+    assert mixed[zero3].optimizer == full[zero3].optimizer
+    with pytest.raises(SpecError, match="precision '16-mixed' cannot be planned; choose one of: 32, bf16"):
+        run("16-mixed")
 
 
 def test_a_cpu_plan_holds_gloos_reduce_scatter_copy_of_the_largest_gradient() -> None:
@@ -125,7 +172,7 @@ def test_a_module_is_copied_and_never_touched() -> None:
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     pointers = {n: p.data_ptr() for n, p in model.named_parameters()}
     plan = dry_run(model, torch.randn(4, 64), 2, strategies=["ddp", "fsdp"])
-    assert set(plan) == {"ddp", "fsdp FULL_SHARD", "fsdp SHARD_GRAD_OP"}
+    assert set(plan) == {"ddp", "fsdp FULL_SHARD", "fsdp SHARD_GRAD_OP", "fsdp FULL_SHARD + offload"}
     for name, param in model.named_parameters():
         assert param.data_ptr() == pointers[name] and param.grad is None
         assert torch.equal(param, before[name])
