@@ -8,38 +8,36 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 
 def write_atomic(path: str | os.PathLike[str], content: str | Callable[[TextIO], None]) -> Path:
     """Write ``content`` (text, or a function writing to the file) through a temporary file beside
     ``path``, then rename it into place: readers see the old file or the new one, never a part."""
     target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", newline="") as fh:
-            if isinstance(content, str):
-                fh.write(content)
-            else:
-                content(fh)
-            fh.flush()
-            os.fchmod(fh.fileno(), _mode_for(target))  # mkstemp made it 0600
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+
+    def write(fh: TextIO) -> None:
+        fh.write(content) if isinstance(content, str) else content(fh)
+
+    return _replace(target, "w", write, _mode_for(target))
 
 
 def write_private(path: str | os.PathLike[str], data: bytes | str) -> Path:
     """Write ``data`` readable by this user only (0600), synced, renamed into place when whole."""
-    target = Path(path)
+    return _replace(
+        Path(path), "wb", lambda fh: fh.write(data.encode() if isinstance(data, str) else data), 0o600
+    )
+
+
+def _replace(target: Path, mode: str, write: Callable[[Any], object], bits: int) -> Path:
+    """Write through a temporary file beside ``target`` (mode ``bits``), synced, then renamed over it."""
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data.encode() if isinstance(data, str) else data)
+        with os.fdopen(fd, mode, newline=None if "b" in mode else "") as fh:
+            write(fh)
             fh.flush()
+            if bits != 0o600:
+                os.fchmod(fh.fileno(), bits)  # mkstemp made it 0600
             os.fsync(fh.fileno())
         os.replace(tmp, target)
     except BaseException:

@@ -40,8 +40,10 @@ from jupyter_shard.planner.choice import (
     check_fields,
     copy_button,
     distributed_line,
+    insert_line,
     model_info,
     strategy_config,
+    use_line_as_default,
 )
 from jupyter_shard.planner.free_memory import Capability, FreeMemory, MemorySnapshot, probe_memory
 from jupyter_shard.planner.sharded_init import init_note
@@ -368,16 +370,10 @@ class Picker(widgets.VBox):  # type: ignore[misc]
 
     def insert_cell(self) -> None:
         """Ask the JupyterLab extension to insert the line as a new cell below."""
-        self.send({"event": "insert-cell", "code": self.line})
-        self._done("Asked JupyterLab to insert a new cell; without the extension, copy the line above.")
+        insert_line(self.send, self.line, self._done)
 
     def use_as_default(self) -> None:
-        try:
-            self._set_default(self.line)
-        except Exception as exc:  # the caller's error (a bad option) belongs in the form, not the log
-            self._done(f"Could not set the default: {exc}")
-            return
-        self._done(f"Default set: a bare %%distributed now runs as {self.line}")
+        use_line_as_default(self._set_default, self.line, self._done)
 
     def _done(self, message: str) -> None:
         self.outputs["done"].value = f"<i>{html.escape(message)}</i>"

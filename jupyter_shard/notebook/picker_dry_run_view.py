@@ -20,7 +20,14 @@ import ipywidgets as widgets
 from jupyter_shard._util.atomic import write_atomic
 from jupyter_shard.notebook.picker_dry_run import Outcome, Verdict
 from jupyter_shard.planner import estimate as est
-from jupyter_shard.planner.choice import DEFAULT_CONFIG, copy_button, distributed_line, strategy_config
+from jupyter_shard.planner.choice import (
+    DEFAULT_CONFIG,
+    copy_button,
+    distributed_line,
+    insert_line,
+    strategy_config,
+    use_line_as_default,
+)
 from jupyter_shard.spec import Precision
 
 __all__ = ["DryRunPicker", "report"]
@@ -158,18 +165,12 @@ class DryRunPicker(widgets.VBox):  # type: ignore[misc]
         """Write the config the line names, then ask the JupyterLab extension to insert the line."""
         if not self.line or (self.config is not None and self.write_config() is None):
             return
-        self.send({"event": "insert-cell", "code": self.line})
-        self._done("Asked JupyterLab to insert a new cell; without the extension, copy the line above.")
+        insert_line(self.send, self.line, self._done)
 
     def use_as_default(self) -> None:
         if not self.line or (self.config is not None and self.write_config() is None):
             return
-        try:
-            self._set_default(self.line)
-        except Exception as exc:  # the caller's error (a bad option) belongs in the form, not the log
-            self._done(f"Could not set the default: {exc}")
-            return
-        self._done(f"Default set: a bare %%distributed now runs as {self.line}")
+        use_line_as_default(self._set_default, self.line, self._done)
 
     def _done(self, message: str) -> None:
         self.done.value = f"<i>{html.escape(message)}</i>"

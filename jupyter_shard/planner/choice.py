@@ -15,7 +15,7 @@ import numbers
 import re
 import shlex
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,3 +216,19 @@ def _checkpoint(
         known = f" (repeated blocks: {', '.join(model.blocks)})" if model.blocks else ""
         notes.append(f"No module class {', '.join(bad)} in the model{known}; left out of checkpointing.")
     return tuple(n for n in names if n not in bad)
+
+
+def insert_line(send: Callable[[dict[str, Any]], None], line: str, done: Callable[[str], None]) -> None:
+    """The form's "Insert cell": ask the JupyterLab extension for a new cell below holding ``line``."""
+    send({"event": "insert-cell", "code": line})
+    done("Asked JupyterLab to insert a new cell; without the extension, copy the line above.")
+
+
+def use_line_as_default(set_default: Callable[[str], None], line: str, done: Callable[[str], None]) -> None:
+    """The form's "Use as default": a bare ``%%distributed`` runs as ``line`` from now on."""
+    try:
+        set_default(line)
+    except Exception as exc:  # the caller's error (a bad option) belongs in the form, not the log
+        done(f"Could not set the default: {exc}")
+        return
+    done(f"Default set: a bare %%distributed now runs as {line}")
