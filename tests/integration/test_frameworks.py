@@ -188,10 +188,13 @@ def _torchrun_reference(script: Path, weights: Path) -> None:
             timeout=180,
         )
         assert done.returncode == 0 or GLOO_EXIT_ABORT in done.stderr, done.stderr[-3000:]
-        printed = sorted(line for line in done.stdout.splitlines() if "launched by torchrun" in line)
-        if printed == [f"rank {r} of 2 launched by torchrun: True" for r in (0, 1)] and _load_all(files):
+        # unbuffered, each print is two writes (text, then newline), so the ranks' lines can interleave
+        printed = all(f"rank {r} of 2 launched by torchrun: True" in done.stdout for r in (0, 1))
+        if printed and _load_all(files):
             return
-    raise AssertionError(f"torchrun's own teardown aborted three times in a row:\n{done.stderr[-3000:]}")
+    raise AssertionError(
+        f"no whole reference run in 3 tries:\nstdout: {done.stdout[-1500:]}\nstderr: {done.stderr[-1500:]}"
+    )
 
 
 def _load_all(files: list[Path]) -> bool:
