@@ -19,14 +19,18 @@ What the kernel calls, and nothing else (no launcher names, no ``hasattr``):
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from jupyter_shard.spec import LauncherOptions, LaunchSpec
+import psutil
+
+from jupyter_shard.spec import LauncherOptions, LaunchSpec, SpecError
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,23 @@ class RankLaunch:
     log_path: Path
     cwd: Path
     argv: list[str] = field(default_factory=list)
+    pool_dir: Path | None = None  # the pool's private directory (a kept pool's record goes there)
+
+
+KEPT_RECORD = "kept.json"
+"""A kept pool's record (0600: it holds the key), in the pool's private directory: while it is there,
+the pool's ranks and node agents outlive the kernel (``--keep``)."""
+
+
+@dataclass(frozen=True)
+class KeptRank:
+    """One rank as a kept pool's record names it, for the kernel that attaches to it."""
+
+    rank: int
+    pid: int
+    started: float | None  # the process's start time, where it runs on this machine
+    host: str
+    node: int | None
 
 
 class RankHandle(ABC):
@@ -46,6 +67,7 @@ class RankHandle(ABC):
     rank: int
     pid: int
     host: str
+    node: int | None = None  # the node it runs on, for launchers with several
 
     @abstractmethod
     def poll(self) -> int | None:
@@ -150,11 +172,41 @@ class Launcher(ABC):
     def stop(self) -> None:  # noqa: B027 (optional hook)
         """After the ranks were told to stop: end whatever the launcher still runs (cancel jobs)."""
 
+    # -- kept pools (--keep) ---------------------------------------------------------------------
+
     keeps: ClassVar[bool] = False
-    """Whether its ranks can outlive the kernel that started them (``--keep``)."""
+    """Whether its ranks can outlive the kernel that started them (``--keep``): it implements
+    :meth:`adopt`."""
 
     def keep(self, pids: list[int], on: bool) -> None:  # noqa: B027 (optional hook)
         """Leave these ranks alive when the kernel goes (``on``), or no longer."""
+
+    def kept_state(self) -> dict[str, Any]:
+        """What a kept pool's record needs for :meth:`adopt` in another kernel (JSON)."""
+        return {}
+
+    @classmethod
+    def adopt(cls, state: Mapping[str, Any], ranks: Sequence[KeptRank]) -> tuple[Launcher, list[RankHandle]]:
+        """Another kernel attaches to a kept pool: a launcher that can stop it, and the ranks' handles."""
+        raise SpecError(f"--launcher {cls.name} cannot keep a pool (--keep)")
+
+    @classmethod
+    def end_kept(cls, state: Mapping[str, Any], processes: Sequence[tuple[int, float | None]]) -> None:
+        """Stop a kept pool with no kernel to tell its ranks (``python -m jupyter_shard stop``):
+        ``processes`` are those on this machine its life hangs on, each with its start time."""
+        for pid, started in processes:
+            if started_at(pid) == started:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+
+
+def started_at(pid: int) -> float | None:
+    """The start time of process ``pid`` (with its pid, it names one process), or None if none runs."""
+    try:
+        process = psutil.Process(pid)
+        return None if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
+    except psutil.Error:
+        return None
 
 
 def describe_exit(code: int) -> str:

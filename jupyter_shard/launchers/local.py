@@ -22,15 +22,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import ClassVar
-
-import psutil
+from typing import Any, ClassVar
 
 from jupyter_shard.env import ZYGOTE_SWITCH
 from jupyter_shard.gpus import VISIBLE_VAR
 from jupyter_shard.launchers import zygote
-from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
+from jupyter_shard.launchers.base import KeptRank, Launcher, RankHandle, RankLaunch, started_at
 from jupyter_shard.launchers.zygote import ZygoteClient
 from jupyter_shard.spec import LaunchSpec, format_ranks
 
@@ -113,13 +112,9 @@ class AdoptedRank(_SessionLeader):
         self._started = started
 
     def poll(self) -> int | None:
-        try:
-            process = psutil.Process(self.pid)
-            same = self._started is None or process.create_time() == self._started
-            if same and process.status() != psutil.STATUS_ZOMBIE:
-                return None
-        except psutil.Error:
-            pass
+        started = started_at(self.pid)
+        if started is not None and self._started in (None, started):
+            return None
         return -signal.SIGKILL  # not this process's child: its exit status cannot be read
 
     def exit_reason(self, code: int) -> str:
@@ -189,6 +184,11 @@ class LocalLauncher(Launcher):
         this process's children, which nothing kills when it ends but their own lifeline."""
         if self._zygote is not None:
             self._zygote.keep(pids, on)
+
+    @classmethod
+    def adopt(cls, state: Mapping[str, Any], ranks: Sequence[KeptRank]) -> tuple[Launcher, list[RankHandle]]:
+        """The ranks are known by pid and start time; nothing else of this launcher is needed to stop them."""
+        return cls(), [AdoptedRank(r.rank, r.pid, r.started) for r in ranks]
 
     def launch_path(self) -> str:
         """``zygote (fork server, pid 4242)`` or ``spawned: <why the zygote was not used>``, and the

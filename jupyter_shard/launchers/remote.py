@@ -20,13 +20,22 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, ClassVar
 
 import psutil
 
 from jupyter_shard.env import without_per_rank
-from jupyter_shard.launchers.base import RankHandle, SignalSender, describe_exit
+from jupyter_shard.launchers.base import (
+    KEPT_RECORD,
+    KeptRank,
+    Launcher,
+    RankHandle,
+    SignalSender,
+    describe_exit,
+    started_at,
+)
 from jupyter_shard.spec import SpecError
 
 SILENT_AFTER = 20.0  # a rank that sent nothing (not even a heartbeat) for this long is lost
@@ -34,7 +43,8 @@ KILL_WAIT = 3.0
 
 
 class AgentProcess:
-    """A process started here for one node (``node``) or for all of them (``node`` None)."""
+    """A process started here for one node (``node``) or for all of them (``node`` None): the tether
+    that runs the node's agent."""
 
     def __init__(self, node: int | None, host: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
         self.node = node
@@ -52,16 +62,29 @@ class AgentProcess:
 
     def stop(self, grace: float = 6.0) -> None:
         """SIGTERM the tether (it stops the agent and cancels its job), SIGKILL after ``grace``."""
-        if self.proc.poll() is not None:
+        if self.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
+            os.kill(self.pid, signal.SIGTERM)
+        if self._wait(grace) is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(2.0)
+                os.killpg(self.pid, signal.SIGKILL)
+            self._wait(2.0)
+
+    def _wait(self, timeout: float) -> int | None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return self.proc.wait(timeout)
+        return None
+
+    def entry(self) -> dict[str, Any]:
+        """How a kept pool's record names it, for :meth:`AdoptedAgent.of`."""
+        return {
+            "node": self.node,
+            "host": self.host,
+            "pid": self.pid,
+            "started": started_at(self.pid),
+            "log": str(self.log_path),
+        }
 
     def failure(self) -> str:
         """What the agent's log says about the first rank that failed, from torchrun's summary."""
@@ -83,6 +106,34 @@ class AgentProcess:
             return self.log_path.read_bytes()[-limit:].decode(errors="replace").strip()
         except OSError:
             return ""
+
+
+class AdoptedAgent(AgentProcess):
+    """The tether of a kept pool's node agent, seen from a kernel that attached to the pool: not its
+    child, so known by pid and start time."""
+
+    def __init__(self, node: int | None, host: str, pid: int, started: float | None, log_path: Path) -> None:
+        self.node, self.host, self.log_path = node, host, log_path
+        self.end_note = None
+        self._pid, self._started = pid, started
+
+    @classmethod
+    def of(cls, entry: Mapping[str, Any]) -> AdoptedAgent:
+        return cls(entry["node"], str(entry["host"]), int(entry["pid"]), entry["started"], Path(entry["log"]))
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    def poll(self) -> int | None:
+        started = started_at(self._pid)
+        return None if started is not None and self._started in (None, started) else -signal.SIGKILL
+
+    def _wait(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while (code := self.poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return code
 
 
 class RemoteRank(RankHandle):
@@ -192,7 +243,39 @@ class RemoteRank(RankHandle):
             time.sleep(0.05)
 
 
-def tether_argv(lifeline_fd: int, command: Sequence[str], cancel: Sequence[str] = ()) -> list[str]:
+class KeptAgents(Launcher):
+    """What the torchrun and SLURM launchers share for ``--keep``: the record names each node agent's
+    tether (which leaves its agent alive when the kernel goes while the record is there), and a
+    kernel that attaches stops them the way the one that started them would."""
+
+    keeps: ClassVar[bool] = True
+    agents: list[AgentProcess]
+
+    def kept_state(self) -> dict[str, Any]:
+        return {"agents": [agent.entry() for agent in self.agents]}
+
+    @classmethod
+    def adopt(cls, state: Mapping[str, Any], ranks: Sequence[KeptRank]) -> tuple[Launcher, list[RankHandle]]:
+        launcher = cls()
+        launcher.agents = [AdoptedAgent.of(entry) for entry in state["agents"]]
+        handles: list[RankHandle] = []
+        for r in ranks:
+            handle = RemoteRank(r.rank, launcher.agents, launcher.signal_rank)
+            handle.bind(r.pid, r.host, r.node if r.node is not None else 0)
+            handles.append(handle)
+        return launcher, handles
+
+    @classmethod
+    def end_kept(cls, state: Mapping[str, Any], processes: Sequence[tuple[int, float | None]]) -> None:
+        """SIGTERM every agent's tether: each stops its agent (and its ranks), as on a kernel's stop."""
+        for entry in state["agents"]:
+            AdoptedAgent.of(entry).stop()
+
+
+def tether_argv(
+    lifeline_fd: int, command: Sequence[str], cancel: Sequence[str] = (), pool_dir: Path | None = None
+) -> list[str]:
+    kept = ["--kept", str(pool_dir / KEPT_RECORD)] if pool_dir is not None else []
     return [
         sys.executable,
         "-m",
@@ -201,6 +284,7 @@ def tether_argv(lifeline_fd: int, command: Sequence[str], cancel: Sequence[str] 
         str(lifeline_fd),
         "--cancel",
         json.dumps(list(cancel)),
+        *kept,
         "--",
         *command,
     ]
@@ -216,11 +300,13 @@ def spawn_agent(
     lifeline_fd: int,
     cancel: Sequence[str] = (),
     stdin: bytes | None = None,
+    pool_dir: Path | None = None,
 ) -> AgentProcess:
-    """Start ``command`` under a tether; its output goes to ``log_path``; ``stdin`` is written once."""
+    """Start ``command`` under a tether; its output goes to ``log_path``; ``stdin`` is written once.
+    The tether leaves it running when the kernel goes while ``pool_dir`` holds a kept pool's record."""
     with open(log_path, "ab", buffering=0) as log:
         proc = subprocess.Popen(
-            tether_argv(lifeline_fd, command, cancel),
+            tether_argv(lifeline_fd, command, cancel, pool_dir),
             env=env,
             cwd=cwd,
             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,

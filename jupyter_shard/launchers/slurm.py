@@ -15,15 +15,16 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from jupyter_shard.env import NODE
-from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
+from jupyter_shard.launchers.base import KeptRank, Launcher, RankHandle, RankLaunch
 from jupyter_shard.launchers.commands import agent_args, agent_command
 from jupyter_shard.launchers.remote import (
     AgentProcess,
+    KeptAgents,
     RemoteRank,
     job_env,
     need_interface,
@@ -66,7 +67,7 @@ def slurm_resources(spec: LaunchSpec) -> list[str]:
     return options
 
 
-class SlurmLauncher(Launcher):
+class SlurmLauncher(KeptAgents):
     name: ClassVar[str] = "slurm"
     remote: ClassVar[bool] = True
     restart_hint: ClassVar[str] = "in a new SLURM allocation"
@@ -109,7 +110,15 @@ class SlurmLauncher(Launcher):
         log = ranks[0].log_path.parent / "srun.log"
         cancel = ["scancel", f"--name={self.job_name}"]
         agent = spawn_agent(
-            None, "slurm", [*srun, "bash", "-c", script], env, log, ranks[0].cwd, lifeline_fd, cancel
+            None,
+            "slurm",
+            [*srun, "bash", "-c", script],
+            env,
+            log,
+            ranks[0].cwd,
+            lifeline_fd,
+            cancel,
+            pool_dir=ranks[0].pool_dir,
         )
         agent.end_note = self._end_note
         self.agents.append(agent)
@@ -184,6 +193,16 @@ class SlurmLauncher(Launcher):
 
     def local_pids(self) -> list[int]:
         return [a.pid for a in self.agents]
+
+    def kept_state(self) -> dict[str, Any]:
+        return {**super().kept_state(), "job_name": self.job_name}
+
+    @classmethod
+    def adopt(cls, state: Mapping[str, Any], ranks: Sequence[KeptRank]) -> tuple[Launcher, list[RankHandle]]:
+        launcher, handles = super().adopt(state, ranks)
+        assert isinstance(launcher, SlurmLauncher)
+        launcher.job_name = str(state["job_name"])
+        return launcher, handles
 
     def stop(self) -> None:
         if self.agents and shutil.which("scancel") is not None:  # nothing was submitted otherwise

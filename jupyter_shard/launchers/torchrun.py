@@ -25,10 +25,11 @@ from typing import ClassVar
 
 from jupyter_shard._util.net import free_port
 from jupyter_shard.env import CURVE, KEY, NODE, PREFIX, SECRETS
-from jupyter_shard.launchers.base import Launcher, RankHandle, RankLaunch
+from jupyter_shard.launchers.base import RankHandle, RankLaunch
 from jupyter_shard.launchers.commands import agent_args, agent_command
 from jupyter_shard.launchers.remote import (
     AgentProcess,
+    KeptAgents,
     RemoteRank,
     interfaces_here,
     is_this_machine,
@@ -63,7 +64,7 @@ def options_of(spec: LaunchSpec) -> TorchrunOptions:
     return options if isinstance(options, TorchrunOptions) else TorchrunOptions()
 
 
-class TorchrunLauncher(Launcher):
+class TorchrunLauncher(KeptAgents):
     name: ClassVar[str] = "torchrun"
     remote: ClassVar[bool] = True
     meets_on_agent_store: ClassVar[bool] = True
@@ -126,7 +127,7 @@ class TorchrunLauncher(Launcher):
         port = free_port() if hosts and is_this_machine(hosts[0]) else RDZV_PORT
         endpoint = f"{first}:{port}"
         rdzv_id = f"jupyter_shard-{uuid.uuid4().hex[:12]}"
-        cwd = ranks[0].cwd
+        cwd, pool_dir = ranks[0].cwd, ranks[0].pool_dir
 
         def agent_cmd(node: int) -> list[str]:
             # Node 0 hosts the rendezvous store (which the ranks' process groups use too), so losing
@@ -142,11 +143,15 @@ class TorchrunLauncher(Launcher):
                 env = {**base, NODE: str(node)}
                 log = log_dir / f"node-{node}.log"
                 if is_this_machine(host):
-                    agent = spawn_agent(node, host, agent_cmd(node), env, log, cwd, lifeline_fd)
+                    agent = spawn_agent(
+                        node, host, agent_cmd(node), env, log, cwd, lifeline_fd, pool_dir=pool_dir
+                    )
                 else:
                     command, secrets = _ssh_command(host, env, agent_cmd(node), cwd)
                     public = {k: v for k, v in os.environ.items() if k not in SECRETS}
-                    agent = spawn_agent(node, host, command, public, log, cwd, lifeline_fd, stdin=secrets)
+                    agent = spawn_agent(
+                        node, host, command, public, log, cwd, lifeline_fd, stdin=secrets, pool_dir=pool_dir
+                    )
                 self.agents.append(agent)
         except BaseException:
             self.stop()

@@ -20,19 +20,18 @@ import json
 import os
 import pickle
 import re
-import signal
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from jupyter_shard._util.atomic import write_private
 from jupyter_shard.errors import PoolError, SpecError
-from jupyter_shard.launchers.local import AdoptedRank
-from jupyter_shard.pool.lifecycle import DIR_PREFIX, KEPT_RECORD, runtime_root
+from jupyter_shard.launchers import get_launcher
+from jupyter_shard.launchers.base import KEPT_RECORD, started_at
+from jupyter_shard.pool.lifecycle import DIR_PREFIX, runtime_root
 from jupyter_shard.pool.pool import Pool
 from jupyter_shard.pool.ranks import RankRecord, RankState
 from jupyter_shard.spec import LaunchSpec
@@ -91,8 +90,13 @@ class KeptPool:
         pid, started = owner
         return int(pid) if _alive(int(pid), started) else None
 
-    def alive_ranks(self) -> list[int]:
-        return [r["rank"] for r in self.record["ranks"] if _alive(int(r["pid"]), r["started"])]
+    @property
+    def processes(self) -> list[tuple[int, float | None]]:
+        """What on this machine the pool's life hangs on (its ranks, or its node agents' tethers)."""
+        return [(int(pid), started) for pid, started in self.record["processes"]]
+
+    def alive(self) -> bool:
+        return any(_alive(pid, started) for pid, started in self.processes)
 
     def time_left(self, now: float | None = None) -> float | None:
         """Seconds until the lease runs out; None while a kernel is attached."""
@@ -128,7 +132,7 @@ def kept_pools() -> list[KeptPool]:
             kept = KeptPool(
                 directory.name.removeprefix(DIR_PREFIX), directory, json.loads(record_path.read_text())
             )
-            if kept.alive_ranks():
+            if kept.alive():
                 found.append(kept)
         except (OSError, ValueError, KeyError, TypeError):
             continue
@@ -194,14 +198,9 @@ def attach(
         let_go(pool, say)
     pool = pool or Pool(spec=kept.spec)
     pool.spec = kept.spec
-    log_dir = Path(record["log_dir"]) if record.get("log_dir") else None
-    pool.adopt(
-        kept.directory, record["address"], bytes.fromhex(record["key"]), log_dir, float(record["created"])
-    )
-    for entry in record["ranks"]:
-        rank = RankRecord(
-            AdoptedRank(int(entry["rank"]), int(entry["pid"]), entry["started"]), Path(entry["log"])
-        )
+    handles = pool.adopt(kept.directory, record)
+    for handle, entry in zip(handles, record["ranks"], strict=True):
+        rank = RankRecord(handle, Path(entry["log"]))
         rank.state, rank.device, rank.heartbeat = RankState.IDLE, str(entry["device"]), time.monotonic()
         rank.recount = True  # its I/O count goes on from the kernel that had it (see _wait_connected)
         pool.ranks.add(rank)
@@ -238,14 +237,7 @@ def stop(pool_id: str, force: bool = False) -> str:
     owner = kept.owner
     if owner is not None and not force:
         raise PoolError(f"pool {kept.id} is attached to kernel pid {owner}; stop it there, or use --force")
-    for entry in kept.record["ranks"]:
-        if _alive(int(entry["pid"]), entry["started"]):
-            try:
-                os.killpg(int(entry["pid"]), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                continue
-    import shutil
-
+    get_launcher(kept.record["launcher"]).end_kept(kept.record["launcher_state"], kept.processes)
     shutil.rmtree(kept.directory, ignore_errors=True)
     return f"stopped kept pool {kept.id} ({kept.world_size} ranks, {kept.spec.strategy})"
 
@@ -253,7 +245,7 @@ def stop(pool_id: str, force: bool = False) -> str:
 def _take_over(kept: KeptPool, owner: int) -> None:
     """Ask the owning kernel to let go (it reads the record), and wait until it has."""
     path = kept.directory / KEPT_RECORD
-    data = dict(kept.record, take_over=[os.getpid(), _started(os.getpid())])
+    data = dict(kept.record, take_over=[os.getpid(), started_at(os.getpid())])
     write_private(path, json.dumps(data))
     deadline = time.monotonic() + RELEASE_WAIT
     while time.monotonic() < deadline:
@@ -308,20 +300,8 @@ def _restore_history(pool: Pool) -> None:
 
 
 def _alive(pid: int, started: float | None) -> bool:
-    try:
-        process = psutil.Process(pid)
-        return (
-            started is None or process.create_time() == started
-        ) and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _started(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
+    now = started_at(pid)
+    return now is not None and started in (None, now)
 
 
 def _mtime(path: Path) -> float:

@@ -113,4 +113,4 @@ def rank_launch(
     env.setdefault("TTY_COMPATIBLE", "1")
     env.setdefault("TTY_INTERACTIVE", "1")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_host)))
-    return RankLaunch(rank=rank, env=env, log_path=log_path, cwd=Path.cwd())
+    return RankLaunch(rank=rank, env=env, log_path=log_path, cwd=Path.cwd(), pool_dir=pool_dir)

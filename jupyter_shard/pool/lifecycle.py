@@ -22,8 +22,10 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import astuple
 from pathlib import Path
+from typing import Any
 
 import psutil
 import zmq
@@ -33,6 +35,7 @@ from jupyter_shard._util.net import free_port
 from jupyter_shard.env import LOG_DIR_VAR, RUNTIME_DIR_VAR, START_TIMEOUT_VAR
 from jupyter_shard.errors import PoolError
 from jupyter_shard.launchers import Launcher, get_launcher
+from jupyter_shard.launchers.base import KEPT_RECORD, KeptRank, RankHandle
 from jupyter_shard.launchers.local import kill_recorded
 from jupyter_shard.pool.connection import Connection
 from jupyter_shard.pool.launches import rank_launch
@@ -45,7 +48,6 @@ from jupyter_shard.wire.protocol import KERNEL, MAX_FRAME, Wire, new_key
 START_TIMEOUT = float(os.environ.get(START_TIMEOUT_VAR, "180"))
 
 DIR_PREFIX = "jupyter_shard-"
-KEPT_RECORD = "kept.json"  # a kept pool's record (0600: it holds the key), in its private directory
 _POOL_DIR_NAME = re.compile(re.escape(DIR_PREFIX) + r"[a-z0-9_]{8}")
 
 
@@ -281,9 +283,7 @@ class Lifecycle:
         the record (0600, with the key) says how to attach; its path."""
         assert self.directory is not None and self.launcher is not None and self.key
         if seconds > 0 and not self.launcher.keeps:
-            raise PoolError(
-                f"--keep works for pools on this machine (--launcher local), not --launcher {spec.launcher}"
-            )
+            raise PoolError(f"--launcher {spec.launcher} cannot keep a pool; start it with another launcher")
         pids = [r.handle.pid for r in self.ranks]
         self.launcher.keep(pids, seconds > 0)
         path = self.directory / KEPT_RECORD
@@ -291,7 +291,7 @@ class Lifecycle:
             path.unlink(missing_ok=True)
             return path
         record = {
-            "format": 1,
+            "format": 2,
             "created": self.started_at,
             "keep": seconds,
             "notebook": os.environ.get("JPY_SESSION_NAME") or os.path.basename(sys.argv[0] or "python"),
@@ -299,43 +299,75 @@ class Lifecycle:
             "orphaned_at": None,
             "address": self.address,
             "key": self.key.hex(),
+            "curve": self._curve_keys(),
+            "launcher": spec.launcher,
+            "launcher_state": self.launcher.kept_state(),
+            # what on this machine the pool's life hangs on: its ranks, or the node agents' tethers
+            "processes": [[pid, _start_time(pid)] for pid in self._local_processes()],
             "log_dir": str(self.log_dir or ""),
             "options": spec.describe(),
             "spec": base64.b64encode(pickle.dumps(spec)).decode(),
-            "ranks": [_rank_entry(r) for r in self.ranks],
+            "ranks": [_rank_entry(r, not self.launcher.remote) for r in self.ranks],
         }
         write_private(path, json.dumps(record))
         if let_go is not None:
             threading.Thread(target=_watch_take_over, args=(path, let_go), daemon=True).start()
         return path
 
+    def _curve_keys(self) -> list[str] | None:
+        if self.curve is None:
+            return None
+        keys = self.curve.keys
+        return [k.decode() for k in astuple(keys)]
+
+    def _local_processes(self) -> list[int]:
+        assert self.launcher is not None
+        ranks = [] if self.launcher.remote else [r.handle.pid for r in self.ranks]
+        return ranks + self.launcher.local_pids()
+
     def release(self) -> None:
         """Let go of the ranks without stopping them (the kernel exits, or another kernel takes the
         pool over): the socket closes and the lifeline with it, and the private directory stays."""
         with self.conn.lock:
+            if self.directory is not None:
+                _let_go_of(self.directory / KEPT_RECORD)
             self.ranks.clear()
             self.launcher = None
             self.directory = None  # kept: the ranks remove it when their lease runs out
             self.teardown()
 
-    def adopt(self, directory: Path, address: str, key: bytes, log_dir: Path | None, started: float) -> None:
-        """Become the kernel of a kept pool's ranks: bind their socket again (they reconnect)."""
-        self.directory, self.address, self.log_dir = directory, address, log_dir
-        self.key, self.started_at = key, started
-        self.launcher = get_launcher("local")
+    def adopt(
+        self, directory: Path, record: Mapping[str, Any], signal_sender: Callable[[int, int], None]
+    ) -> list[RankHandle]:
+        """Become the kernel of a kept pool's ranks: bind their socket again (they reconnect, through
+        the same Curve keys if they dial back over TCP); the ranks' handles."""
+        self.directory, self.address = directory, str(record["address"])
+        self.log_dir = Path(record["log_dir"]) if record.get("log_dir") else None
+        self.key, self.started_at = bytes.fromhex(record["key"]), float(record["created"])
+        ranks = [
+            KeptRank(int(r["rank"]), int(r["pid"]), r["started"], str(r.get("host", "")), r.get("node"))
+            for r in record["ranks"]
+        ]
+        launcher, handles = get_launcher(record["launcher"]).adopt(record["launcher_state"], ranks)
+        launcher.set_signal_sender(signal_sender)
+        self.launcher = launcher
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
         try:
-            sock.bind(address)
+            if record.get("curve"):
+                self.curve = CurveServer(self._ctx, CurveKeys(*(k.encode() for k in record["curve"])))
+                self.curve.secure(sock)
+            sock.bind(self.address)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
-            self._ctx.term()
-            self._ctx, self.directory = None, None
-            raise PoolError(f"cannot bind the kept pool's socket {address}: {exc}") from None
-        self.conn.attach(sock, Wire(key, KERNEL))
+            self.directory = None
+            self.teardown()
+            raise PoolError(f"cannot bind the kept pool's socket {self.address}: {exc}") from None
+        self.conn.attach(sock, Wire(self.key, KERNEL))
+        return handles
 
     def teardown(self) -> None:
         if self.curve is not None:
@@ -361,16 +393,29 @@ def _tail(path: Path, limit: int = 4000) -> str:
     return data.decode(errors="replace").strip() or "(the log is empty)"
 
 
-def _rank_entry(r: RankRecord) -> dict[str, object]:
-    """One rank in a kept pool's record: enough to attach to it by pid and start time."""
+def _rank_entry(r: RankRecord, here: bool) -> dict[str, object]:
+    """One rank in a kept pool's record: enough to attach to it (by pid and start time ``here``)."""
     pid = r.handle.pid
     return {
         "rank": r.rank,
         "pid": pid,
-        "started": _start_time(pid),
+        "started": _start_time(pid) if here else None,
+        "host": r.handle.host,
+        "node": r.handle.node,
         "device": r.device,
         "log": str(r.log_path),
     }
+
+
+def _let_go_of(path: Path) -> None:
+    """The record of a kept pool this process lets go of names no kernel, from now (its lease starts)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if data.get("owner") and data["owner"][0] == os.getpid():
+        data["owner"], data["orphaned_at"] = None, time.time()
+        write_private(path, json.dumps(data))
 
 
 def _watch_take_over(path: Path, let_go: Callable[[str], bool]) -> None:
@@ -388,6 +433,4 @@ def _watch_take_over(path: Path, let_go: Callable[[str], bool]) -> None:
             return
         asked = bool(taker) and taker[0] != me and _start_time(int(taker[0])) == taker[1]
         if asked and let_go(f"kernel pid {taker[0]}"):
-            data["owner"], data["orphaned_at"] = None, time.time()
-            write_private(path, json.dumps(data))
-            return
+            return  # it released the pool, which says so in the record

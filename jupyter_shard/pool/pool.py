@@ -13,11 +13,12 @@ import atexit
 import os
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+from jupyter_shard.launchers.base import RankHandle
 from jupyter_shard.pool.background import BackgroundRun, Watcher, refuse_while_running
 from jupyter_shard.pool.cell import POST_MORTEM, CellGathering, Gathering
 from jupyter_shard.pool.connection import Connection
@@ -159,13 +160,15 @@ class Pool(PoolFacts):
             self.run_own(f"__import__('jupyter_shard.rank.keep', fromlist=['set_lease']).set_lease{lease}")
         self._keep = float(seconds)
 
-    def adopt(self, directory: Path, address: str, key: bytes, log_dir: Path | None, started: float) -> None:
-        """Become the kernel of a kept pool's ranks (``jupyter_shard.attach`` adds them, then holds)."""
-        self.lifecycle.adopt(directory, address, key, log_dir, started)
+    def adopt(self, directory: Path, record: Mapping[str, Any]) -> list[RankHandle]:
+        """Become the kernel of a kept pool's ranks, whose handles this returns (``jupyter_shard.attach``
+        adds them, then holds)."""
+        handles = self.lifecycle.adopt(directory, record, self.escalation.deliver_signal)
         _live_pools.add(self)
         global _latest
         _latest = self
         self._watcher.start()
+        return handles
 
     def hold(self, seconds: float) -> None:
         """The adopted ranks' lease goes on as set (they hold it): the record now names this kernel."""

@@ -25,7 +25,6 @@ import collections
 import contextlib
 import os
 import queue
-import signal
 import socket
 import sys
 import threading
@@ -57,9 +56,6 @@ HEARTBEAT_INTERVAL = 1.0
 
 Handler = Callable[[Message], None]
 
-
-KERNEL_LOST_AFTER = 10.0  # a rank started by an agent ends this long after losing the kernel
-START_WAIT = 120.0  # ... or when it cannot reach the kernel this long after starting
 
 Curve = str | None  # the pool's Curve client keys (ranks that dial back over TCP), or None
 
@@ -344,37 +340,3 @@ class Channel:
                 handler(msg)
             except Exception as exc:
                 self.report(f"answering a {msg.type!r} request", exc)
-
-
-def watch_kernel(events: zmq.Socket[bytes], parent_pid: int) -> None:
-    """For a rank started by an agent: end it when the agent dies or the kernel is gone.
-
-    The kernel is gone when the connection to it (TCP, with ZMTP heartbeats) stays down for
-    ``KERNEL_LOST_AFTER`` seconds, or never comes up within ``START_WAIT`` seconds.
-    """
-    from zmq.utils.monitor import recv_monitor_message
-
-    def run() -> None:
-        lost_since: float | None = time.monotonic()
-        ever = False
-        while True:
-            if events.poll(250):
-                event = recv_monitor_message(events)["event"]
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    lost_since, ever = None, True
-                elif event == zmq.EVENT_DISCONNECTED and lost_since is None:
-                    lost_since = time.monotonic()
-            why = ""
-            if os.getppid() != parent_pid:
-                why = "its node agent is gone"
-            elif lost_since is not None and time.monotonic() - lost_since > (
-                KERNEL_LOST_AFTER if ever else START_WAIT
-            ):
-                why = "the connection to the kernel is gone" if ever else "the kernel could not be reached"
-            if why:
-                print(f"jupyter_shard: stopping this rank: {why}", file=sys.__stderr__, flush=True)
-                if os.getpgrp() == os.getpid():
-                    os.killpg(os.getpid(), signal.SIGKILL)
-                os._exit(1)
-
-    threading.Thread(target=run, name="jupyter_shard-lifeline", daemon=True).start()

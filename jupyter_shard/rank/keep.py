@@ -1,15 +1,20 @@
-"""A rank's lease: how long it lives on after the kernel that drives it is gone (``--keep``).
+"""When a rank ends with its kernel, and its lease: how long it lives on after that (``--keep``).
 
-By default a rank ends as soon as its kernel is gone (the lifeline pipe closes, or the zygote it was
-forked from ends): no process outlives its kernel. A kept pool's ranks instead start a countdown of
-``LEASE.seconds`` and wait for a kernel to attach: a kernel binding the pool's socket again is seen as
-the connection coming back (ZeroMQ reconnects by itself), which stops the countdown; a lost
-connection starts it again. When it runs out with no kernel attached, rank 0 removes the pool's
-private directory (socket, store, the record with the key) and every rank kills its own process
-group, so nothing is left behind.
+By default a rank ends as soon as its kernel is gone: for a rank started on this machine, when the
+lifeline pipe closes or the zygote it was forked from ends (:func:`watch_owner`); for one started by a
+node agent (torchrun, SLURM), when the agent ends, or when the connection to the kernel (TCP, with
+ZMTP heartbeats) stays down for ``KERNEL_LOST_AFTER`` seconds or never comes up within
+``START_WAIT`` seconds (:func:`watch_kernel`). No process outlives its kernel.
 
-Rank 0 also writes into the pool's record when the kernel went, so that ``%dist_pools`` in another
-kernel can say how long the pool has left.
+A kept pool's ranks instead start a countdown of ``LEASE.seconds`` and wait for a kernel to attach:
+a kernel binding the pool's socket again is seen as the connection coming back (ZeroMQ reconnects by
+itself), which stops the countdown; a lost connection starts it again. When it runs out with no
+kernel attached, rank 0 removes the pool's private directory (socket, store, the record with the
+key) and every rank kills its own process group, so nothing is left behind.
+
+A node agent's rank whose agent ends still ends at once (the agent's tether leaves the agent alive
+for a kept pool). Rank 0 also writes into the pool's record when the kernel went, where the record is
+on its machine, so that ``%dist_pools`` in another kernel can say how long the pool has left.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ import zmq
 
 from jupyter_shard._util.atomic import write_private
 
-__all__ = ["LEASE", "Lease", "set_lease", "watch_owner"]
+__all__ = ["LEASE", "Lease", "set_lease", "watch_kernel", "watch_owner"]
 
 POLL = 0.25  # seconds between looks at the lifeline and the connection
+KERNEL_LOST_AFTER = 10.0  # a rank started by an agent ends this long after losing the kernel
+START_WAIT = 120.0  # ... or when it cannot reach the kernel this long after starting
 
 
 class Lease:
@@ -96,12 +103,47 @@ def watch_owner(lifeline: int, parent_pid: int, events: zmq.Socket[bytes], rank:
     threading.Thread(target=run, name="jupyter_shard-lifeline", daemon=True).start()
 
 
+def watch_kernel(events: zmq.Socket[bytes], parent_pid: int, rank: int) -> None:
+    """For a rank started by a node agent: end it when the agent is gone, or when the kernel is gone
+    and the lease (if any) runs out with none attached."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    def run() -> None:
+        lost_since: float | None = time.monotonic()
+        ever = noted = False
+        while True:
+            if events.poll(int(POLL * 1000)):
+                event = recv_monitor_message(events)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    lost_since, ever, noted = None, True, False
+                elif event == zmq.EVENT_DISCONNECTED and lost_since is None:
+                    lost_since = time.monotonic()
+            if os.getppid() != parent_pid:
+                _end(rank, None, "its node agent is gone", kept=False)
+            if lost_since is None:
+                continue
+            with LEASE.lock:
+                seconds, record = LEASE.seconds, LEASE.record
+            lost = time.monotonic() - lost_since
+            if ever and seconds > 0:
+                if not noted:
+                    _kernel_went(rank)
+                    noted = True
+                if lost > seconds:
+                    _end(rank, record, f"no kernel attached for {seconds:g} s, the lease of this kept pool")
+            elif lost > (KERNEL_LOST_AFTER if ever else START_WAIT):
+                why = "the connection to the kernel is gone" if ever else "the kernel could not be reached"
+                _end(rank, None, why, kept=False)
+
+    threading.Thread(target=run, name="jupyter_shard-lifeline", daemon=True).start()
+
+
 def _kernel_went(rank: int) -> None:
     """Rank 0 notes in the pool's record when the kernel went (for ``%dist_pools``' time left)."""
     with LEASE.lock:
         record, seconds = LEASE.record, LEASE.seconds
-    if rank != 0 or record is None or seconds <= 0:
-        return
+    if rank != 0 or record is None or seconds <= 0 or not record.exists():
+        return  # (on another machine than the kernel's, the tether of node 0's agent notes it)
     try:
         data = json.loads(record.read_text())
         data["orphaned_at"], data["owner"] = time.time(), None
@@ -110,12 +152,14 @@ def _kernel_went(rank: int) -> None:
         print(f"jupyter_shard: could not note the kernel's end in {record}: {exc}", file=sys.__stderr__)
 
 
-def _end(rank: int, record: Path | None, why: str) -> None:
-    """Rank 0 removes the pool's directory; every rank kills its own process group."""
+def _end(rank: int, record: Path | None, why: str, kept: bool = True) -> None:
+    """Rank 0 removes the pool's directory (where it is on its machine); every rank kills its own
+    process group, or (a rank that is not its group's leader) itself."""
     if why:
-        print(f"jupyter_shard: ending this rank: {why} ran out", file=sys.__stderr__, flush=True)
+        ran_out = " ran out" if kept else ""
+        print(f"jupyter_shard: ending this rank: {why}{ran_out}", file=sys.__stderr__, flush=True)
     if rank == 0 and record is not None:
         shutil.rmtree(record.parent, ignore_errors=True)
-    os.killpg(os.getpgrp(), signal.SIGKILL)
-    time.sleep(1)
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
     os._exit(1)

@@ -22,9 +22,9 @@ from datetime import timedelta
 import zmq
 
 from jupyter_shard.env import RankEnv, pop_secrets
-from jupyter_shard.rank.channel import Channel, ShellSocket, watch_kernel
+from jupyter_shard.rank.channel import Channel, ShellSocket
 from jupyter_shard.rank.io_replies import serve_io
-from jupyter_shard.rank.keep import watch_owner
+from jupyter_shard.rank.keep import watch_kernel, watch_owner
 from jupyter_shard.rank.output import RankStream
 from jupyter_shard.rank.runner import CellState, Runner
 from jupyter_shard.wire.protocol import io_identity, rank_identity
@@ -58,7 +58,7 @@ def main() -> None:
     if env.lifeline_fd is not None:  # started here: live while the kernel does, or a kept pool's lease
         watch_owner(env.lifeline_fd, env.parent_pid or os.getppid(), shell_sock.monitor(), rank)
     else:  # started by an agent: live while the agent and the kernel connection do
-        watch_kernel(shell_sock.monitor(), os.getppid())
+        watch_kernel(shell_sock.monitor(), os.getppid(), rank)
     state = CellState()
     log = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="replace")
     lock = threading.Lock()

@@ -83,6 +83,7 @@ class _Spawned:
         lifeline_fd: int,
         cancel: list[str] | tuple[str, ...] = (),
         stdin: bytes | None = None,
+        pool_dir: Path | None = None,
     ) -> AgentProcess:
         self.calls.append(
             {
@@ -94,6 +95,7 @@ class _Spawned:
                 "cwd": cwd,
                 "cancel": list(cancel),
                 "stdin": stdin,
+                "pool_dir": pool_dir,
             }
         )
         return AgentProcess(node, host, _FakeProc(), log_path)  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
+from jupyter_shard.launchers.base import KEPT_RECORD
 from jupyter_shard.launchers.remote import tether_argv
 
 SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
@@ -45,10 +47,12 @@ def _until(check: Any, timeout: float = 5.0) -> bool:
 
 
 class _Tether:
-    def __init__(self, command: list[str], cancel: list[str] | tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, command: list[str], cancel: list[str] | tuple[str, ...] = (), pool_dir: Path | None = None
+    ) -> None:
         read, self.write = os.pipe()
         self.proc = subprocess.Popen(
-            tether_argv(read, command, cancel), pass_fds=(read,), stderr=subprocess.PIPE
+            tether_argv(read, command, cancel, pool_dir), pass_fds=(read,), stderr=subprocess.PIPE
         )
         os.close(read)
 
@@ -139,3 +143,66 @@ def test_tether_without_a_command_is_a_usage_error() -> None:
         os.close(read)
         os.close(write)
     assert done.returncode == 2 and b"no command given" in done.stderr
+
+
+def _record(pool_dir: Path, keep: float) -> Path:
+    """A kept pool's record as the kernel writes it: this process is the owner."""
+    path = pool_dir / KEPT_RECORD
+    owner = [os.getpid(), psutil.Process().create_time()]
+    path.write_text(json.dumps({"keep": keep, "owner": owner, "orphaned_at": None}))
+    return path
+
+
+def test_a_kept_pools_agent_outlives_the_kernel_and_its_end_removes_the_pool_directory(
+    tmp_path: Path, tethers: list[_Tether]
+) -> None:
+    pool_dir = tmp_path / "pool"
+    pool_dir.mkdir()
+    record = _record(pool_dir, 60)
+    marker = tmp_path / "cancelled"
+    t = _Tether(["sleep", "60"], cancel=["touch", str(marker)], pool_dir=pool_dir)
+    tethers.append(t)
+    (child,) = t.children()
+    went = time.time()
+    t.close()  # the kernel's end of the lifeline
+    assert _until(lambda: json.loads(record.read_text())["owner"] is None)
+    assert json.loads(record.read_text())["orphaned_at"] >= went - 1  # %dist_pools counts from here
+    time.sleep(0.5)
+    assert t.proc.poll() is None and not _gone(child.pid), "the kept pool's agent was stopped"
+    assert not marker.exists(), "a kept pool's job was cancelled"
+    child.kill()  # its ranks' lease ran out: the agent ends with them
+    assert t.proc.wait(5) == 128 + signal.SIGKILL
+    assert not pool_dir.exists(), "the pool's directory (its record, with the key) was left behind"
+
+
+def test_a_record_that_says_keep_0_or_is_gone_stops_the_agent_with_the_kernel(
+    tmp_path: Path, tethers: list[_Tether]
+) -> None:
+    for keep in (0.0, None):
+        pool_dir = tmp_path / f"pool-{keep}"
+        pool_dir.mkdir()
+        if keep is not None:
+            _record(pool_dir, keep)
+        t = _Tether(["sleep", "60"], pool_dir=pool_dir)
+        tethers.append(t)
+        (child,) = t.children()
+        t.close()
+        assert t.proc.wait(5) == 128 + signal.SIGTERM
+        assert _until(lambda child=child: _gone(child.pid), 3.0)
+
+
+def test_a_kept_pools_agent_stops_on_sigterm_from_a_kernel_that_attached(
+    tmp_path: Path, tethers: list[_Tether]
+) -> None:
+    pool_dir = tmp_path / "pool"
+    pool_dir.mkdir()
+    record = _record(pool_dir, 60)
+    marker = tmp_path / "cancelled"
+    t = _Tether(["sleep", "60"], cancel=["touch", str(marker)], pool_dir=pool_dir)
+    tethers.append(t)
+    (child,) = t.children()
+    t.close()
+    assert _until(lambda: json.loads(record.read_text())["owner"] is None)
+    t.proc.send_signal(signal.SIGTERM)  # AdoptedAgent.stop, from the kernel that attached
+    assert t.proc.wait(5) == 128 + signal.SIGTERM
+    assert _until(lambda: _gone(child.pid), 3.0) and marker.exists()

@@ -82,6 +82,9 @@ def _record(runtime: Path, name: str, ranks: list[int], owner: int | None, **ext
             {"rank": i, "pid": pid, "started": started[pid], "device": "cpu", "log": "/l"}
             for i, pid in enumerate(ranks)
         ],
+        "launcher": "local",
+        "launcher_state": {},
+        "processes": [[pid, started[pid]] for pid in ranks],
         **extra,
     }
     (directory / "kept.json").write_text(json.dumps(record))
@@ -90,10 +93,9 @@ def _record(runtime: Path, name: str, ranks: list[int], owner: int | None, **ext
 
 def test_listing_shows_live_pools_with_their_time_left(runtime: Path, sleeper: Popen) -> None:
     _record(runtime, "abcd1234", [sleeper.pid], owner=None)
-    _record(runtime, "deadbeef", [2**22 + 7], owner=None) if False else None
     gone = runtime / "jupyter_shard-gone0000"
     gone.mkdir()
-    (gone / "kept.json").write_text(json.dumps({"ranks": [{"rank": 0, "pid": 1, "started": 1.0}]}))
+    (gone / "kept.json").write_text(json.dumps({"ranks": [{"rank": 0}], "processes": [[1, 1.0]]}))
     (pool,) = keep.kept_pools()
     assert pool.id == "abcd1234" and pool.owner is None and pool.world_size == 1
     left = pool.time_left()

@@ -157,7 +157,7 @@ def test_a_rank_started_by_an_agent_logs_to_its_own_file_and_watches_the_kernel(
     runtime.main()
     assert started.seen[0] == ("own log", "/logs/pool/rank-2.log")
     assert started.seen[1][-1] == "client-keys" and started.seen[2][-1] == "client-keys"
-    assert ("watch kernel", "monitor-socket", os.getppid()) in started.seen
+    assert ("watch kernel", "monitor-socket", os.getppid(), 2) in started.seen
     assert not [e for e in started.seen if e[0] in ("lifeline", "direct")]
     assert env_module.CURVE not in os.environ
 
