@@ -36,7 +36,8 @@ ATTACH_TARGET = 1.0  # seconds: attaching to a kept pool takes under a second
 DRIVER = """
 import json, os, signal, sys
 from jupyter_shard import Pool
-pool = Pool(nproc=int(sys.argv[1]), device="cpu", strategy="ddp", keep=600)
+from jupyter_shard.launchers import resolve_spec
+pool = Pool(spec=resolve_spec(device="cpu", strategy="ddp", **json.loads(sys.argv[1])), keep=600)
 pool.start()
 pool.run("import torch\\nstate = torch.ones(1000)")
 print(json.dumps([r.handle.pid for r in pool.ranks]), flush=True)
@@ -66,12 +67,20 @@ def _sink() -> Any:
     return ConsoleSink(io.StringIO(), io.StringIO())
 
 
-def attach_times(nproc: int, repeats: int, idle: float) -> dict[str, Any]:
+def _options(launcher: str, nproc: int) -> dict[str, Any]:
+    """The pool: ``nproc`` ranks here, or two torchrun agents here with half of them each."""
+    if launcher == "torchrun":
+        return {"launcher": "torchrun", "hosts": "localhost,localhost", "nproc": nproc // 2}
+    return {"nproc": nproc}
+
+
+def attach_times(launcher: str, nproc: int, repeats: int, idle: float) -> dict[str, Any]:
     """Attach to a pool whose kernel was killed, ``repeats`` times; and its cost while kept."""
     from jupyter_shard.pool.keep import attach, kept_pools, stop
 
+    options = json.dumps(_options(launcher, nproc))
     done = subprocess.run(
-        [sys.executable, "-c", DRIVER, str(nproc)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", DRIVER, options], capture_output=True, text=True, timeout=300
     )
     pids = json.loads(done.stdout.strip().splitlines()[-1])
     time.sleep(0.5)
@@ -143,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=19, help="19 × 4096² fp32: 1.28 GB")
-    parser.add_argument("--sizes", default="2,4,8", help="world sizes to attach at")
+    parser.add_argument("--sizes", default="2,4,8", help="world sizes to attach at (local ranks)")
+    parser.add_argument(
+        "--torchrun-sizes", default="2,4", help="world sizes to attach at, over two torchrun agents"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 ranks, a 34 MB model")
     parser.add_argument(
         "--results", default=str(RESULTS / "keep.md"), help="markdown file to write; - only prints"
@@ -151,16 +163,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.idle, args.width, args.depth, args.sizes = 2, 2.0, 1024, 8, "2"
-    sizes = [int(n) for n in args.sizes.split(",")]
+        args.torchrun_sizes = "2"
+    runs = [("local", int(n)) for n in args.sizes.split(",") if n]
+    runs += [("torchrun", int(n)) for n in args.torchrun_sizes.split(",") if n]
     work = Path(tempfile.mkdtemp(prefix="jskeep-"))
     old_runtime = os.environ.get("JUPYTER_SHARD_RUNTIME_DIR")
     os.environ["JUPYTER_SHARD_RUNTIME_DIR"] = str(work)  # this run's kept pools only
-    attaches: dict[int, dict[str, Any]] = {}
+    attaches: dict[tuple[str, int], dict[str, Any]] = {}
     try:
         with LoadWatch() as watch:
-            for n in sizes:
-                print(f"attach at {n} ranks ...", flush=True)
-                attaches[n] = attach_times(n, args.repeats, args.idle)
+            for launcher, n in runs:
+                print(f"attach at {n} ranks ({launcher}) ...", flush=True)
+                attaches[launcher, n] = attach_times(launcher, n, args.repeats, args.idle)
             print("suspend and resume ...", flush=True)
             sr = suspend_resume(args.width, args.depth, work)
     finally:
@@ -174,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(
-    attaches: dict[int, dict[str, Any]], sr: dict[str, float], args: argparse.Namespace, watch: LoadWatch
+    attaches: dict[tuple[str, int], dict[str, Any]],
+    sr: dict[str, float],
+    args: argparse.Namespace,
+    watch: LoadWatch,
 ) -> list[str]:
     import torch
 
@@ -199,23 +216,25 @@ def _report(
         "A pool (ddp, CPU ranks) kept by a process killed with SIGKILL; `jupyter_shard.attach()` from "
         f"another process, {args.repeats} times per world size (letting go in between); median and range "
         f"of the call. The cost of the kept pool: each rank's CPU time over {args.idle:g} s and its resident "
-        "memory, mean over ranks, with no kernel attached and then attached and idle.",
+        "memory, mean over ranks, with no kernel attached and then attached and idle. `local`: ranks "
+        "forked here; `torchrun`: two torchrun agents on this machine, half the ranks each, dialling back "
+        "over TCP with CurveZMQ (the agents' own cost is not counted).",
         "",
-        "| ranks | attach, median (s) | range (s) | CPU per rank, kept (%) | CPU per rank, attached idle (%) "
-        "| RSS per rank (MiB) |",
-        "|---:|---:|---|---:|---:|---:|",
+        "| launcher | ranks | attach, median (s) | range (s) | CPU per rank, kept (%) "
+        "| CPU per rank, attached idle (%) | RSS per rank (MiB) |",
+        "|---|---:|---:|---|---:|---:|---:|",
     ]
     targets: list[tuple[str, str, bool | None]] = []
-    for n, a in attaches.items():
+    for (launcher, n), a in attaches.items():
         t = a["times"]
         median = statistics.median(t)
         lines.append(
-            f"| {n} | {median:.3f} | {min(t):.3f}–{max(t):.3f} | {a['kept']['cpu']:.2f} "
+            f"| {launcher} | {n} | {median:.3f} | {min(t):.3f}–{max(t):.3f} | {a['kept']['cpu']:.2f} "
             f"| {a['held']['cpu']:.2f} | {a['kept']['rss']:.0f} |"
         )
         targets.append(
             (
-                f"attach to a kept pool of {n} CPU ranks in under {ATTACH_TARGET:g} s",
+                f"attach to a kept {launcher} pool of {n} CPU ranks in under {ATTACH_TARGET:g} s",
                 f"{median:.3f} s",
                 median < ATTACH_TARGET,
             )
