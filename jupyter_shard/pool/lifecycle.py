@@ -27,7 +27,6 @@ from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
-import psutil
 import zmq
 
 from jupyter_shard._util.atomic import write_private
@@ -35,7 +34,7 @@ from jupyter_shard._util.net import free_port
 from jupyter_shard.env import LOG_DIR_VAR, RUNTIME_DIR_VAR, START_TIMEOUT_VAR
 from jupyter_shard.errors import PoolError
 from jupyter_shard.launchers import Launcher, get_launcher
-from jupyter_shard.launchers.base import KEPT_RECORD, KeptRank, RankHandle
+from jupyter_shard.launchers.base import KEPT_RECORD, KeptRank, RankHandle, started_at
 from jupyter_shard.launchers.local import kill_recorded
 from jupyter_shard.pool.connection import Connection
 from jupyter_shard.pool.launches import rank_launch
@@ -51,13 +50,6 @@ DIR_PREFIX = "jupyter_shard-"
 _POOL_DIR_NAME = re.compile(re.escape(DIR_PREFIX) + r"[a-z0-9_]{8}")
 
 
-def _start_time(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-
-
 def runtime_root() -> Path:
     """Where private pool directories go: $JUPYTER_SHARD_RUNTIME_DIR, else the temp directory."""
     return Path(os.environ.get(RUNTIME_DIR_VAR) or tempfile.gettempdir())
@@ -70,8 +62,8 @@ def new_pool_dir() -> Path:
 
 def record_pool(directory: Path, rank_pids: list[int]) -> None:
     record = {
-        "kernel": [os.getpid(), _start_time(os.getpid())],
-        "ranks": [[pid, _start_time(pid)] for pid in rank_pids],
+        "kernel": [os.getpid(), started_at(os.getpid())],
+        "ranks": [[pid, started_at(pid)] for pid in rank_pids],
     }
     tmp = directory / "pool.json.tmp"
     tmp.write_text(json.dumps(record))
@@ -99,14 +91,14 @@ def clean_stale_pools(base: Path | None = None) -> list[Path]:
                 shutil.rmtree(directory, ignore_errors=True)
                 removed.append(directory)
             continue
-        if kernel_start is not None and _start_time(kernel_pid) == kernel_start:
+        if kernel_start is not None and started_at(kernel_pid) == kernel_start:
             continue
         if (directory / KEPT_RECORD).exists() and any(
-            started is not None and _start_time(pid) == started for pid, started in ranks
+            started is not None and started_at(pid) == started for pid, started in ranks
         ):
             continue  # a kept pool (--keep) waiting for a kernel: its ranks end it when its lease runs out
         for pid, started in ranks:
-            if started is not None and _start_time(pid) == started:
+            if started is not None and started_at(pid) == started:
                 kill_recorded(pid)
         shutil.rmtree(directory, ignore_errors=True)
         removed.append(directory)
@@ -295,7 +287,7 @@ class Lifecycle:
             "created": self.started_at,
             "keep": seconds,
             "notebook": os.environ.get("JPY_SESSION_NAME") or os.path.basename(sys.argv[0] or "python"),
-            "owner": [os.getpid(), _start_time(os.getpid())],
+            "owner": [os.getpid(), started_at(os.getpid())],
             "orphaned_at": None,
             "address": self.address,
             "key": self.key.hex(),
@@ -303,7 +295,7 @@ class Lifecycle:
             "launcher": spec.launcher,
             "launcher_state": self.launcher.kept_state(),
             # what on this machine the pool's life hangs on: its ranks, or the node agents' tethers
-            "processes": [[pid, _start_time(pid)] for pid in self._local_processes()],
+            "processes": [[pid, started_at(pid)] for pid in self._local_processes()],
             "log_dir": str(self.log_dir or ""),
             "options": spec.describe(),
             "spec": base64.b64encode(pickle.dumps(spec)).decode(),
@@ -399,7 +391,7 @@ def _rank_entry(r: RankRecord, here: bool) -> dict[str, object]:
     return {
         "rank": r.rank,
         "pid": pid,
-        "started": _start_time(pid) if here else None,
+        "started": started_at(pid) if here else None,
         "host": r.handle.host,
         "node": r.handle.node,
         "device": r.device,
@@ -431,6 +423,6 @@ def _watch_take_over(path: Path, let_go: Callable[[str], bool]) -> None:
         owner, taker = data.get("owner"), data.get("take_over")
         if not owner or owner[0] != me:
             return
-        asked = bool(taker) and taker[0] != me and _start_time(int(taker[0])) == taker[1]
+        asked = bool(taker) and taker[0] != me and started_at(int(taker[0])) == taker[1]
         if asked and let_go(f"kernel pid {taker[0]}"):
             return  # it released the pool, which says so in the record
