@@ -5,7 +5,8 @@
 (``env://``; NCCL on CUDA, gloo on CPU) with the pool's collective timeout and builds the same
 :class:`~jupyter_shard.rank.shard.Shard` a rank builds from the same options, so ``prepare``,
 ``backward``, ``step``, ``save`` and ``print0`` behave as in the notebook. Run without torchrun
-(``python train.py``) the script is a world of one rank. :func:`finish` ends the run cleanly.
+(``python train.py``) the script is a world of one rank. :func:`finish` ends the run cleanly: it
+leaves the process group and exits the process (after the exit handlers) the way ranks do.
 
 ``shard.log`` scalars go to JSON Lines files, one per rank, a record per call:
 ``{"rank": 0, "step": 1, "time": 1700000000.0, "loss": 0.25}`` (the records of
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
 import json
 import os
 import pickle
@@ -97,6 +99,19 @@ def finish() -> None:
         # without an active exception").
         dist.barrier()
         dist.destroy_process_group()
+        _exit_without_teardown()
+
+
+def _exit_without_teardown() -> None:
+    """End the process as the pool's ranks end: exit handlers run and output is flushed, then
+    ``os._exit(0)``. torch 2.13's gloo can abort a process while its interpreter tears down, after
+    the script returned ("terminate called without an active exception", pytorch/pytorch#190489),
+    and torchrun then reports the run as failed."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(0)
 
 
 def ipython(namespace: dict[str, Any]) -> Callable[[], InteractiveShell]:

@@ -75,12 +75,9 @@ def torchrun(script: Path) -> str:
         timeout=150,
         check=False,
     )
-    # torch 2.13's gloo can abort a worker while its interpreter shuts down, after the script has
-    # returned (pytorch/pytorch#190489); the callers still check that every step's loss was printed
-    aborted_at_exit = "terminate called without an active exception" in done.stdout + done.stderr
-    assert done.returncode == 0 or aborted_at_exit, (
-        f"torchrun exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
-    )
+    # finish() ends each worker without the interpreter teardown in which torch 2.13's gloo can
+    # abort (pytorch/pytorch#190489): an exported run exits 0
+    assert done.returncode == 0, f"torchrun exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
 

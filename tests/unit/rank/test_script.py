@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,3 +43,26 @@ def test_script_metrics_that_cannot_be_written_go_to_stderr(
     helper.log(loss=2.0)
     err = capsys.readouterr().err
     assert "shard.log records not written" in err and '"loss": 2.0' in err
+
+
+FINISHED = """
+import atexit, sys
+from jupyter_shard.rank.script import finish, start
+shard = start()
+atexit.register(lambda: print("exit handler ran", flush=True))
+print("unflushed", end="")
+finish()
+print("after finish")
+"""
+
+
+def test_finish_runs_the_exit_handlers_flushes_and_ends_the_process(tmp_path: Path) -> None:
+    """It leaves the process group and exits at once, as ranks do (no interpreter teardown, in which
+    torch 2.13's gloo can abort the process after the script returned)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env[script_module.METRICS_ENV] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", FINISHED], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "unflushedexit handler ran\n", done.stdout
