@@ -7,7 +7,9 @@ test gets its own log directory so rank logs can be inspected.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -148,6 +150,21 @@ class Kernel:
         finally:
             if self.km.has_kernel:
                 self.km.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kept_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A short private runtime directory (Unix socket paths are short) for this test's kept pools
+    alone; any still kept at the end are stopped."""
+    from jupyter_shard.env import RUNTIME_DIR_VAR
+    from jupyter_shard.pool.keep import kept_pools, stop
+
+    path = Path(tempfile.mkdtemp(prefix="js-keep-"))
+    monkeypatch.setenv(RUNTIME_DIR_VAR, str(path))
+    yield path
+    for kept in kept_pools():
+        stop(kept.id, force=True)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from jupyter_shard import PoolError
 from jupyter_shard.env import RUNTIME_DIR_VAR
-from jupyter_shard.pool.keep import attach, kept_pools, stop
+from jupyter_shard.pool.keep import attach, kept_pools
 from tests.faults.conftest import alive, wait_gone
 
 pytestmark = pytest.mark.timeout(180)
@@ -46,13 +43,8 @@ keep.attach()
 
 
 @pytest.fixture
-def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="js-f21-"))
-    monkeypatch.setenv(RUNTIME_DIR_VAR, str(path))
-    yield path
-    for kept in kept_pools():
-        stop(kept.id, force=True)
-    shutil.rmtree(path, ignore_errors=True)
+def runtime(kept_runtime: Path) -> Path:
+    return kept_runtime
 
 
 def _killed_driver(nproc: int, keep: float) -> tuple[list[int], Path]:

@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,22 +42,13 @@ print("kept", x + 1, int(t.item()), shard.global_step, type(model).__name__)"""
 
 
 @pytest.fixture
-def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A short private runtime directory (Unix socket paths are short), emptied of kept pools after."""
-    path = Path(tempfile.mkdtemp(prefix="js-keep-"))
-    monkeypatch.setenv(RUNTIME_DIR_VAR, str(path))
-    yield path
-    _cli("stop-all", path)
-    shutil.rmtree(path, ignore_errors=True)
+def runtime(kept_runtime: Path) -> Path:
+    return kept_runtime
 
 
 def _cli(command: str, runtime: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, RUNTIME_DIR_VAR: str(runtime)}
-    if command == "stop-all":
-        code = "from jupyter_shard.pool.keep import kept_pools, stop\nfor p in kept_pools(): stop(p.id, True)"
-        argv = [sys.executable, "-c", code]
-    else:
-        argv = [sys.executable, "-m", "jupyter_shard", command, *args]
+    argv = [sys.executable, "-m", "jupyter_shard", command, *args]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
 
 

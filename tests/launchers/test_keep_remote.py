@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -21,7 +18,7 @@ import pytest
 
 import jupyter_shard
 from jupyter_shard.env import RUNTIME_DIR_VAR
-from jupyter_shard.pool.keep import kept_pools, stop
+from jupyter_shard.pool.keep import kept_pools
 
 from .conftest import SlurmCluster
 
@@ -45,13 +42,8 @@ TORCHRUN = {"launcher": "torchrun", "hosts": "localhost,localhost", "nproc": 1}
 
 
 @pytest.fixture
-def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="js-keep-remote-"))
-    monkeypatch.setenv(RUNTIME_DIR_VAR, str(path))
-    yield path
-    for kept in kept_pools():
-        stop(kept.id, force=True)
-    shutil.rmtree(path, ignore_errors=True)
+def runtime(kept_runtime: Path) -> Path:
+    return kept_runtime
 
 
 def _killed_kernel(options: dict[str, object], keep: float) -> dict[str, object]:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -153,9 +154,18 @@ def _record(pool_dir: Path, keep: float) -> Path:
     return path
 
 
-def test_a_kept_pools_agent_outlives_the_kernel_and_its_end_removes_the_pool_directory(
-    tmp_path: Path, tethers: list[_Tether]
-) -> None:
+@dataclass
+class _Orphaned:
+    """A kept pool's agent (``sleep``) under a tether whose kernel has gone."""
+
+    tether: _Tether
+    agent: psutil.Process
+    pool_dir: Path
+    record: Path
+    cancelled: Path
+
+
+def _orphaned(tmp_path: Path, tethers: list[_Tether]) -> _Orphaned:
     pool_dir = tmp_path / "pool"
     pool_dir.mkdir()
     record = _record(pool_dir, 60)
@@ -163,16 +173,23 @@ def test_a_kept_pools_agent_outlives_the_kernel_and_its_end_removes_the_pool_dir
     t = _Tether(["sleep", "60"], cancel=["touch", str(marker)], pool_dir=pool_dir)
     tethers.append(t)
     (child,) = t.children()
-    went = time.time()
     t.close()  # the kernel's end of the lifeline
     assert _until(lambda: json.loads(record.read_text())["owner"] is None)
-    assert json.loads(record.read_text())["orphaned_at"] >= went - 1  # %dist_pools counts from here
+    return _Orphaned(t, child, pool_dir, record, marker)
+
+
+def test_a_kept_pools_agent_outlives_the_kernel_and_its_end_removes_the_pool_directory(
+    tmp_path: Path, tethers: list[_Tether]
+) -> None:
+    went = time.time()
+    o = _orphaned(tmp_path, tethers)
+    assert json.loads(o.record.read_text())["orphaned_at"] >= went  # %dist_pools counts from here
     time.sleep(0.5)
-    assert t.proc.poll() is None and not _gone(child.pid), "the kept pool's agent was stopped"
-    assert not marker.exists(), "a kept pool's job was cancelled"
-    child.kill()  # its ranks' lease ran out: the agent ends with them
-    assert t.proc.wait(5) == 128 + signal.SIGKILL
-    assert not pool_dir.exists(), "the pool's directory (its record, with the key) was left behind"
+    assert o.tether.proc.poll() is None and not _gone(o.agent.pid), "the kept pool's agent was stopped"
+    assert not o.cancelled.exists(), "a kept pool's job was cancelled"
+    o.agent.kill()  # its ranks' lease ran out: the agent ends with them
+    assert o.tether.proc.wait(5) == 128 + signal.SIGKILL
+    assert not o.pool_dir.exists(), "the pool's directory (its record, with the key) was left behind"
 
 
 def test_a_record_that_says_keep_0_or_is_gone_stops_the_agent_with_the_kernel(
@@ -194,15 +211,7 @@ def test_a_record_that_says_keep_0_or_is_gone_stops_the_agent_with_the_kernel(
 def test_a_kept_pools_agent_stops_on_sigterm_from_a_kernel_that_attached(
     tmp_path: Path, tethers: list[_Tether]
 ) -> None:
-    pool_dir = tmp_path / "pool"
-    pool_dir.mkdir()
-    record = _record(pool_dir, 60)
-    marker = tmp_path / "cancelled"
-    t = _Tether(["sleep", "60"], cancel=["touch", str(marker)], pool_dir=pool_dir)
-    tethers.append(t)
-    (child,) = t.children()
-    t.close()
-    assert _until(lambda: json.loads(record.read_text())["owner"] is None)
-    t.proc.send_signal(signal.SIGTERM)  # AdoptedAgent.stop, from the kernel that attached
-    assert t.proc.wait(5) == 128 + signal.SIGTERM
-    assert _until(lambda: _gone(child.pid), 3.0) and marker.exists()
+    o = _orphaned(tmp_path, tethers)
+    o.tether.proc.send_signal(signal.SIGTERM)  # AdoptedAgent.stop, from the kernel that attached
+    assert o.tether.proc.wait(5) == 128 + signal.SIGTERM
+    assert _until(lambda: _gone(o.agent.pid), 3.0) and o.cancelled.exists()
