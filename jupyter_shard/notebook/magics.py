@@ -13,7 +13,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
 from IPython.display import DisplayHandle, display
 
 from jupyter_shard.errors import PoolError
@@ -229,10 +229,12 @@ class DistributedMagics(Magics):
         handle = display(dashboard, display_id=True)
         self._dashboard = (dashboard, handle)
 
-    @line_magic
-    def dist_picker(self, line: str) -> Any:
+    @line_cell_magic
+    def dist_picker(self, line: str, cell: str | None = None) -> Any:
         """Strategy picker: %dist_picker [MODEL | 1.3B], or a dry run of the model and a batch:
-        %dist_picker MODEL --batch EXPR [--world-size N] [--device cuda] [--gpu NAME] [--find-batch]"""
+        %dist_picker MODEL --batch EXPR [--world-size N] [--device cuda] [--gpu NAME] [--find-batch
+        [--confirm]]; as a cell, %%dist_picker --batch EXPR [options], the cell's code builds the model
+        (under fake tensors, in a scratch namespace: it defines nothing in the notebook's)"""
         from jupyter_shard.notebook.picker import picker
 
         def set_default(options: str) -> None:
@@ -243,7 +245,7 @@ class DistributedMagics(Magics):
 
         ns = self.shell.user_ns if self.shell is not None else {}
         try:
-            return picker(line.strip(), ns, self.pool, set_default)
+            return picker(line.strip(), ns, self.pool, set_default, cell)
         except SpecError as exc:
             raise UsageError(str(exc)) from None
 

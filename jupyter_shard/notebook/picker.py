@@ -28,7 +28,8 @@ from IPython.display import clear_output, display
 
 from jupyter_shard._util.atomic import write_atomic
 from jupyter_shard.notebook.picker_chart import memory_figure
-from jupyter_shard.notebook.picker_dry_run import GPUS, PRECISIONS, plan_line, wants_dry_run
+from jupyter_shard.notebook.picker_confirm import confirm_line
+from jupyter_shard.notebook.picker_dry_run import GPUS, PRECISIONS, parse_line, plan_line, wants_dry_run
 from jupyter_shard.notebook.picker_dry_run_view import DryRunPicker
 from jupyter_shard.planner import estimate as est
 from jupyter_shard.planner.choice import (
@@ -60,15 +61,23 @@ DEFAULT_NVME = "/local_nvme"
 
 
 def picker(
-    arg: str, namespace: Mapping[str, Any], pool: Pool | None, set_default: Callable[[str], None]
+    arg: str,
+    namespace: Mapping[str, Any],
+    pool: Pool | None,
+    set_default: Callable[[str], None],
+    cell: str | None = None,
 ) -> Picker | DryRunPicker:
     """The form for ``%dist_picker ARG``; a bad ``ARG`` is one :class:`SpecError` line.
 
     A line with options (``MODEL --batch EXPR ...``) dry-runs the user's model and batch instead of
-    counting bytes by formula (:mod:`jupyter_shard.notebook.picker_dry_run`)."""
-    if wants_dry_run(arg):
+    counting bytes by formula (:mod:`jupyter_shard.notebook.picker_dry_run`); so does a ``cell``
+    (``%%dist_picker --batch EXPR``), whose code builds the model."""
+    if cell is not None or wants_dry_run(arg):
         deepspeed = importlib.util.find_spec("deepspeed") is not None
-        return DryRunPicker(plan_line(arg, namespace, pool, deepspeed=deepspeed), set_default)
+        if parse_line(arg, pool, cell=cell).confirm:
+            outcome, confirmation = confirm_line(arg, namespace, pool, cell=cell, deepspeed=deepspeed)
+            return DryRunPicker(outcome, set_default, confirmation)
+        return DryRunPicker(plan_line(arg, namespace, pool, cell=cell, deepspeed=deepspeed), set_default)
     return Picker(
         model_info(arg, namespace), set_default, pool=pool, model_expr=arg.strip(), namespace=namespace
     )

@@ -7,8 +7,10 @@ the target world size, compares each strategy's traced peak per rank with the fr
 devices or of a named GPU, recommends the fastest plan that fits, and says for each faster plan that
 does not fit what would make it fit (more ranks, a smaller batch, checkpointing, offload), each with a
 predicted peak where one was computed (offload's is its own traced plan, kept last in the order as
-the slowest). ``--find-batch`` searches the largest batch that fits; ``--precision bf16-mixed`` plans
-each strategy as it runs that precision, and the recommended line carries it.
+the slowest). ``--find-batch`` searches the largest batch that fits, and with ``--confirm`` runs it
+for real on the live pool (:mod:`jupyter_shard.notebook.picker_confirm`); ``--precision bf16-mixed``
+plans each strategy as it runs that precision, and the recommended line carries it. As a cell magic,
+``%%dist_picker --batch EXPR``, the cell's code builds the model (:mod:`jupyter_shard.planner.cell_model`).
 
 This module reads the line and judges each plan (:func:`plan_line`);
 :mod:`jupyter_shard.notebook.picker_inputs` reads the model, batch and step out of the kernel, and
@@ -28,7 +30,9 @@ from jupyter_shard.notebook.args import MagicParser
 from jupyter_shard.notebook.picker_inputs import (
     BatchShape,
     batch_shape,
+    check_cell,
     one_line,
+    resolve_cell_model,
     resolve_model,
     resolve_step,
 )
@@ -44,8 +48,15 @@ __all__ = ["GPUS", "ORDER", "DryRunArgs", "Outcome", "parse_line", "plan_line", 
 
 USAGE = (
     '%dist_picker MODEL --batch "torch.randn(8, 1024)" [--world-size N] [--device cuda|cpu] '
-    '[--gpu "H100 80GB"] [--strategy NAME] [--step FN] [--precision 32|bf16-mixed] [--find-batch]'
+    '[--gpu "H100 80GB"] [--strategy NAME] [--step FN] [--precision 32|bf16-mixed] [--find-batch '
+    "[--confirm]]"
 )
+CELL_USAGE = (
+    '%%dist_picker --batch "torch.randn(8, 1024)" [the options of %dist_picker], over a cell whose code '
+    "builds the model (its last expression, or a variable model)"
+)
+#: what the picker calls the model a cell builds
+CELL_MODEL = "the cell's model"
 MIB = 1 << 20
 #: what a CUDA context and the allocator's first pools take before any tensor: not usable by a plan
 CONTEXT = 512 * MIB
@@ -116,11 +127,14 @@ class DryRunArgs:
     step: str | None = None
     find_batch: bool = False
     precision: str = Precision.FP32.value
+    confirm: bool = False
+    code: str | None = None  # the cell's code that builds the model (``%%dist_picker``)
 
 
-def _parser() -> MagicParser:
-    p = MagicParser("dist_picker", "%", usage=USAGE)
-    p.add_argument("model")
+def _parser(cell: bool = False) -> MagicParser:
+    p = MagicParser("dist_picker", "%%" if cell else "%", usage=CELL_USAGE if cell else USAGE)
+    if not cell:
+        p.add_argument("model")
     p.add_argument("--batch", required=True)
     p.add_argument("--world-size", dest="world_size", type=int)
     p.add_argument("--device", choices=[Device.CUDA.value, Device.CPU.value])
@@ -129,13 +143,23 @@ def _parser() -> MagicParser:
     p.add_argument("--step")
     p.add_argument("--find-batch", dest="find_batch", action="store_true")
     p.add_argument("--precision", choices=PRECISIONS, default=Precision.FP32.value)
+    p.add_argument("--confirm", action="store_true")
     return p
 
 
-def parse_line(line: str, pool: Pool | None = None, gpu_count: int | None = None) -> DryRunArgs:
+def parse_line(
+    line: str, pool: Pool | None = None, gpu_count: int | None = None, cell: str | None = None
+) -> DryRunArgs:
     """The line's options; the world size and device default to the running pool's, else one rank
-    per visible GPU (8 on CUDA when none is visible here: the plan is for another machine)."""
-    opts = _parser().parse_line(line)
+    per visible GPU (8 on CUDA when none is visible here: the plan is for another machine). With
+    ``cell`` (``%%dist_picker``) the cell's code builds the model, and the line names none."""
+    if cell is not None:
+        check_cell(line, cell)
+    opts = _parser(cell is not None).parse_line(line)
+    if opts.confirm and not opts.find_batch:
+        raise SpecError(
+            "%dist_picker: --confirm runs the batch --find-batch finds on the live pool; add --find-batch"
+        )
     spec = pool.spec if pool is not None else None
     gpus = visible_gpus() if gpu_count is None else gpu_count
     device = opts.device or (spec.device.value if spec is not None and spec.device is not Device.AUTO else "")
@@ -156,7 +180,7 @@ def parse_line(line: str, pool: Pool | None = None, gpu_count: int | None = None
             f"%dist_picker: --strategy {opts.strategy!r} cannot be planned; choose one of: {choices}"
         )
     return DryRunArgs(
-        opts.model,
+        opts.model if cell is None else CELL_MODEL,
         opts.batch,
         world,
         Device(device),
@@ -165,6 +189,8 @@ def parse_line(line: str, pool: Pool | None = None, gpu_count: int | None = None
         opts.step,
         bool(opts.find_batch),
         opts.precision,
+        bool(opts.confirm),
+        cell,
     )
 
 
@@ -221,14 +247,23 @@ def plan_line(
     namespace: Mapping[str, Any],
     pool: Pool | None = None,
     *,
+    cell: str | None = None,
     memory: MemorySnapshot | None = None,
     gpu_count: int | None = None,
     deepspeed: bool = True,
+    search: str | None = None,
 ) -> Outcome:
     """Parse ``line``, dry-run every strategy (or ``--strategy``'s) and judge each against the free
-    memory. Every mistake is one :class:`SpecError` line saying what to pass."""
-    args = parse_line(line, pool, gpu_count)
-    model = resolve_model(args.model, namespace)
+    memory; ``cell`` is ``%%dist_picker``'s code that builds the model. ``--find-batch`` searches the
+    batch of ``search`` (a plan's name), else of ``--strategy``'s plan, else of the recommended one.
+    ``--confirm`` is :func:`jupyter_shard.notebook.picker_confirm.confirm_line`'s, which calls this.
+    Every mistake is one :class:`SpecError` line saying what to pass."""
+    args = parse_line(line, pool, gpu_count, cell)
+    model = (
+        resolve_model(args.model, namespace)
+        if args.code is None
+        else resolve_cell_model(args.code, namespace)
+    )
     step = resolve_step(args.step, namespace)
     shape = batch_shape(args.batch, namespace)
     strategies = [args.strategy] if args.strategy else None
@@ -242,7 +277,7 @@ def plan_line(
     recommended = fitting[0] if fitting else (candidates[0] if usable is None and candidates else None)
     # what would make each plan faster than the recommendation fit (every plan, when nothing fits)
     faster = names[: names.index(recommended)] if recommended in names else names
-    context = _Context(model, shape, args, step, usable, namespace, plans)
+    context = _Context(model, shape, args, step, usable, namespace, plans, search)
     more_ranks = _more_ranks(context, [n for n in faster if n != "ddp"]) if usable is not None else {}
     verdicts = []
     for name in names:
@@ -303,6 +338,7 @@ class _Context:
     usable: int | None
     namespace: Mapping[str, Any]
     plans: Mapping[str, Plan] = field(default_factory=dict)
+    search: str | None = None  # the plan whose largest batch --find-batch searches, if named
 
 
 def _more_ranks(ctx: _Context, names: Sequence[str]) -> dict[str, Plan]:
@@ -436,14 +472,16 @@ def _reason(out: Outcome) -> str:
 
 
 def _largest_batch(ctx: _Context, out: Outcome, plans: Mapping[str, Plan]) -> tuple[str, int, int | None]:
-    """--find-batch: the largest batch for ``--strategy``'s plan (its fastest), else the recommended
-    one, else the leanest."""
+    """--find-batch: the largest batch for the plan searched, else ``--strategy``'s plan (its
+    fastest), else the recommended one, else the leanest."""
     if ctx.usable is None:
         raise SpecError(
             '%dist_picker: --find-batch needs the free memory: name the GPU with --gpu "H100 80GB", or run '
             "a pool on the devices"
         )
-    if ctx.args.strategy is not None:
+    if ctx.search is not None and ctx.search in plans:
+        name = ctx.search
+    elif ctx.args.strategy is not None:
         name = next(n for n in ORDER if n in plans)
     elif out.recommended is not None:
         name = out.recommended

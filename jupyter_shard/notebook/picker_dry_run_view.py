@@ -4,7 +4,8 @@ its ``%%distributed`` line, as a widget and as plain text.
 Why it exists: the numbers of :mod:`jupyter_shard.notebook.picker_dry_run` are only useful with their
 provenance (traced, or a formula with its measured accuracy) and with the line that runs the plan; the
 line inserts as a ``%%distributed`` cell exactly as the formula form's does (the JupyterLab extension
-listens for the ``insert-cell`` message). ``report`` is the same content as text, for logs and tests.
+listens for the ``insert-cell`` message). ``report`` is the same content as text, for logs and tests;
+with ``--confirm`` both show each rank's measured peak on the live pool next to the predicted one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import ipywidgets as widgets
 
 from jupyter_shard._util.atomic import write_atomic
+from jupyter_shard.notebook.picker_confirm import Confirmation
 from jupyter_shard.notebook.picker_dry_run import Outcome, Verdict
 from jupyter_shard.planner import estimate as est
 from jupyter_shard.planner.choice import (
@@ -76,9 +78,9 @@ def _heading(out: Outcome) -> str:
     return f"Dry run of {a.model} on batch {out.batch.expression()}, {where}{mixed}"
 
 
-def report(out: Outcome, line: str) -> str:
+def report(out: Outcome, line: str, confirmation: Confirmation | None = None) -> str:
     """The picker's content as plain text: the table, what would make faster plans fit, the
-    recommendation, the line, and where each figure comes from."""
+    recommendation, ``--confirm``'s real steps, the line, and where each figure comes from."""
     head = ["strategy", *COLUMNS, "peak", "host", "largest unit", "fits"]
     rows = [head]
     for v in out.verdicts:
@@ -97,6 +99,7 @@ def report(out: Outcome, line: str) -> str:
     lines += [f"Note: {n}" for n in out.notes]
     if out.largest_batch is not None:
         lines.append(_largest_text(out.largest_batch))
+    lines += confirmation.lines() if confirmation is not None else []
     lines += [f"Line: {line}"] if line else []
     lines.append("Sources:")
     lines += [f"  [{i}] {s}" for i, s in enumerate(_sources(out), start=1)]
@@ -115,8 +118,11 @@ class DryRunPicker(widgets.VBox):  # type: ignore[misc]
     """The dry run's table and recommendation, with the recommended line to copy, insert or use as
     the default. ``line``, ``config``, ``config_file`` and ``report`` are set once."""
 
-    def __init__(self, outcome: Outcome, set_default: Callable[[str], None]) -> None:
+    def __init__(
+        self, outcome: Outcome, set_default: Callable[[str], None], confirmation: Confirmation | None = None
+    ) -> None:
         self.outcome = outcome
+        self.confirmation = confirmation  # --confirm: the found batch's real steps on the live pool
         self._set_default = set_default
         args = outcome.args
         chosen = next((v for v in outcome.verdicts if v.name == outcome.recommended), None)
@@ -133,7 +139,7 @@ class DryRunPicker(widgets.VBox):  # type: ignore[misc]
             # the line runs the precision the dry run traced (the model's own dtype, or bf16-mixed)
             precision = Precision(args.precision)
             self.line = distributed_line(plan, args.device, args.world_size, precision, config)
-        self.report = report(outcome, self.line)
+        self.report = report(outcome, self.line, confirmation)
         self.done = widgets.HTML()
         self.buttons = {
             "insert": widgets.Button(description="Insert as new cell", icon="plus", disabled=not self.line),
@@ -141,7 +147,7 @@ class DryRunPicker(widgets.VBox):  # type: ignore[misc]
         }
         self.buttons["insert"].on_click(lambda _: self.insert_cell())
         self.buttons["default"].on_click(lambda _: self.use_as_default())
-        body = widgets.HTML(_html(outcome, self.line, self.config, self.config_file))
+        body = widgets.HTML(_html(outcome, self.line, self.config, self.config_file, confirmation))
         row = [widgets.HTML(copy_button(self.line, "Copy line"))] if self.line else []
         super().__init__(children=[body, widgets.HBox([*row, *self.buttons.values()]), self.done])
 
@@ -176,7 +182,13 @@ class DryRunPicker(widgets.VBox):  # type: ignore[misc]
         self.done.value = f"<i>{html.escape(message)}</i>"
 
 
-def _html(out: Outcome, line: str, config: dict[str, Any] | None, config_file: str) -> str:
+def _html(
+    out: Outcome,
+    line: str,
+    config: dict[str, Any] | None,
+    config_file: str,
+    confirmation: Confirmation | None = None,
+) -> str:
     esc = html.escape
     sources = _sources(out)
     head = ["", "strategy", *COLUMNS, "peak (device)", "host", "largest unit gathered", "fits"]
@@ -207,6 +219,9 @@ def _html(out: Outcome, line: str, config: dict[str, Any] | None, config_file: s
     parts += [f"<i>{esc(n)}</i>" for n in out.notes]
     if out.largest_batch is not None:
         parts.append(esc(_largest_text(out.largest_batch)))
+    if confirmation is not None:
+        title, *steps = confirmation.lines()
+        parts.append(f"{esc(title)}<pre>{esc(chr(10).join(steps))}</pre>")
     if line:
         parts.append(f"<code>{esc(line)}</code>")
     if config is not None:

@@ -1,5 +1,5 @@
-"""The model, batch and step that ``%dist_picker MODEL --batch EXPR [--step FN]`` names, read out of
-the kernel for the dry run.
+"""The model, batch and step that ``%dist_picker MODEL --batch EXPR [--step FN]`` names (or the code
+of a ``%%dist_picker`` cell that builds the model), read out of the kernel for the dry run.
 
 Why it exists: the user writes expressions in the notebook's terms (a variable, ``torch.randn(8, 1024)``),
 and any of them can fail; each failure must become one line saying what to pass, so the picker stays
@@ -9,13 +9,22 @@ dtypes, so that ``--find-batch`` can write it back at any batch size.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from jupyter_shard.spec import SpecError
 
-__all__ = ["BatchShape", "batch_shape", "one_line", "resolve_model", "resolve_step"]
+__all__ = [
+    "BatchShape",
+    "batch_shape",
+    "check_cell",
+    "one_line",
+    "resolve_cell_model",
+    "resolve_model",
+    "resolve_step",
+]
 
 
 def resolve_model(text: str, namespace: Mapping[str, Any]) -> Any:
@@ -27,6 +36,35 @@ def resolve_model(text: str, namespace: Mapping[str, Any]) -> Any:
     if not isinstance(value, nn.Module) and not callable(value):
         raise SpecError(f"%dist_picker: {text} is a {type(value).__name__}; {hint}")
     return value
+
+
+def check_cell(line: str, cell: str) -> None:
+    """``%%dist_picker``'s line holds options only, and its cell holds code."""
+    try:
+        first = next(iter(shlex.split(line)), "")
+    except ValueError:
+        first = ""  # an unclosed quote: the parser says so
+    if first and not first.startswith("--"):
+        raise SpecError(
+            f"%%dist_picker: the cell builds the model, so the line takes no MODEL ({first!r}); drop it, or "
+            f"run the line magic %dist_picker {first} --batch ... without the cell"
+        )
+    if not cell.strip():
+        raise SpecError(
+            "%%dist_picker: the cell is empty; write the code that builds the model in it, ending in the "
+            "model (or assigning it to `model`)"
+        )
+
+
+def resolve_cell_model(code: str, namespace: Mapping[str, Any]) -> Callable[[], Any]:
+    """``%%dist_picker``'s cell as a builder: its code, compiled now, runs at each dry run under fake
+    tensors in a scratch copy of the kernel's namespace, so it defines no name there."""
+    from jupyter_shard.planner.cell_model import model_builder
+
+    try:
+        return model_builder(code, namespace)
+    except SpecError as exc:
+        raise SpecError(f"%%dist_picker: {exc}") from None
 
 
 def resolve_step(text: str | None, namespace: Mapping[str, Any]) -> Callable[[Any, Any], object] | None:

@@ -15,6 +15,7 @@ group is already the default (inside a rank), the dry run runs in a forked child
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from jupyter_shard.errors import SpecError
 from jupyter_shard.planner import tracing
+from jupyter_shard.planner.cell_model import model_builder
 from jupyter_shard.planner.isolation import forked
 from jupyter_shard.planner.tracing import Step, Traced
 
@@ -118,25 +120,37 @@ class Plan:
 
 
 def dry_run(
-    model_or_builder: nn.Module | Callable[[], nn.Module],
+    model_or_builder: nn.Module | Callable[[], nn.Module] | str,
     batch: object,
     world_size: int,
     device: str = "cuda",
     strategies: Iterable[str] | None = None,
     step: Step | None = None,
     precision: str = "32",
+    *,
+    namespace: Mapping[str, Any] | None = None,
 ) -> dict[str, Plan]:
     """Per strategy name (:data:`STRATEGIES`; ``"fsdp"`` and ``"deepspeed"`` name all of theirs),
     what each of ``world_size`` ranks holds at the peak of a training step on ``batch``.
 
     ``model_or_builder`` is a module (its structure is copied to fake tensors, its storage is never
-    touched) or a function of no arguments that builds it (run on the meta device). ``batch`` is a
+    touched), a function of no arguments that builds it (run on the meta device), or a string of
+    code that builds it: the model is the code's last expression, or else the variable ``model`` it
+    defines. The code runs like a builder, under fake tensors on the meta device (a 7B model
+    allocates nothing), in a scratch copy of ``namespace`` (the names it may read, such as a class the
+    notebook defined; ``torch`` and ``nn`` are there too), so it defines nothing outside. ``batch`` is a
     tensor, a tuple, list or dict of tensors, or an expression such as ``"torch.randn(8, 1024)"``.
     ``step(model, batch)`` replaces the default step (forward, mean of the output, backward, AdamW).
     ``precision`` is ``"32"`` (the model's own dtype) or ``"bf16-mixed"``, applied as each strategy
     applies ``--precision bf16-mixed`` (:data:`MIXED`), so a plan is for the line that would run it.
-    Bad input raises :class:`~jupyter_shard.errors.SpecError` with one line saying what to pass.
+    Bad input (code that does not compile, raises or defines no model, among the rest) raises
+    :class:`~jupyter_shard.errors.SpecError` with one line saying what to pass. From code::
+
+        dry_run("layers = [nn.Linear(4096, 4096) for _ in range(32)]\nnn.Sequential(*layers)",
+                "torch.randn(8, 4096)", world_size=8, strategies=["fsdp"])
     """
+    if isinstance(model_or_builder, str):
+        model_or_builder = model_builder(model_or_builder, namespace)
     names = _strategy_names(strategies)
     _check_world(world_size, names)
     if device not in DEVICES:
@@ -152,7 +166,7 @@ def dry_run(
 
 
 def find_batch(
-    model_or_builder: nn.Module | Callable[[], nn.Module],
+    model_or_builder: nn.Module | Callable[[], nn.Module] | str,
     make_batch: Callable[[int], object],
     world_size: int,
     device_bytes: int,
@@ -163,7 +177,10 @@ def find_batch(
 ) -> int:
     """The largest batch size whose dry-run peak per rank fits in ``device_bytes`` with ``strategy``
     (one name of :data:`STRATEGIES`): doubling from 1 until a size does not fit, then bisecting.
-    0 if even a batch of 1 does not fit."""
+    0 if even a batch of 1 does not fit. ``model_or_builder`` is what :func:`dry_run` takes (code
+    runs over no namespace but ``torch`` and ``nn``)."""
+    if isinstance(model_or_builder, str):
+        model_or_builder = model_builder(model_or_builder)
     if strategy not in STRATEGIES:
         raise SpecError(f"find_batch needs one strategy; choose one of: {', '.join(STRATEGIES)}")
     if not isinstance(device_bytes, int) or device_bytes < 1:
@@ -241,6 +258,11 @@ def _plan_all(
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     hook = sys.excepthook  # init_process_group prefixes it with the rank: the caller's is restored
+    # A batch the model cannot take fails in a fake op, which torch logs with its whole traceback
+    # before raising; the user is told in one line (tracing's SpecError), so the log stays quiet.
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
@@ -254,6 +276,7 @@ def _plan_all(
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
+        fake_log.setLevel(level)
 
 
 def _trace(

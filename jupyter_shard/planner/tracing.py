@@ -77,6 +77,8 @@ def fake_model(model_or_builder: nn.Module | Callable[[], nn.Module], mode: Fake
         try:
             with mode, torch.device("meta"):
                 model = model_or_builder()
+        except SpecError:  # model code (:mod:`.cell_model`) says itself what went wrong
+            raise
         except Exception as exc:
             raise SpecError(
                 f"the model builder raised {_one_line(exc)}; pass an nn.Module or a function of no "

@@ -112,6 +112,12 @@ class Shard:
             self._impl = self._build_strategy({})
         return self._impl
 
+    def trial_strategy(self) -> StrategyBase:
+        """A strategy object built from the pool's options as :meth:`prepare` builds one, and kept
+        nowhere: a trial step (``%dist_picker --find-batch --confirm``) prepares its own model with
+        it and leaves the prepared model, optimizer and step counter as they are."""
+        return self._build_strategy({})
+
     def _build_strategy(self, overrides: dict[str, Any]) -> StrategyBase:
         common: dict[str, Any] = {"precision": "32", "accumulate": 1, "clip_grad_norm": None}
         settings = {**common, **{k: self._options[k] for k in common if self._options.get(k) is not None}}

@@ -352,3 +352,25 @@ def test_a_repeated_magic_line_is_parsed_once_and_each_cell_gets_its_own_options
     assert parse_options(parser, "--nproc 3 --timeout 5").nproc == 3
     with pytest.raises(TypeError):  # another line is parsed
         parse_options(parser, "--nproc 4")
+
+
+PICKER_CELL = "layers = [torch.nn.Linear(16, 16) for _ in range(2)]\ntorch.nn.Sequential(*layers)"
+
+
+def test_dist_picker_is_a_line_and_a_cell_magic_and_the_cell_defines_nothing(
+    shell: InteractiveShell, magics: DistributedMagics
+) -> None:
+    from jupyter_shard.notebook.picker import DryRunPicker, Picker
+
+    assert "dist_picker" in shell.magics_manager.magics["line"]
+    assert "dist_picker" in shell.magics_manager.magics["cell"]
+    assert isinstance(shell.run_line_magic("dist_picker", "124M"), Picker)
+    shell.run_cell("import torch")
+    names = set(shell.user_ns)
+    line = "--batch 'torch.randn(4, 16)' --world-size 2 --gpu L4"
+    shown = shell.run_cell_magic("dist_picker", line, PICKER_CELL)
+    assert isinstance(shown, DryRunPicker) and "Dry run of the cell's model" in shown.report
+    assert set(shell.user_ns) == names, "the cell's code ran in a scratch namespace"
+    message = _usage_error(shell, "dist_picker", line, "layers = [")
+    assert message.startswith("%%dist_picker: the model code has a syntax error")
+    assert isinstance(shell.run_cell_magic("dist_picker", line, PICKER_CELL), DryRunPicker)

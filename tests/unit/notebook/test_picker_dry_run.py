@@ -227,3 +227,41 @@ def test_bad_input_is_one_line_and_the_picker_stays_usable(line: str, says: str)
 def test_without_options_the_formula_form_is_unchanged() -> None:
     p = picker("124M", {}, None, print)
     assert isinstance(p, Picker) and p.model.parameters == 124_000_000
+
+
+CELL = """
+blocks = [Block() for _ in range(2)]
+nn.Sequential(*blocks)
+"""
+
+
+def test_a_cells_code_builds_the_model_and_defines_nothing_in_the_notebook() -> None:
+    ns = {**namespace(), "Block": Block}
+    names = dict(ns)
+    p = picker(f"{BATCH} --world-size 2 --gpu L4", ns, None, print, cell=CELL)
+    assert isinstance(p, DryRunPicker) and ns == names, "the cell's names stay in its scratch namespace"
+    assert p.outcome.args.model == "the cell's model" and "Dry run of the cell's model" in p.report
+    by_line = plan_line(f"build {BATCH} --world-size 2 --gpu L4", ns, gpu_count=2)
+    assert [v.plan for v in p.outcome.verdicts] == [v.plan for v in by_line.verdicts]
+    named = picker(f"{BATCH} --world-size 2 --gpu L4", ns, None, print, cell="model = build()\nx = 1")
+    assert named.outcome.verdicts[0].plan == by_line.verdicts[0].plan
+
+
+@pytest.mark.parametrize(
+    ("line", "cell", "says"),
+    [
+        (f"{BATCH}", "nn.Sequential(Block(),", "%%dist_picker: the model code has a syntax error"),
+        (f"{BATCH}", "raise RuntimeError('boom')", "the model code raised RuntimeError: boom"),
+        (f"{BATCH}", "x = Block()", "the model code defines no model; end the code with the model"),
+        (f"{BATCH}", "  \n", "%%dist_picker: the cell is empty; write the code that builds the model"),
+        (f"model {BATCH}", "Block()", "%%dist_picker: the cell builds the model, so the line takes no MODEL"),
+        ("--world-size 2", "Block()", "%%dist_picker: the following arguments are required: --batch"),
+    ],
+)
+def test_bad_cell_code_is_one_line_and_the_picker_stays_usable(line: str, cell: str, says: str) -> None:
+    ns = {**namespace(), "Block": Block}
+    with pytest.raises(SpecError) as caught:
+        picker(line, ns, None, print, cell=cell)
+    message = str(caught.value)
+    assert "\n" not in message and says in message
+    assert isinstance(picker(f"{BATCH} --world-size 2 --gpu L4", ns, None, print, cell=CELL), DryRunPicker)

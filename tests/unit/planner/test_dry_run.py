@@ -246,6 +246,16 @@ def test_bad_input_is_one_line_saying_what_to_pass(kwargs: dict[str, object], sa
     assert not dist.is_initialized(), "the fake process group is destroyed after a failure too"
 
 
+def test_a_batch_the_model_cannot_take_is_one_line_and_torch_logs_no_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with pytest.raises(SpecError, match="pass a batch the model's forward takes") as caught:
+        dry_run(lambda: mlp(16, 1), "torch.randn(4, 32)", 2, strategies=["ddp", "fsdp FULL_SHARD"])
+    assert "\n" not in str(caught.value)
+    # torch logs the failed fake op with its traceback (to stderr, in a notebook) unless told not to
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("torch")] == []
+
+
 def test_world_size_1_plans_ddp_only() -> None:
     assert list(dry_run(lambda: mlp(16, 1), "torch.randn(4, 16)", 1)) == ["ddp"]
 
