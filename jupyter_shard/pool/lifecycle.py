@@ -276,6 +276,11 @@ class Lifecycle:
         assert self.directory is not None and self.launcher is not None and self.key
         if seconds > 0 and not self.launcher.keeps:
             raise PoolError(f"--launcher {spec.launcher} cannot keep a pool; start it with another launcher")
+        if seconds > 0 and not self._local_processes():
+            raise PoolError(
+                "--keep: no process of this pool runs from this machine (its nodes joined by hand), so "
+                "no kernel here could attach to it; start it with --hosts to keep it"
+            )
         pids = [r.handle.pid for r in self.ranks]
         self.launcher.keep(pids, seconds > 0)
         path = self.directory / KEPT_RECORD

@@ -307,3 +307,25 @@ def test_stop_ends_every_rank_and_releases_everything_once(
     assert not directory.exists() and not life.conn.open and life.launcher is None
     life.stop()  # again: nothing left to do
     assert launcher.stopped == 1
+
+
+class _ByHand(_Launcher):
+    """Nodes that joined by hand: the ranks dial back, and nothing of the pool runs from here."""
+
+    name = "by-hand"
+    remote = True
+    keeps = True
+
+
+def test_a_pool_with_nothing_running_from_here_is_not_kept(
+    runtime: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    life, _ = _started(runtime, monkeypatch, _ByHand())
+    _accepting(life)
+    life.start(_spec(), lambda rank, sig: None)
+    try:
+        with pytest.raises(PoolError, match=r"^--keep: no process of this pool runs from this machine"):
+            life.keep(60, _spec())
+        assert not (life.directory / "kept.json").exists()  # type: ignore[operator]
+    finally:
+        life.stop()
