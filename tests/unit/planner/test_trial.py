@@ -12,7 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from jupyter_shard.planner.trial import CPU_PEAK, TrialError, TrialRequest, _batch, _free_names, _measured
+from jupyter_shard.planner.trial import (
+    CPU_PEAK,
+    TrialError,
+    TrialOutOfMemory,
+    TrialRequest,
+    _batch,
+    _free_names,
+    _measured,
+)
 from jupyter_shard.rank.shard import Shard
 
 
@@ -100,3 +108,17 @@ def test_free_names_are_what_an_expression_reads() -> None:
     assert _free_names("[f(i) for i in range(k)]") == ["f", "range", "k"]
     assert _free_names("(lambda x: x + y)(1)") == ["y"]
     assert _free_names("torch.randn(8,") == []
+
+
+def test_a_step_out_of_memory_is_reported_as_such_and_frees_what_it_made() -> None:
+    """What a CUDA rank meets at too large a batch, raised here by the step itself: the kernel steps the
+    batch down on TrialOutOfMemory, and the model that did not fit is not kept alive by a traceback."""
+
+    def step(model: nn.Module, batch: torch.Tensor) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    with pytest.raises(TrialOutOfMemory, match=r"^rank 0: OutOfMemoryError: CUDA out of memory") as caught:
+        _measured(request(step="oom"), helper(), {"build": build, "oom": step})
+    assert caught.value.__traceback__ is not None and caught.value.__cause__ is None
+    del caught
+    assert live_probes() == 0
