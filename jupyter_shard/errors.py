@@ -1,4 +1,5 @@
-"""Every error jupyter_shard raises on purpose derives from :class:`ShardError`.
+"""Every error jupyter_shard raises on purpose derives from :class:`ShardError`; :func:`one_line` quotes
+an exception of the user's code inside such a message.
 
 ``except jupyter_shard.ShardError`` catches them all; each subclass also derives from the built-in
 exception its callers would expect (a bad option is a ``ValueError``, a pool that cannot act a
@@ -26,3 +27,11 @@ class PoolError(ShardError, RuntimeError):
 
 class ProtocolError(ShardError):
     """A frame that failed a size, signature, replay or schema check. Never fatal to the pool."""
+
+
+def one_line(exc: BaseException) -> str:
+    """``TypeError: what it said``, on one line and at most 160 characters of text: an exception of the
+    user's code, quoted inside one of these messages."""
+    text = " ".join(str(exc).split())
+    text = text if len(text) <= 160 else text[:157] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -26,12 +26,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from jupyter_shard.errors import one_line
 from jupyter_shard.notebook.args import MagicParser
 from jupyter_shard.notebook.picker_inputs import (
     BatchShape,
     batch_shape,
     check_cell,
-    one_line,
     resolve_cell_model,
     resolve_model,
     resolve_step,

@@ -14,13 +14,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from jupyter_shard.errors import one_line
 from jupyter_shard.spec import SpecError
 
 __all__ = [
     "BatchShape",
     "batch_shape",
     "check_cell",
-    "one_line",
     "resolve_cell_model",
     "resolve_model",
     "resolve_step",
@@ -89,12 +89,6 @@ def _evaluate(text: str, namespace: Mapping[str, Any], what: str, hint: str, dev
         return eval(text, scope)
     except Exception as exc:
         raise SpecError(f"%dist_picker: {what} raised {one_line(exc)}; {hint}") from None
-
-
-def one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    text = text if len(text) <= 160 else text[:157] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 @dataclass(frozen=True)

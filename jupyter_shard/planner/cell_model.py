@@ -14,7 +14,7 @@ import ast
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jupyter_shard.errors import SpecError
+from jupyter_shard.errors import SpecError, one_line
 
 __all__ = ["MODEL_NAME", "compile_model_code", "model_builder", "run_model_code"]
 
@@ -50,9 +50,7 @@ def run_model_code(compiled: tuple[Any, Any | None], namespace: Mapping[str, Any
     except SpecError:
         raise
     except Exception as exc:
-        raise SpecError(
-            f"the model code raised {_one_line(exc)}; fix the code that builds the model"
-        ) from exc
+        raise SpecError(f"the model code raised {one_line(exc)}; fix the code that builds the model") from exc
     if last is None and (MODEL_NAME not in scratch or _inherited(scratch, namespace)):
         raise SpecError(f"the model code defines no model; {_HINT}")
     if not isinstance(value, nn.Module):
@@ -89,9 +87,3 @@ def _scratch(namespace: Mapping[str, Any]) -> dict[str, Any]:
 def _inherited(scratch: Mapping[str, Any], namespace: Mapping[str, Any]) -> bool:
     """Whether ``model`` in the scratch namespace is the caller's, untouched by the code."""
     return MODEL_NAME in namespace and scratch[MODEL_NAME] is namespace[MODEL_NAME]
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    text = text if len(text) <= 160 else text[:157] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from jupyter_shard.errors import SpecError
+from jupyter_shard.errors import SpecError, one_line
 from jupyter_shard.planner import tracing
 from jupyter_shard.planner.cell_model import model_builder
 from jupyter_shard.planner.isolation import forked
@@ -191,7 +191,7 @@ def find_batch(
             batch = make_batch(size)
         except Exception as exc:
             raise SpecError(
-                f"make_batch({size}) raised {tracing._one_line(exc)}; pass a function of the batch size "
+                f"make_batch({size}) raised {one_line(exc)}; pass a function of the batch size "
                 "that returns a batch"
             ) from exc
         plan = dry_run(model_or_builder, batch, world_size, device, [strategy], step, precision)[strategy]

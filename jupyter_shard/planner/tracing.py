@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from jupyter_shard.errors import SpecError
+from jupyter_shard.errors import SpecError, one_line
 
 #: steps run: the second one holds optimizer state through forward and backward, the steady state
 STEPS = 2
@@ -70,7 +70,7 @@ def fake_model(model_or_builder: nn.Module | Callable[[], nn.Module], mode: Fake
             model = copy.deepcopy(model_or_builder, memo)
         except Exception as exc:
             raise SpecError(
-                f"the model cannot be copied to plan it ({_one_line(exc)}); pass a function of no "
+                f"the model cannot be copied to plan it ({one_line(exc)}); pass a function of no "
                 "arguments that builds it instead"
             ) from exc
     elif callable(model_or_builder):
@@ -81,7 +81,7 @@ def fake_model(model_or_builder: nn.Module | Callable[[], nn.Module], mode: Fake
             raise
         except Exception as exc:
             raise SpecError(
-                f"the model builder raised {_one_line(exc)}; pass an nn.Module or a function of no "
+                f"the model builder raised {one_line(exc)}; pass an nn.Module or a function of no "
                 "arguments that builds one"
             ) from exc
         if not isinstance(model, nn.Module):
@@ -126,7 +126,7 @@ def fake_batch(batch: object, mode: FakeTensorMode) -> object:
             raise
         except Exception as exc:
             raise SpecError(
-                f"the batch expression {batch!r} failed: {_one_line(exc)}; write one such as "
+                f"the batch expression {batch!r} failed: {one_line(exc)}; write one such as "
                 '"torch.randn(8, 1024)"'
             ) from exc
     if isinstance(batch, torch.Tensor):
@@ -324,7 +324,7 @@ def _one_step(model: nn.Module, batch: object, step: Step, optimizer: torch.opti
             if user
             else "pass a batch the model's forward takes (its shape and dtype), or a step function"
         )
-        raise SpecError(f"{what} raised {_one_line(exc)}; {fix}") from exc
+        raise SpecError(f"{what} raised {one_line(exc)}; {fix}") from exc
 
 
 def _optimizers_of(model: nn.Module) -> list[torch.optim.Optimizer]:
@@ -345,9 +345,3 @@ def peak_snapshot(tracker: Any) -> dict[str, int]:
 
 def parameter_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    text = text if len(text) <= 160 else text[:157] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypedDict
 import torch
 from torch import nn
 
-from jupyter_shard.errors import SpecError
+from jupyter_shard.errors import SpecError, one_line
 from jupyter_shard.planner import tracing
 from jupyter_shard.planner.cell_model import compile_model_code, run_model_code
 from jupyter_shard.strategies.base import StrategyBase
@@ -148,9 +148,9 @@ def _measured(request: TrialRequest, helper: Helper, user_ns: Mapping[str, Any])
     except TrialError as exc:
         failure = (TrialError, str(exc))
     except torch.OutOfMemoryError as exc:
-        failure = (TrialOutOfMemory, f"rank {helper.rank}: {tracing._one_line(exc)}")
+        failure = (TrialOutOfMemory, f"rank {helper.rank}: {one_line(exc)}")
     except Exception as exc:
-        failure = (TrialError, f"the real step raised {tracing._one_line(exc)} on rank {helper.rank}")
+        failure = (TrialError, f"the real step raised {one_line(exc)} on rank {helper.rank}")
     finally:
         made.clear()
         gc.collect()
@@ -236,7 +236,7 @@ def _unbuilt(what: str, text: str, exc: BaseException) -> str:
         else "make it build in the ranks' namespace (it runs there, not in the notebook)"
     )
     return (
-        f"{what} {text!r} does not evaluate on the ranks ({tracing._one_line(exc)}); --confirm builds the "
+        f"{what} {text!r} does not evaluate on the ranks ({one_line(exc)}); --confirm builds the "
         f"model and batch on the ranks: {hint}"
     )
 
@@ -264,7 +264,7 @@ def _model(request: TrialRequest, scratch: dict[str, Any], helper: Helper) -> nn
             return copy.deepcopy(value)  # the user's own module is left as it is
         except Exception as exc:
             raise TrialError(
-                f"the model {text!r} cannot be copied on the ranks ({tracing._one_line(exc)}); pass the "
+                f"the model {text!r} cannot be copied on the ranks ({one_line(exc)}); pass the "
                 "function that builds it"
             ) from None
     if callable(value):
