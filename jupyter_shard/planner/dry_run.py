@@ -291,8 +291,9 @@ def _trace(
 ) -> Traced:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
+    from jupyter_shard.strategies.fsdp import unit_policies
     from jupyter_shard.strategies.precision import Precision, cast_floating_inputs, cast_parameters
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -320,16 +321,23 @@ def _trace(
             reshard = STRATEGIES[name].get("sharding", "FULL_SHARD") != "SHARD_GRAD_OP"
             whole = tracing.parameter_bytes(model)
             policies: dict[str, Any] = {}  # fully_shard's, as the fsdp strategy passes them
-            if dtype is not None and name.startswith("fsdp"):
-                policies["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-            elif dtype is not None:
+            if dtype is not None and not name.startswith("fsdp"):
                 cast_parameters(model, dtype)  # DeepSpeed holds the parameters in the low dtype
                 cast_floating_inputs(model, dtype)
             if STRATEGIES[name].get("offload") == "cpu":
                 # fake tensors live on the CPU, where pinning would need CUDA: pinning changes no size
                 policies["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
-            for module in [*units, model]:
-                fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **policies)
+            fsdp_dtype = dtype if name.startswith("fsdp") else None
+            for module, policy in unit_policies(model, units, fsdp_dtype):
+                try:
+                    fully_shard(
+                        module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, **policies
+                    )
+                except Exception as exc:
+                    raise SpecError(
+                        f"{name} cannot shard this model ({one_line(exc)}); plan ddp, or report the "
+                        "model's class so its units can be chosen"
+                    ) from exc
                 if device == "cpu" and name.startswith("fsdp"):
                     # DeepSpeed reduces through its own bucket (counted below), not FSDP's reduce-scatter
                     module.set_custom_reduce_scatter(tracing.gloo_reduce_scatter())  # type: ignore[operator]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import gc
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +74,11 @@ def fake_model(model_or_builder: nn.Module | Callable[[], nn.Module], mode: Fake
                 "arguments that builds it instead"
             ) from exc
     elif callable(model_or_builder):
+        # a layer may make a buffer from a constant (BatchNorm's ``torch.tensor(0)`` count) and then
+        # reset it in place: the fake mode takes such tensors in while the model is built, and every
+        # buffer and parameter is replaced by a fake one below
+        strict = mode.allow_non_fake_inputs
+        mode.allow_non_fake_inputs = True
         try:
             with mode, torch.device("meta"):
                 model = model_or_builder()
@@ -84,6 +89,8 @@ def fake_model(model_or_builder: nn.Module | Callable[[], nn.Module], mode: Fake
                 f"the model builder raised {one_line(exc)}; pass an nn.Module or a function of no "
                 "arguments that builds one"
             ) from exc
+        finally:
+            mode.allow_non_fake_inputs = strict
         if not isinstance(model, nn.Module):
             raise SpecError(
                 f"the model builder returned {type(model).__name__}, not an nn.Module; pass a function "
@@ -133,11 +140,11 @@ def fake_batch(batch: object, mode: FakeTensorMode) -> object:
         return mode.from_tensor(batch) if not mode.is_our_fake(batch) else batch
     if isinstance(batch, tuple | list):
         return type(batch)(fake_batch(item, mode) for item in batch)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, or a tokenizer's BatchEncoding
         return {key: fake_batch(value, mode) for key, value in batch.items()}
     raise SpecError(
-        f"a batch of type {type(batch).__name__} cannot be planned; pass a tensor, a tuple of tensors "
-        'or an expression such as "torch.randn(8, 1024)"'
+        f"a batch of type {type(batch).__name__} cannot be planned; pass a tensor, a tuple or dict of "
+        'tensors or an expression such as "torch.randn(8, 1024)"'
     )
 
 
@@ -147,7 +154,7 @@ def batch_tensors(batch: object) -> list[torch.Tensor]:
         return [batch]
     if isinstance(batch, tuple | list):
         return [t for item in batch for t in batch_tensors(item)]
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return [t for item in batch.values() for t in batch_tensors(item)]
     return []
 
@@ -259,7 +266,7 @@ def _local(tensor: Any) -> torch.Tensor:
 def forward(model: nn.Module, batch: object) -> object:
     if isinstance(batch, tuple | list):
         return model(*batch)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return model(**batch)
     return model(batch)
 

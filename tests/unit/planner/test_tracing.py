@@ -18,6 +18,9 @@ class Block(nn.Module):
         super().__init__()
         self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
 
 class Stack(nn.Module):
     def __init__(self, vocab: int, width: int, layers: int) -> None:

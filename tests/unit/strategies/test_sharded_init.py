@@ -33,6 +33,9 @@ class Block(nn.Module):
         self.attn, self.mlp = nn.Linear(width, width), nn.Linear(width, 2 * width)
         self.out, self.norm = nn.Linear(2 * width, width), nn.LayerNorm(width)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.out(torch.relu(self.mlp(self.attn(x)))))
+
 
 class Transformer(nn.Module):
     def __init__(self, width: int, depth: int, vocab: int) -> None:

@@ -1,0 +1,74 @@
+"""The dry run on the models users train (``tests/zoo.py``): tied embeddings plan under fsdp and
+ZeRO-3, a ResNet with BatchNorm plans from a builder and from code, and a tokenizer's
+``BatchEncoding`` plans as the dict it holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from jupyter_shard.planner.dry_run import dry_run
+from tests import zoo
+
+SHARDED = ["fsdp FULL_SHARD", "fsdp SHARD_GRAD_OP", "deepspeed ZeRO-3"]
+
+
+def batch(name: str) -> Any:
+    _, make_batch = zoo.build(name)
+    return make_batch(8)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("name", sorted(zoo.TIED))
+def test_a_tied_model_plans_under_every_sharded_strategy(name: str) -> None:
+    plans = dry_run(zoo.code(name), batch(name), 2, device="cpu", strategies=SHARDED)
+    assert set(plans) == set(SHARDED)
+    whole = sum(p.numel() * 4 for p in zoo.build(name)[0].parameters())  # type: ignore[attr-defined]
+    for plan in plans.values():
+        # the shards and the optimizer state are at least half the model's state
+        assert plan.parameters + plan.optimizer >= whole // 2 * 3 * 0.9, plan
+        assert plan.largest_unit is not None
+
+
+def test_a_resnet_with_batch_norm_plans_from_a_builder_and_from_code() -> None:
+    code = zoo.code("resnet")
+
+    def builder() -> nn.Module:
+        scope: dict[str, Any] = {}
+        exec(code, scope)
+        model = scope["model"]
+        assert isinstance(model, nn.Module)
+        return model
+
+    images = batch("resnet")
+    for precision in ("32", "bf16-mixed"):
+        from_builder = dry_run(builder, images, 2, device="cpu", strategies=SHARDED, precision=precision)
+        from_code = dry_run(code, images, 2, device="cpu", strategies=SHARDED, precision=precision)
+        assert {k: v.peak_bytes for k, v in from_builder.items()} == {
+            k: v.peak_bytes for k, v in from_code.items()
+        }
+        assert all(p.peak_bytes > 0 for p in from_code.values())
+
+
+def test_a_tokenizers_batch_encoding_plans_as_its_dict() -> None:
+    from transformers import BatchEncoding
+
+    ids = batch("gpt2 tied")
+    encoded = BatchEncoding(ids)
+    assert not isinstance(encoded, dict)
+    as_dict = dry_run(zoo.code("gpt2 tied"), ids, 2, device="cpu", strategies=["ddp"])
+    as_encoding = dry_run(zoo.code("gpt2 tied"), encoded, 2, device="cpu", strategies=["ddp"])
+    assert as_encoding["ddp"].peak_bytes == as_dict["ddp"].peak_bytes > 0
+
+
+def test_a_batch_norm_builder_under_the_fake_mode_keeps_no_real_tensor() -> None:
+    plans = dry_run(
+        lambda: nn.Sequential(nn.Conv2d(3, 1024, 3), nn.BatchNorm2d(1024), nn.AdaptiveAvgPool2d(1)),
+        torch.randn(4, 3, 8, 8),
+        2,
+        device="cpu",
+        strategies=["ddp"],
+    )
+    assert plans["ddp"].parameters > 0
