@@ -57,6 +57,23 @@ def zoo_check(code, low, steps=3, lr=1e-4):
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     still_tied = len(names) - len(list(model.parameters()))
     return dict(reference=reference, losses=losses, units=units, tied=tied, still_tied=still_tied)
+
+def zoo_peak(code, size=8):
+    # the dry run's default step (forward, the output's loss, backward, AdamW) under MemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    scope = {}
+    exec(code, scope)
+    model, batch = scope["model"], scope["make_batch"](size)
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = shard.prepare(model, opt)
+    tracker = MemTracker()
+    tracker.track_external(model, opt, *batch.values())
+    with tracker:
+        for _ in range(2):
+            shard.backward(model(**batch).loss)
+            shard.step()
+            tracker.reset_mod_stats()
+    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 """
 
 
@@ -109,6 +126,27 @@ def test_tied_models_train_at_other_sizes(
     pool: Pool, config: Path, name: str, width: int, vocab: int
 ) -> None:
     check(train(pool, config, name, "32", "FULL_SHARD", width=width, vocab=vocab), name, "32")
+
+
+@pytest.mark.parametrize("name", ["gpt2 tied", "gpt2 untied", "llama tied", "llama untied"])
+@pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP"])
+@pytest.mark.parametrize(("width", "vocab"), [(256, 8192), (192, 12000)])
+def test_the_dry_run_of_a_transformers_model_is_within_5_percent_of_the_pool(
+    pool: Pool, config: Path, name: str, sharding: str, width: int, vocab: int
+) -> None:
+    from jupyter_shard.planner.dry_run import dry_run
+
+    code = zoo.code(name, width=width, vocab=vocab)
+    config.write_text(json.dumps({"sharding": sharding}))
+    assert pool.spec.precision.value == "32"
+    pool.push(code=code)
+    pool.run("peak = zoo_peak(code)")
+    measured = max(pool.pull_all("peak").values())
+    scope: dict[str, Any] = {}
+    exec(code, scope)
+    plan = dry_run(code, scope["make_batch"](8), 2, device="cpu", strategies=[f"fsdp {sharding}"])
+    ratio = plan[f"fsdp {sharding}"].peak_bytes / measured
+    assert abs(ratio - 1) <= 0.05, f"{name} {sharding}: predicted / measured = {ratio:.3f}"
 
 
 # bf16-mixed last: the pool restarts once to change precision
