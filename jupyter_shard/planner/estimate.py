@@ -193,6 +193,10 @@ def estimate(
     for i, (per_parameter, sharded, offloaded) in enumerate(parts):
         size = -(-per_parameter * parameters // group) if sharded else per_parameter * parameters
         places[away if sharded and offloaded else "device"][i] = size
+    if plan.strategy == "deepspeed" and plan.zero_stage in (1, 2) and precision is not Precision.FP32:
+        # ZeRO-1 and -2 copy this rank's gradient partition to float32 for the optimizer's master
+        # partition (``single_partition_of_fp32_groups[i].grad``), beside the 16-bit gradients
+        places[away if plan.offloaded()[2] else "device"][1] += -(-4 * parameters // group)
     device, host, disk = (Bytes(*places[p]) for p in ("device", "host", "disk"))
     return Estimate(plan, parameters, nproc, precision, device, host, disk)
 

@@ -53,11 +53,9 @@ def test_it_opens_on_the_recommendation() -> None:
 
 def test_a_bigger_model_moves_the_form_to_the_new_recommendation() -> None:
     p = make()
-    p.fields["count"].value = "10B"  # of 56 GiB usable: DDP needs 149 GiB, ZeRO-1 65.2 GiB, ZeRO-2 51.2 GiB
+    p.fields["count"].value = "8B"  # of 56 GiB usable: DDP needs 119.2 GiB, ZeRO-1 59.6 GiB, ZeRO-2 48.4 GiB
     assert p.line == "%%distributed --strategy deepspeed --zero-stage 2 --gpus 4 --precision bf16-mixed"
-    assert p.recommendation.startswith(
-        "ZeRO-2: 10B parameters need 51.2 GiB per rank and fit in 70.0 GiB free"
-    )
+    assert p.recommendation.startswith("ZeRO-2: 8B parameters need 48.4 GiB per rank and fit in 70.0 GiB free")
     p.fields["count"].value = "13B"  # ZeRO-2 needs 66.6 GiB
     assert p.line == "%%distributed --strategy fsdp --gpus 4 --precision bf16-mixed"
     p.fields["count"].value = "70B"
@@ -122,7 +120,7 @@ def test_use_recommended_resets_a_hand_made_choice() -> None:
     assert "--strategy fsdp" in p.line
     p.buttons["recommended"].click()
     assert p.line == "%%distributed --strategy ddp --gpus 4 --precision bf16-mixed"
-    p.fields["count"].value = "10B"  # following again
+    p.fields["count"].value = "8B"  # following again
     assert "--zero-stage 2" in p.line
 
 

@@ -221,7 +221,7 @@ def test_the_package_exports_the_dry_run_callable() -> None:
         ({"model_or_builder": Locked()}, "cannot be copied to plan it"),
         ({"batch": "torch.randn(8, 3)"}, "pass a batch the model's forward takes"),
         ({"batch": "torch.randn(8,"}, "the batch expression"),
-        ({"batch": object()}, "pass a tensor, a tuple of tensors"),
+        ({"batch": object()}, "pass a tensor, a tuple or dict of tensors"),
         ({"step": lambda model, batch: 1 / 0}, "the step function raised ZeroDivisionError"),
         ({"step": 3}, "step must be a function"),
         ({"world_size": 0}, "give a whole number of ranks"),
@@ -282,6 +282,21 @@ def test_beside_a_real_default_group_the_dry_run_leaves_it_alone(real_group: dis
     assert dist.group.WORLD is real_group and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
     with pytest.raises(SpecError, match="the model builder raised ZeroDivisionError"):
         dry_run(lambda: 1 / 0, "torch.randn(2)", 2)  # type: ignore[arg-type, return-value]
+
+
+def test_beside_a_real_default_group_a_module_and_batch_plan_as_they_do_alone(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Beside a real group the model and batch reach the dry run's child as shapes, not values."""
+    model, batch = mlp(64, 2), torch.randn(8, 64)
+    alone = dry_run(model, batch, 2, device="cpu", strategies=["ddp", "fsdp FULL_SHARD"])
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        beside = dry_run(model, batch, 2, device="cpu", strategies=["ddp", "fsdp FULL_SHARD"])
+    finally:
+        dist.destroy_process_group()
+    assert beside == alone
 
 
 # -- find_batch -----------------------------------------------------------------------------------

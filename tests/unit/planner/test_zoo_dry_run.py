@@ -72,3 +72,44 @@ def test_a_batch_norm_builder_under_the_fake_mode_keeps_no_real_tensor() -> None
         strategies=["ddp"],
     )
     assert plans["ddp"].parameters > 0
+
+
+# -- code written for a GPU, planned on a machine without one -------------------------------------
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
+
+
+def plain_step(model: nn.Module, batch: torch.Tensor) -> None:
+    model(batch).float().mean().backward()
+
+
+def autocast_step(model: nn.Module, batch: torch.Tensor) -> None:
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(batch.to("cuda"))
+    out.float().mean().backward()
+
+
+def test_a_step_under_cuda_autocast_plans_in_its_low_precision() -> None:
+    """Without CUDA, torch turns ``autocast("cuda")`` off with a warning: the plan was fp32's."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "CUDA is not available. Disabling" must not happen
+        plain = dry_run(mlp, "torch.randn(256, 1024)", 2, strategies=["ddp"], step=plain_step)["ddp"]
+        mixed = dry_run(mlp, "torch.randn(256, 1024)", 2, strategies=["ddp"], step=autocast_step)["ddp"]
+    # autocast keeps bfloat16 copies of the weights and of the activations beside the float32 ones
+    assert mixed.peak_bytes != plain.peak_bytes
+    assert mixed.activations > plain.activations
+
+
+@pytest.mark.parametrize(
+    "ending",
+    [".cuda()", '.to("cuda")', '.to(torch.device("cuda"))', ".to(torch.bfloat16).cuda()", '.to("cpu")'],
+)
+def test_a_builder_that_moves_its_model_to_the_gpu_plans_on_a_cpu_machine(ending: str) -> None:
+    code = f"nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]){ending}"
+    plan = dry_run(code, "torch.randn(8, 1024)", 2, strategies=["fsdp FULL_SHARD"])["fsdp FULL_SHARD"]
+    low = "bfloat16" in ending
+    assert plan.parameters == 4 * (1024 * 1024 + 1024) * (2 if low else 4) // 2
