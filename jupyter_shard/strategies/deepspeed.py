@@ -35,6 +35,7 @@ from torch import nn
 
 from jupyter_shard.strategies import deepspeed_dcp
 from jupyter_shard.strategies.base import StrategyBase, parameter_names, rebuild_optimizer
+from jupyter_shard.strategies.deepspeed_builds import guard_builds
 from jupyter_shard.strategies.deepspeed_config import build_config, fit_stage3_buffers, parameter_dtype
 from jupyter_shard.strategies.precision import cast_floating_inputs, cast_parameters
 
@@ -47,7 +48,9 @@ def deepspeed_environment(device_type: str) -> None:
     """CPU accelerator on CPU ranks, and one persistent build cache for DeepSpeed's compiled ops.
 
     Set before DeepSpeed is first imported, by this strategy or by a framework that uses it
-    (Lightning, Accelerate, the Hugging Face Trainer), so every user of a pool shares the builds.
+    (Lightning, Accelerate, the Hugging Face Trainer), so every user of a pool shares the builds
+    (each guarded by :func:`~jupyter_shard.strategies.deepspeed_builds.guard_builds`, which a rank
+    installs as torch's extension builder is imported).
     """
     if device_type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -55,8 +58,9 @@ def deepspeed_environment(device_type: str) -> None:
 
 
 def import_deepspeed(device: torch.device) -> Any:
-    """Import deepspeed for ``device`` (see :func:`deepspeed_environment`)."""
+    """Import deepspeed for ``device`` (see :func:`deepspeed_environment`), its op builds guarded."""
     deepspeed_environment(device.type)
+    guard_builds()
     import deepspeed
 
     return deepspeed

@@ -18,8 +18,10 @@ __all__ = ["install"]
 def install(device_type: str) -> None:
     """Adjust each framework as it is imported in this rank (``device_type``: the pool's device)."""
     from jupyter_shard.strategies.deepspeed import deepspeed_environment
+    from jupyter_shard.strategies.deepspeed_builds import guard_builds
 
     deepspeed_environment(device_type)
+    after_import("torch.utils.cpp_extension", guard_builds)  # DeepSpeed's op builds, whoever starts them
     for module, adjust in lightning.adjustments(device_type).items():
         after_import(module, adjust)
     after_import("transformers.trainer", huggingface.add_default_callback)
