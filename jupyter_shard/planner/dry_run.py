@@ -293,7 +293,7 @@ def _trace(
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from jupyter_shard.strategies.fsdp import unit_policies
+    from jupyter_shard.strategies.fsdp_units import unit_policies
     from jupyter_shard.strategies.precision import Precision, cast_floating_inputs, cast_parameters
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -342,7 +342,8 @@ def _trace(
                     # DeepSpeed reduces through its own bucket (counted below), not FSDP's reduce-scatter
                     module.set_custom_reduce_scatter(tracing.gloo_reduce_scatter())  # type: ignore[operator]
             if name.startswith("deepspeed"):
-                formula.update(_zero3_buffers(model, whole, world_size, traced_optimizer=step is None))
+                bucket = 2 if dtype is not None else 4  # DeepSpeed's bucket holds the gradients' dtype
+                formula.update(_zero3_buffers(model, whole, world_size, step is None, bucket))
 
             def make_tracker(optimizers: list[torch.optim.Optimizer]) -> Any:
                 tracker = FSDPMemTracker(model, optimizers[0] if optimizers else None)
@@ -352,30 +353,49 @@ def _trace(
         optimizer: torch.optim.Optimizer | None = None
         run: Step | None = step
         if step is None and name.startswith("deepspeed"):
-            run, optimizer = tracing.zero3_step(model)
+            run, optimizer = tracing.zero3_step(model, foreach=device == "cuda")
         elif step is None:
-            optimizer = torch.optim.AdamW(model.parameters())
+            # torch's default on CUDA: one multi-tensor kernel over every parameter, not one by one
+            optimizer = torch.optim.AdamW(model.parameters(), foreach=device == "cuda")
             run = tracing.default_step(optimizer)
         assert run is not None
         tracker = tracing.run_steps(model, inputs, run, optimizer, make_tracker)
     snap = tracing.peak_snapshot(tracker)
-    return _breakdown(snap, unit, formula, offloaded="offload" in STRATEGIES[name])
+    offloaded = "offload" in STRATEGIES[name]
+    return _breakdown(snap, unit, formula, offloaded, _gradient_shard(model) if offloaded else 0)
 
 
-def _zero3_buffers(model: nn.Module, whole: int, world_size: int, traced_optimizer: bool) -> dict[str, int]:
+def _gradient_shard(model: nn.Module) -> int:
+    """Bytes of this rank's shard of the gradients (float32, as the shards are): an offload plan holds
+    it in host memory from the reduce-scatter to the optimizer step, which the device's peak, read
+    earlier in the step, does not show."""
+    local = [getattr(p, "_local_tensor", p) for p in model.parameters() if p.requires_grad]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def _zero3_buffers(
+    model: nn.Module, whole: int, world_size: int, traced_optimizer: bool, bucket_bytes: int = 4
+) -> dict[str, int]:
     """DeepSpeed ZeRO-3's own buffers that the trace does not hold: the reduce bucket, which the
-    deepspeed strategy sizes to the largest parameter, and, where a user's step replaced the traced
-    optimizer layout, the optimizer's flat float32 copy of this rank's partition."""
+    deepspeed strategy sizes to the largest parameter (in the gradients' dtype: bfloat16 under
+    bf16-mixed), and, where a user's step replaced the traced optimizer layout, the optimizer's flat
+    float32 copy of this rank's partition."""
     largest = max((p.numel() for p in model.parameters()), default=0)
-    extra = {"transient": largest * 4}
+    extra = {"transient": largest * bucket_bytes}
     return extra if traced_optimizer else {**extra, "optimizer": -(-whole // world_size)}
 
 
 def _breakdown(
-    snap: dict[str, int], unit: tuple[str, int] | None, formula: dict[str, int], offloaded: bool = False
+    snap: dict[str, int],
+    unit: tuple[str, int] | None,
+    formula: dict[str, int],
+    offloaded: bool = False,
+    gradient_shard: int = 0,
 ) -> Traced:
     """The tracker's categories at the peak as the plan's figures; with ``offloaded``, what the offload
-    policy keeps on the host (:data:`HOST_ROLES`) is taken out of the device figures into ``host``."""
+    policy keeps on the host (:data:`HOST_ROLES`) is taken out of the device figures into ``host``,
+    which is the host's own peak: the sharded parameters and optimizer state with the whole
+    ``gradient_shard``, however much of it existed at the device's peak."""
 
     def take(*keys: str) -> int:
         return sum(snap.get(k, 0) for k in keys if not (offloaded and k in HOST_ROLES))
@@ -389,7 +409,9 @@ def _breakdown(
         transient=take("Temp", "Unsharded Param", "All Gather", "Reduce Scatter"),
         largest_unit=unit,
         formula=formula,
-        host=sum(snap.get(k, 0) for k in HOST_ROLES) if offloaded else 0,
+        host=sum(snap.get(k, 0) for k in HOST_ROLES if k != "Sharded Grad") + gradient_shard
+        if offloaded
+        else 0,
     )
 
 

@@ -14,20 +14,19 @@ itself but modelled: full sharding per unit with DeepSpeed's optimizer layout (:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.overrides import TorchFunctionMode
 
 from jupyter_shard.errors import SpecError, one_line
+from jupyter_shard.planner.gpu_code import gpu_code_on_cpu, moves_in_place
 
 #: steps run: the second one holds optimizer state through forward and backward, the steady state
 STEPS = 2
@@ -161,118 +160,13 @@ def batch_tensors(batch: object) -> list[torch.Tensor]:
     return []
 
 
-# -- a GPU's code on the CPU ----------------------------------------------------------------------
-
-
-class _CudaOnCpu(TorchFunctionMode):
-    """Moves to CUDA become no-ops and CUDA factory devices become the CPU, where fake tensors live.
-
-    A plan is for the machine that will run it, often not this one: a builder or forward that calls
-    ``.cuda()``, ``.to("cuda")`` or makes tensors on ``torch.device("cuda")`` plans as written on a
-    machine without CUDA, and on one with CUDA keeps every tensor where the trackers count it.
-    """
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        if func is torch.Tensor.cuda:
-            return args[0]
-        args = tuple(_cpu(a) for a in args)
-        kwargs = {k: _cpu(v) for k, v in (kwargs or {}).items()}
-        return func(*args, **kwargs)
-
-
-def _cpu(value: object) -> object:
-    if isinstance(value, torch.device) and value.type == "cuda":
-        return _CPU
-    if isinstance(value, str) and (value == "cuda" or value.startswith("cuda:")):
-        return _CPU
-    return value
-
-
-class _CpuAutocast(torch.autocast):
-    """``torch.autocast("cuda", ...)`` as the CPU's autocast to the dtype CUDA's would use (float16
-    unless the code names one), so that a GPU training step is traced in its own precision."""
-
-    def __init__(self, device_type: str, dtype: torch.dtype | None = None, **options: Any) -> None:
-        if device_type == "cuda":
-            device_type, dtype = "cpu", dtype if dtype is not None else torch.float16
-        super().__init__(device_type, dtype=dtype, **options)
-
-
-@contextlib.contextmanager
-def gpu_code_on_cpu() -> Iterator[None]:
-    """Run code written for a GPU on fake CPU tensors as the GPU would run it (:class:`_CudaOnCpu`,
-    :class:`_CpuAutocast`); ``torch.autocast`` is restored after."""
-    saved = torch.autocast, torch.amp.autocast
-    torch.autocast = torch.amp.autocast = _CpuAutocast  # type: ignore[misc,assignment]
-    try:
-        with _CudaOnCpu():
-            yield
-    finally:
-        torch.autocast, torch.amp.autocast = saved  # type: ignore[misc]
-
-
-@contextlib.contextmanager
-def moves_in_place() -> Iterator[None]:
-    """While a builder runs: ``Module.to``, ``.cuda()``, ``.cpu()``, ``.half()``, ``.bfloat16()`` and
-    ``.float()`` change dtypes in place and ignore devices (every tensor becomes a fake CPU one after
-    the build). torch's own versions swap each fake parameter for its copy, which fake tensors refuse
-    (``_apply(): Couldn't swap Linear.weight``), so a builder ending in ``.to(device)`` could not plan."""
-    names = ("to", "cuda", "cpu", "half", "bfloat16", "float")
-    saved = {name: getattr(nn.Module, name) for name in names}
-
-    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-        _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        return _cast_in_place(self, dtype)
-
-    def keep(self: nn.Module, device: object = None) -> nn.Module:
-        return self
-
-    def caster(dtype: torch.dtype) -> Callable[[nn.Module], nn.Module]:
-        return lambda self: _cast_in_place(self, dtype)
-
-    patches: dict[str, Any] = {"to": to, "cuda": keep, "cpu": keep, "half": caster(torch.float16)}
-    patches |= {"bfloat16": caster(torch.bfloat16), "float": caster(torch.float32)}
-    for name, patch in patches.items():
-        setattr(nn.Module, name, patch)
-    try:
-        yield
-    finally:
-        for name, original in saved.items():
-            setattr(nn.Module, name, original)
-
-
-def _cast_in_place(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
-    """Floating-point parameters and buffers of ``model`` in ``dtype``, tied ones kept tied."""
-    if dtype is None:
-        return model
-    made: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
-        for table in tables:
-            for name, tensor in list(table.items()):
-                if tensor is None or not tensor.is_floating_point() or tensor.dtype == dtype:
-                    continue
-                if id(tensor) not in made:
-                    cast = tensor.detach().to(dtype)
-                    is_param = isinstance(tensor, nn.Parameter)
-                    made[id(tensor)] = nn.Parameter(cast, tensor.requires_grad) if is_param else cast
-                table[name] = made[id(tensor)]
-    return model
-
-
 # -- units -------------------------------------------------------------------------------------------
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
     """The submodules the fsdp strategy shards on their own, children before parents: its own rule
     (:func:`jupyter_shard.strategies.fsdp.default_units`), so that a plan wraps what a pool would."""
-    from jupyter_shard.strategies.fsdp import default_units as fsdp_units
+    from jupyter_shard.strategies.fsdp_units import default_units as fsdp_units
 
     return fsdp_units(model)
 
@@ -336,7 +230,7 @@ def default_step(optimizer: torch.optim.Optimizer) -> Step:
     return step
 
 
-def zero3_step(model: nn.Module) -> tuple[Step, torch.optim.Optimizer]:
+def zero3_step(model: nn.Module, foreach: bool = False) -> tuple[Step, torch.optim.Optimizer]:
     """DeepSpeed ZeRO-3's optimizer layout on a sharded model: AdamW over one flat float32 copy of this
     rank's partition, whose gradient is the partition's gradients flattened at each step, the result
     copied back into the partition; the partition's gradients stay allocated between steps, as
@@ -345,7 +239,7 @@ def zero3_step(model: nn.Module) -> tuple[Step, torch.optim.Optimizer]:
     params = [p for p in model.parameters() if p.requires_grad]
     shards = [_local(p) for p in params]
     master = nn.Parameter(torch.empty(sum(t.numel() for t in shards), dtype=torch.float32))
-    optimizer = torch.optim.AdamW([master], foreach=False)
+    optimizer = torch.optim.AdamW([master], foreach=foreach)
 
     def step(model: nn.Module, batch: object) -> None:
         scalar_loss(forward(model, batch)).backward()

@@ -62,8 +62,11 @@ def test_offload_keeps_the_sharded_state_on_the_host_and_the_rest_on_the_device(
         plan, offloaded = four[name], four[f"{name} + offload"]
         assert offloaded.parameters == offloaded.optimizer == 0  # the MLP has no buffers
         assert offloaded.activations == plan.activations and offloaded.transient == plan.transient
-        assert offloaded.host_bytes >= plan.parameters + plan.optimizer
-        assert offloaded.peak_bytes + offloaded.host_bytes == pytest.approx(plan.peak_bytes, rel=0.01)
+        # the host's own peak: the shards, the optimizer state and the whole gradient shard (float32,
+        # a shard's size), which lives there from the reduce-scatter to the step
+        shard = plan.parameters  # this MLP's parameter shard, float32 like its gradient shard
+        assert offloaded.host_bytes >= 2 * shard + plan.optimizer
+        assert offloaded.peak_bytes + offloaded.host_bytes >= plan.peak_bytes * 0.99
         assert offloaded.peak_bytes < plan.peak_bytes - plan.parameters
         assert "host" in offloaded.source["host_bytes"] and offloaded.options["offload"] == "cpu"
     assert "modelled" in four["deepspeed ZeRO-3 + offload"].source["peak_bytes"]

@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from jupyter_shard.errors import SpecError
 from jupyter_shard.planner import tracing
-from jupyter_shard.strategies import fsdp
+from jupyter_shard.strategies import fsdp_units as fsdp
 
 
 class Block(nn.Module):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from jupyter_shard.strategies import fsdp
+from jupyter_shard.strategies import fsdp_units as fsdp
 from tests import zoo
 
 
@@ -113,5 +113,5 @@ def test_batch_norms_keep_float32_in_units_of_their_own_under_bf16() -> None:
 def test_an_auto_wrap_that_cannot_work_is_one_line(classes: list[str], says: str) -> None:
     model = build("gpt2 tied")
     with pytest.raises(ValueError, match=says) as caught:
-        fsdp._check_named_units(model, frozenset(classes))
+        fsdp.check_named_units(model, frozenset(classes))
     assert "\n" not in str(caught.value) and "auto_wrap" in str(caught.value)

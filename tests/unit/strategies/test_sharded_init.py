@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from jupyter_shard.rank.shard import _meta_copy
-from jupyter_shard.strategies.fsdp import SPLIT_ABOVE, default_units
+from jupyter_shard.strategies.fsdp_units import SPLIT_ABOVE, default_units
 from jupyter_shard.strategies.sharded_init import (
     built_on_meta,
     check_initialisable,
