@@ -82,9 +82,16 @@ def cast_floating_inputs(module: nn.Module, dtype: torch.dtype) -> RemovableHand
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
-    """``model``'s floating-point parameters to ``dtype`` in place, one at a time: each full-precision
-    copy is freed as its cast is made, and optimizers keep referring to the same parameter objects."""
+    """``model``'s floating-point parameters and buffers to ``dtype`` in place, one at a time: each
+    full-precision copy is freed as its cast is made, and optimizers keep referring to the same
+    parameter objects. Buffers go too, as DeepSpeed's own ``module.bfloat16()`` takes them: a
+    BatchNorm's float32 running statistics beside bfloat16 weights fail on the CPU (``expected
+    scalar type BFloat16 but found Float``)."""
     with torch.no_grad():
         for p in model.parameters():
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
+                    module._buffers[name] = buffer.to(dtype)
