@@ -273,6 +273,8 @@ def plan_line(
     names = [n for n in ORDER if n in plans]
     candidates = [n for n in names if deepspeed or not n.startswith("deepspeed")]
     notes = [] if deepspeed else ["deepspeed is not installed: ZeRO-3 is shown but not recommended."]
+    failed: dict[str, str] = getattr(plans, "failed", {})
+    notes += [f"{name} is not planned: {why}" for name, why in failed.items()]
     fitting = [n for n in candidates if usable is not None and plans[n].peak_bytes <= usable]
     recommended = fitting[0] if fitting else (candidates[0] if usable is None and candidates else None)
     # what would make each plan faster than the recommendation fit (every plan, when nothing fits)

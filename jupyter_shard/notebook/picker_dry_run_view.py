@@ -154,6 +154,15 @@ class DryRunPicker(widgets.VBox):  # type: ignore[misc]
     def __repr__(self) -> str:
         return self.report
 
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any] | None:
+        """The widget, with the whole report as its text/plain: where the widget cannot render
+        (nbconvert, GitHub's viewer, a frontend without ipywidgets) the table is what is read, and
+        ipywidgets cuts a text/plain to its first 110 characters."""
+        bundle: dict[str, Any] | None = super()._repr_mimebundle_(**kwargs)
+        if bundle is not None:
+            bundle["text/plain"] = self.report
+        return bundle
+
     def write_config(self) -> Path | None:
         """Write the plan's config JSON (FSDP's sharding) into the current directory, which the line
         names with ``--config``; None when the line needs none or it could not be written."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType, ModuleType
@@ -52,6 +53,8 @@ _ALIASES = {
 #: gradients and the optimizer state (the optimizer steps on the host)
 HOST_ROLES = ("Sharded Param", "Sharded Grad", "Optstate", "OptState")
 MAX_WORLD = 1 << 16
+#: seconds a call traces before its live line appears (a quick call prints nothing)
+QUIET_FOR = 1.0
 MAX_BATCH = 1 << 24
 RESULTS = "benchmarks/results/dry_run.md"
 TRACED = (
@@ -87,6 +90,44 @@ MIXED = {
     "deepspeed": "bf16-mixed as the deepspeed strategy runs it: bfloat16 parameters and floating-point "
     "inputs, float32 master copies in the optimizer's flat partition",
 }
+
+
+class Plans(dict[str, "Plan"]):
+    """The plans of one call by name; ``failed`` holds, by name, the one line each plan that could not
+    be traced failed with (the rest are still planned: a plan that fails does not sink the others)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed: dict[str, str] = {}
+
+
+class Progress:
+    """One live line on stderr while a call traces several plans (``dry run: tracing fsdp FULL_SHARD,
+    2 of 6...``), shown from :data:`QUIET_FOR` seconds on and cleared at the end."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.count, self.started, self.shown = total, 0, time.monotonic(), 0
+
+    def tracing(self, name: str) -> None:
+        self.count += 1
+        if self.total > 1 and time.monotonic() - self.started >= QUIET_FOR:
+            self._show(f"dry run: tracing {name}, {self.count} of {self.total}... (Ctrl-C stops it)")
+
+    def stopped(self) -> None:
+        if self.total > 1:
+            self._show(f"dry run stopped by Ctrl-C while tracing plan {self.count} of {self.total}\n")
+            self.shown = 0
+
+    def done(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r" + " " * self.shown + "\r")
+            sys.stderr.flush()
+            self.shown = 0
+
+    def _show(self, text: str) -> None:
+        sys.stderr.write("\r" + text.ljust(self.shown))
+        sys.stderr.flush()
+        self.shown = len(text.rstrip("\n"))
 
 
 @dataclass(frozen=True)
@@ -264,16 +305,27 @@ def _plan_all(
     level = fake_log.level
     fake_log.setLevel(logging.CRITICAL)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    todo = [n for n in names if world_size > 1 or n == "ddp"]
+    progress = Progress(len(todo))
     try:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
-        plans = {}
-        for name in names:
-            if world_size == 1 and name != "ddp":
+        plans = Plans()
+        for name in todo:
+            progress.tracing(name)
+            try:
+                traced = _trace(name, model_or_builder, batch, mesh, world_size, device, step, precision)
+            except SpecError as exc:  # this plan's own failure: the others are still worth showing
+                plans.failed[name] = str(exc)
                 continue
-            traced = _trace(name, model_or_builder, batch, mesh, world_size, device, step, precision)
             plans[name] = _plan(name, traced, world_size, device, step, precision)
+        if not plans:
+            raise SpecError(next(iter(plans.failed.values())))
         return plans
+    except KeyboardInterrupt:
+        progress.stopped()
+        raise
     finally:
+        progress.done()
         dist.destroy_process_group()
         sys.excepthook = hook
         fake_log.setLevel(level)

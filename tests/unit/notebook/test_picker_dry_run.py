@@ -265,3 +265,28 @@ def test_bad_cell_code_is_one_line_and_the_picker_stays_usable(line: str, cell: 
     message = str(caught.value)
     assert "\n" not in message and says in message
     assert isinstance(picker(f"{BATCH} --world-size 2 --gpu L4", ns, None, print, cell=CELL), DryRunPicker)
+
+
+def test_the_reports_text_plain_is_the_whole_table_where_the_widget_cannot_render() -> None:
+    p = picker(f"model {BATCH} --world-size 2 --gpu 'h100 80gb'", namespace(), None, lambda _: None)
+    assert isinstance(p, DryRunPicker)
+    text = p._repr_mimebundle_()["text/plain"]
+    assert text == p.report and "…" not in text
+    assert all(name in text for name in ORDER) and text.count("\n") > len(ORDER)
+
+
+def fsdp_refusing_step(model: nn.Module, batch: torch.Tensor) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        raise ValueError("this step refuses FSDP")
+    model(batch).mean().backward()
+
+
+def test_a_plan_that_fails_is_a_note_and_the_others_are_shown() -> None:
+    space = {**namespace(), "step": fsdp_refusing_step}
+    out = plan_line(f"model {BATCH} --world-size 2 --step step", space, memory=gpus(0, 0), gpu_count=2)
+    assert [v.name for v in out.verdicts] == ["ddp"]
+    failed = [n for n in out.notes if "is not planned" in n]
+    assert len(failed) == len(ORDER) - 1 and all("this step refuses FSDP" in n for n in failed)
+    assert all("\n" not in n for n in failed)

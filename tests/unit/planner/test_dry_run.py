@@ -324,3 +324,46 @@ def test_find_batch_is_zero_when_nothing_fits_and_rejects_bad_input() -> None:
         find_batch(lambda: mlp(16, 1), lambda b: 1 / 0, 2, 10**9, "ddp")
     with pytest.raises(SpecError, match="device_bytes"):
         find_batch(lambda: mlp(16, 1), lambda b: f"torch.randn({b}, 16)", 2, 0, "ddp")
+
+
+def test_plans_that_fail_are_listed_and_the_rest_are_planned() -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    def step(model: nn.Module, batch: torch.Tensor) -> None:
+        if isinstance(model, FSDPModule):
+            raise ValueError("no FSDP here")
+        model(batch).mean().backward()
+
+    plans = dry_run(mlp(64, 2), "torch.randn(4, 64)", 2, strategies=["ddp", "fsdp"], step=step)
+    assert list(plans) == ["ddp"]
+    failed = plans.failed  # type: ignore[attr-defined]
+    assert set(failed) == {"fsdp FULL_SHARD", "fsdp SHARD_GRAD_OP", "fsdp FULL_SHARD + offload"}
+    assert all("no FSDP here" in why and "\n" not in why for why in failed.values())
+
+
+def test_several_plans_show_one_live_line_and_ctrl_c_stops_cleanly(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from jupyter_shard.planner import dry_run as module
+
+    monkeypatch.setattr(module, "QUIET_FOR", 0.0)
+    dry_run(mlp(64, 2), "torch.randn(4, 64)", 2, strategies=["ddp", "fsdp FULL_SHARD"])
+    err = capsys.readouterr().err
+    assert "\rdry run: tracing ddp, 1 of 2" in err and "\rdry run: tracing fsdp FULL_SHARD, 2 of 2" in err
+    assert err.endswith("\r") and "\n" not in err  # one live line, cleared at the end
+
+    calls = []
+
+    def interrupted(model: nn.Module, batch: torch.Tensor) -> None:
+        calls.append(1)
+        if len(calls) > 2:  # the second plan's first step
+            raise KeyboardInterrupt
+        model(batch).mean().backward()
+
+    autocast, to = torch.autocast, nn.Module.to
+    with pytest.raises(KeyboardInterrupt):
+        dry_run(mlp(64, 2), "torch.randn(4, 64)", 2, strategies=["ddp", "fsdp FULL_SHARD"], step=interrupted)
+    assert "dry run stopped by Ctrl-C while tracing plan 2 of 2\n" in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+    assert torch.autocast is autocast and nn.Module.to is to
+    assert dry_run(mlp(64, 2), "torch.randn(4, 64)", 2, strategies=["ddp"])["ddp"].peak_bytes > 0
