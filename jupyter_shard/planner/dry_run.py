@@ -198,6 +198,12 @@ def dry_run(
         raise SpecError(f"device {device!r} is not valid; choose one of: {', '.join(DEVICES)}")
     if step is not None and not callable(step):
         raise SpecError(f"step must be a function step(model, batch), not a {type(step).__name__}")
+    if step is not None and (outside := tracing.outside_optimizers(step)):
+        raise SpecError(
+            f"the step uses the optimizer {outside[0]!r}, made outside it over your own model: the dry run "
+            "traces a copy of the model, so it would count no optimizer state and step your model; make "
+            "the optimizer inside step from model.parameters()"
+        )
     if precision not in PRECISIONS:
         raise SpecError(f"precision {precision!r} cannot be planned; choose one of: {', '.join(PRECISIONS)}")
     if dist.is_available() and dist.is_initialized():

@@ -336,6 +336,30 @@ def _one_step(model: nn.Module, batch: object, step: Step, optimizer: torch.opti
         raise SpecError(f"{what} raised {one_line(exc)}; {fix}") from exc
 
 
+def outside_optimizers(step: Step) -> list[str]:
+    """The names under which ``step`` reaches an optimizer it did not make (a global or a variable of
+    an enclosing function): one built over the user's own model. The dry run traces a copy of the
+    model, so such an optimizer would find no gradients to count (its state read as 0 bytes) and would
+    step the user's real parameters with whatever gradients they hold."""
+    code = getattr(step, "__code__", None)
+    if code is None:
+        return []
+    found: list[str] = []
+    scope = getattr(step, "__globals__", {})
+    for name in code.co_names:
+        if isinstance(scope.get(name), torch.optim.Optimizer):
+            found.append(name)
+    cells = getattr(step, "__closure__", None) or ()
+    for name, cell in zip(code.co_freevars, cells, strict=False):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            continue
+        if isinstance(value, torch.optim.Optimizer):
+            found.append(name)
+    return found
+
+
 def _optimizers_of(model: nn.Module) -> list[torch.optim.Optimizer]:
     """The optimizers over ``model``'s parameters that a user's step made (found among live objects,
     since the step keeps its own)."""

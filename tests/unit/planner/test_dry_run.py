@@ -367,3 +367,29 @@ def test_several_plans_show_one_live_line_and_ctrl_c_stops_cleanly(
     assert not torch.distributed.is_initialized()
     assert torch.autocast is autocast and nn.Module.to is to
     assert dry_run(mlp(64, 2), "torch.randn(4, 64)", 2, strategies=["ddp"])["ddp"].peak_bytes > 0
+
+
+def test_a_step_with_an_optimizer_over_the_users_own_model_is_refused_in_one_line() -> None:
+    """Its state would count 0 bytes, and stepping it would change the user's real parameters."""
+    model = mlp(64, 2)
+    model(torch.randn(4, 64)).mean().backward()  # the user's model holds gradients from training
+    opt = torch.optim.AdamW(model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def step(m: nn.Module, batch: torch.Tensor) -> None:
+        m(batch).mean().backward()
+        opt.step()
+
+    with pytest.raises(SpecError, match="the step uses the optimizer 'opt', made outside it") as caught:
+        dry_run(model, "torch.randn(4, 64)", 2, strategies=["ddp"], step=step)
+    assert "\n" not in str(caught.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert not opt.state, "the user's optimizer took no step"
+
+    def own(m: nn.Module, batch: torch.Tensor) -> None:  # the way that works: made inside the step
+        optimizer = steps.setdefault(id(m), torch.optim.AdamW(m.parameters()))
+        m(batch).mean().backward()
+        optimizer.step()
+
+    steps: dict[int, torch.optim.Optimizer] = {}
+    assert dry_run(model, "torch.randn(4, 64)", 2, strategies=["ddp"], step=own)["ddp"].optimizer > 0
