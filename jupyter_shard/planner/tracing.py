@@ -326,6 +326,12 @@ def _one_step(model: nn.Module, batch: object, step: Step, optimizer: torch.opti
     except SpecError:
         raise
     except Exception as exc:
+        if _data_dependent(exc):
+            raise SpecError(
+                f"the model's forward makes shapes that depend on the data ({one_line(exc)}), as a "
+                "Mixture-of-Experts router does, which the dry run's fake tensors cannot trace; measure "
+                "it on a live pool (%dist_picker ... --find-batch --confirm) instead"
+            ) from exc
         user = optimizer is None
         what = "the step function" if user else "the model's forward or backward on this batch"
         fix = (
@@ -334,6 +340,17 @@ def _one_step(model: nn.Module, batch: object, step: Step, optimizer: torch.opti
             else "pass a batch the model's forward takes (its shape and dtype), or a step function"
         )
         raise SpecError(f"{what} raised {one_line(exc)}; {fix}") from exc
+
+
+def _data_dependent(exc: BaseException) -> bool:
+    """Whether tracing failed on shapes only the data decides: torch's fake tensors raise
+    ``DynamicOutputShapeException`` (``nonzero``, ``unique``) or ``DataDependentOutputException``
+    (``.item()``), and its shape rule for ``grouped_mm`` (a MoE's experts) refuses float32 inputs
+    that the CPU kernel takes."""
+    from torch._subclasses import fake_tensor
+
+    kinds = (fake_tensor.DynamicOutputShapeException, fake_tensor.DataDependentOutputException)
+    return isinstance(exc, kinds) or "mat_a.dtype" in str(exc)
 
 
 def outside_optimizers(step: Step) -> list[str]:

@@ -113,3 +113,11 @@ def test_a_builder_that_moves_its_model_to_the_gpu_plans_on_a_cpu_machine(ending
     plan = dry_run(code, "torch.randn(8, 1024)", 2, strategies=["fsdp FULL_SHARD"])["fsdp FULL_SHARD"]
     low = "bfloat16" in ending
     assert plan.parameters == 4 * (1024 * 1024 + 1024) * (2 if low else 4) // 2
+
+
+def test_a_mixture_of_experts_router_is_named_as_what_cannot_be_traced() -> None:
+    from jupyter_shard.errors import SpecError
+
+    with pytest.raises(SpecError, match="shapes that depend on the data") as caught:
+        dry_run(zoo.code("mixtral moe"), batch("mixtral moe"), 2, device="cpu", strategies=["ddp"])
+    assert "pass a batch" not in str(caught.value) and "\n" not in str(caught.value)
