@@ -15,6 +15,7 @@ group is already the default (inside a rank), the dry run runs in a forked child
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -31,6 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from jupyter_shard.errors import SpecError, one_line
 from jupyter_shard.planner import tracing
 from jupyter_shard.planner.cell_model import model_builder
+from jupyter_shard.planner.gpu_code import cuda_blocks
 from jupyter_shard.planner.isolation import forked
 from jupyter_shard.planner.tracing import Step, Traced
 
@@ -417,7 +419,9 @@ def _trace(
             optimizer = torch.optim.AdamW(model.parameters(), foreach=device == "cuda")
             run = tracing.default_step(optimizer)
         assert run is not None
-        tracker = tracing.run_steps(model, inputs, run, optimizer, make_tracker)
+        rounding = cuda_blocks() if device == "cuda" else contextlib.nullcontext()
+        with rounding:
+            tracker = tracing.run_steps(model, inputs, run, optimizer, make_tracker)
     snap = tracing.peak_snapshot(tracker)
     offloaded = "offload" in STRATEGIES[name]
     return _breakdown(snap, unit, formula, offloaded, _gradient_shard(model) if offloaded else 0)
@@ -506,7 +510,11 @@ def _plan(
     if precision != "32":
         source["precision"] = MIXED[name.split()[0]]
     if device == "cuda":
-        source["device"] = "traced on CPU shapes: CUDA's allocator rounding (512 B a block) is not added"
+        source["device"] = (
+            "traced on CPU shapes, each tensor's block rounded up to 512 bytes as CUDA's caching allocator "
+            "does (torch's round_size); not modelled: the allocator's 2 MiB and 20 MiB segments, which "
+            "max_memory_reserved counts, the CUDA context and NCCL's buffers"
+        )
     return Plan(
         strategy=name,
         options=dict(STRATEGIES[name]),

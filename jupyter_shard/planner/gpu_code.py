@@ -120,3 +120,29 @@ def _cast_in_place(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
                     made[id(tensor)] = nn.Parameter(cast, tensor.requires_grad) if is_param else cast
                 table[name] = made[id(tensor)]
     return model
+
+
+#: CUDA's caching allocator rounds every block up to a multiple of this (torch's ``round_size``)
+CUDA_BLOCK = 512
+
+
+@contextlib.contextmanager
+def cuda_blocks() -> Iterator[None]:
+    """Count each tensor as the block CUDA's caching allocator gives it: its bytes rounded up to
+    :data:`CUDA_BLOCK`. torch's ``MemTracker`` does so for CUDA tensors only, and the dry run's fake
+    tensors are CPU ones. The allocator's segments (2 MiB for blocks up to 1 MiB, 20 MiB for blocks up
+    to 10 MiB, larger ones rounded to 2 MiB), which ``max_memory_reserved`` counts, are not modelled."""
+    from torch.distributed._tools import mem_tracker
+
+    info = mem_tracker._WeakRefInfo
+    original = info._calculate_mem_consumed
+
+    def rounded(self: Any) -> int:
+        size = int(self.size * self.element_size)
+        return -(-size // CUDA_BLOCK) * CUDA_BLOCK
+
+    info._calculate_mem_consumed = rounded  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        info._calculate_mem_consumed = original  # type: ignore[method-assign]

@@ -121,3 +121,16 @@ def test_a_mixture_of_experts_router_is_named_as_what_cannot_be_traced() -> None
     with pytest.raises(SpecError, match="shapes that depend on the data") as caught:
         dry_run(zoo.code("mixtral moe"), batch("mixtral moe"), 2, device="cpu", strategies=["ddp"])
     assert "pass a batch" not in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_cuda_plan_counts_each_tensor_as_the_allocators_512_byte_block() -> None:
+    def many_small() -> nn.Module:
+        return nn.Sequential(*[nn.Linear(5, 5) for _ in range(40)])
+
+    cpu = dry_run(many_small, "torch.randn(2, 5)", 2, device="cpu", strategies=["ddp"])["ddp"]
+    cuda = dry_run(many_small, "torch.randn(2, 5)", 2, device="cuda", strategies=["ddp"])["ddp"]
+    assert cpu.parameters == 40 * (25 + 5) * 4  # weight 100 bytes, bias 20 bytes
+    assert cuda.parameters == 40 * 2 * 512  # each a block of its own
+    assert "512 bytes" in cuda.source["device"] and "not modelled" in cuda.source["device"]
+    # restored after the call: a CPU plan counts bytes again
+    assert dry_run(many_small, "torch.randn(2, 5)", 2, device="cpu", strategies=["ddp"])["ddp"] == cpu
