@@ -16,7 +16,7 @@ PIP_FLAGS := $(if $(CI),--progress-bar off,)
 # JupyterLab refuses to run as root (containers, CI) without this flag.
 LAB_FLAGS := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup quickstart quickstart-headless lint test
+.PHONY: setup quickstart quickstart-headless lint test cuda-build-setup test-cuda-build
 
 LABEXT := jupyter_shard/labextension/package.json
 LABEXT_LINK := $(VENV)/share/jupyter/labextensions/jupyter_shard
@@ -100,6 +100,31 @@ test: setup
 		--nbval --nbval-current-env --nbval-sanitize-with tests/notebooks/nbval_sanitize.cfg; \
 	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed"; exit 1; fi; \
 	echo "make test: all stages passed"
+
+# -- the planner under a CUDA build of torch, no GPU needed: `make cuda-build-setup`, then `make test-cuda-build` --
+# Optional, and not part of `make test` or CI: a CUDA build of torch is several GB. It behaves unlike the CPU
+# build even without a GPU (FakeTensorMode installs a CUDA device guard, so a backward starts autograd's
+# device threads, which broke the dry run's forked child: issue 38), and it is what every GPU machine has.
+# $(CUDA_VENV) holds it, apart from .venv; 2.14.1 is the CUDA build this machine's pip has on disk.
+CUDA_VENV  ?= .venv-cuda
+CUDA_TORCH ?= torch==2.14.1
+PYTEST_ARGS ?= tests/unit/planner
+
+cuda-build-setup: $(CUDA_VENV)/.setup-stamp
+
+$(CUDA_VENV)/.setup-stamp: pyproject.toml
+	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/python -m pip install $(PIP_FLAGS) $(CUDA_TORCH)
+	echo "$(CUDA_TORCH)" > $(CUDA_VENV)/constraints.txt
+	$(CUDA_VENV)/bin/python -m pip install $(PIP_FLAGS) -c $(CUDA_VENV)/constraints.txt -e '.[test]'
+	$(CUDA_VENV)/bin/python -c "import torch; assert torch.version.cuda, 'not a CUDA build'; print('cuda build ok: torch', torch.__version__)"
+	touch $@
+
+# The planner's unit tests (or PYTEST_ARGS) with the CUDA build; an error, not a skip, without its venv.
+test-cuda-build:
+	@test -x $(CUDA_VENV)/bin/python || { echo "error: no venv at $(CUDA_VENV); run \`make cuda-build-setup\` or pass CUDA_VENV=<a venv with a CUDA build of torch>"; exit 1; }
+	$(CUDA_VENV)/bin/python -c "import torch; assert torch.version.cuda, 'torch in $(CUDA_VENV) is not a CUDA build'"
+	$(CUDA_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 # -- a GPU machine with no network (README, Development): `make gpu-bundle` here, `make gpu-check` there ------
 # Neither depends on `setup`: the GPU machine has no .venv and never makes one.

@@ -68,19 +68,30 @@ def rel(a, b):
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("fsdp") / "fsdp.json"
-    path.write_text("{}")
-    return path
+def config(pool_and_config: tuple[Pool, Path]) -> Path:
+    return pool_and_config[1]
 
 
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory, config: Path) -> Iterator[Pool]:
+def fsdp_pool(tmp_path_factory: pytest.TempPathFactory, name: str, setup: str) -> Iterator[tuple[Pool, Path]]:
+    """A 2-rank fsdp pool on CPU that has run ``setup``, and the ``--config`` file its next
+    ``shard.prepare`` reads (module fixtures of this file and ``test_zoo_fsdp.py``)."""
+    config = tmp_path_factory.mktemp(name) / "fsdp.json"
+    config.write_text("{}")
     spec = LaunchSpec.create(nproc=2, device="cpu", strategy="fsdp", config=config)
     sink = ConsoleSink(io.StringIO(), io.StringIO())
     with Pool(spec=spec, log_dir=tmp_path_factory.mktemp("logs"), sink=sink) as p:
-        p.run(SETUP)
-        yield p
+        p.run(setup)
+        yield p, config
+
+
+@pytest.fixture(scope="module")
+def pool_and_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pool, Path]]:
+    yield from fsdp_pool(tmp_path_factory, "fsdp", SETUP)
+
+
+@pytest.fixture(scope="module")
+def pool(pool_and_config: tuple[Pool, Path]) -> Pool:
+    return pool_and_config[0]
 
 
 def use(pool: Pool, config: Path, precision: str = "32", **options: Any) -> None:

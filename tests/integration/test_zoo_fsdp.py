@@ -5,7 +5,6 @@ default rule asserted, and each step's loss equal to one process's training on t
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,9 +13,8 @@ from typing import Any
 import pytest
 
 from jupyter_shard import Pool
-from jupyter_shard.pool.output import ConsoleSink
-from jupyter_shard.spec import LaunchSpec
 from tests import zoo
+from tests.integration.test_fsdp import fsdp_pool
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -78,19 +76,18 @@ def zoo_peak(code, size=8):
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("zoo") / "fsdp.json"
-    path.write_text("{}")
-    return path
+def pool_and_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pool, Path]]:
+    yield from fsdp_pool(tmp_path_factory, "zoo", HARNESS)
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory, config: Path) -> Iterator[Pool]:
-    spec = LaunchSpec.create(nproc=2, device="cpu", strategy="fsdp", config=config)
-    sink = ConsoleSink(io.StringIO(), io.StringIO())
-    with Pool(spec=spec, log_dir=tmp_path_factory.mktemp("logs"), sink=sink) as p:
-        p.run(HARNESS)
-        yield p
+def pool(pool_and_config: tuple[Pool, Path]) -> Pool:
+    return pool_and_config[0]
+
+
+@pytest.fixture(scope="module")
+def config(pool_and_config: tuple[Pool, Path]) -> Path:
+    return pool_and_config[1]
 
 
 def train(pool: Pool, config: Path, name: str, precision: str, sharding: str, **sizes: int) -> dict[str, Any]:
