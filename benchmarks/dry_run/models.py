@@ -42,17 +42,39 @@ class GPT(nn.Module):
 
 @dataclass(frozen=True)
 class Case:
-    """A model (``source`` defines ``build()``) and a batch expression."""
+    """A model (``source`` defines ``build()``), a batch expression over the source's names, and the
+    loss each step differentiates (the dry run's default step takes an output's mean, or its
+    ``loss`` where it has one)."""
 
     name: str
     source: str
     batch: str
+    loss: str = "model(batch).float().mean()"
 
     def builder(self) -> Any:
         """The ``build`` function the source defines, for the dry run in this process."""
         space: dict[str, Any] = {}
         exec(self.source, space)
         return space["build"]
+
+    def batch_value(self) -> Any:
+        """The batch, made here from the source's names."""
+        space: dict[str, Any] = {}
+        exec(self.source, space)
+        return eval(self.batch, space)
+
+
+def zoo_case(name: str) -> Case:
+    """A model of ``tests/zoo.py`` (built from a ``transformers`` config) as a case."""
+    from tests import zoo
+
+    code = zoo.code(name)
+    source = f"_CODE = {code!r}\nexec(_CODE)\ndef build():\n    space = {{}}\n    exec(_CODE, space)\n"
+    source += "    return space['model']\n"
+    return Case(name, source, "make_batch(8)", "model(**batch).loss")
+
+
+ZOO = ("gpt2 tied", "llama tied", "llama untied", "bert mlm", "t5", "vit", "resnet", "mixtral moe", "lstm")
 
 
 CASES = (
@@ -97,4 +119,4 @@ def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["CASES", "GPT_SOURCE", "Case", "gpt_7b", "parameter_count"]
+__all__ = ["CASES", "GPT_SOURCE", "ZOO", "Case", "gpt_7b", "parameter_count", "zoo_case"]
