@@ -41,7 +41,7 @@ from jupyter_shard.planner.free_memory import MemorySnapshot, probe_memory
 from jupyter_shard.spec import Device, Offload, Precision, SpecError, visible_gpus
 
 if TYPE_CHECKING:
-    from jupyter_shard.planner.dry_run import Plan
+    from jupyter_shard.planner.plan import Plan
     from jupyter_shard.pool.pool import Pool
 
 __all__ = ["GPUS", "ORDER", "DryRunArgs", "Outcome", "parse_line", "plan_line", "wants_dry_run"]

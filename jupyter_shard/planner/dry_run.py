@@ -18,9 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType, ModuleType
 from typing import Any
 
@@ -34,6 +32,7 @@ from jupyter_shard.planner import tracing
 from jupyter_shard.planner.cell_model import model_builder
 from jupyter_shard.planner.gpu_code import cuda_blocks
 from jupyter_shard.planner.isolation import forked
+from jupyter_shard.planner.plan import Plan, Plans, Progress
 from jupyter_shard.planner.tracing import Step, Traced
 
 #: every strategy a dry run can follow, by the name its plan is returned under
@@ -92,74 +91,6 @@ MIXED = {
     "deepspeed": "bf16-mixed as the deepspeed strategy runs it: bfloat16 parameters and floating-point "
     "inputs, float32 master copies in the optimizer's flat partition",
 }
-
-
-class Plans(dict[str, "Plan"]):
-    """The plans of one call by name; ``failed`` holds, by name, the one line each plan that could not
-    be traced failed with (the rest are still planned: a plan that fails does not sink the others)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.failed: dict[str, str] = {}
-
-
-class Progress:
-    """One live line on stderr while a call traces several plans (``dry run: tracing fsdp FULL_SHARD,
-    2 of 6...``), shown from :data:`QUIET_FOR` seconds on and cleared at the end."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.count, self.started, self.shown = total, 0, time.monotonic(), 0
-
-    def tracing(self, name: str) -> None:
-        self.count += 1
-        if self.total > 1 and time.monotonic() - self.started >= QUIET_FOR:
-            self._show(f"dry run: tracing {name}, {self.count} of {self.total}... (Ctrl-C stops it)")
-
-    def stopped(self) -> None:
-        if self.total > 1:
-            self._show(f"dry run stopped by Ctrl-C while tracing plan {self.count} of {self.total}\n")
-            self.shown = 0
-
-    def done(self) -> None:
-        if self.shown:
-            sys.stderr.write("\r" + " " * self.shown + "\r")
-            sys.stderr.flush()
-            self.shown = 0
-
-    def _show(self, text: str) -> None:
-        sys.stderr.write("\r" + text.ljust(self.shown))
-        sys.stderr.flush()
-        self.shown = len(text.rstrip("\n"))
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one rank holds at the peak of a training step with one strategy, in bytes.
-
-    ``parameters``, ``gradients``, ``optimizer``, ``activations`` and ``transient`` (gathered
-    parameters, collective and bucket buffers, backward temporaries) are the breakdown at the peak,
-    so they add up to ``peak_bytes``, the device's. ``host_bytes`` is what an offload plan keeps in
-    host memory (split from the trace by role, :data:`OFFLOAD`), 0 for the others. ``precision`` is
-    the ``--precision`` the plan was traced with.
-    ``largest_unit`` is the name and whole size of the largest group of parameters gathered at once
-    (None where parameters are never gathered). ``source`` says, per figure, whether it was traced or
-    comes from a formula, and how far off that has been.
-    """
-
-    strategy: str
-    options: dict[str, Any]
-    world_size: int
-    device: str
-    peak_bytes: int
-    parameters: int
-    gradients: int
-    optimizer: int
-    activations: int
-    transient: int
-    host_bytes: int = 0
-    largest_unit: tuple[str, int] | None = None
-    source: dict[str, str] = field(default_factory=dict)
-    precision: str = "32"
 
 
 def dry_run(
@@ -314,7 +245,7 @@ def _plan_all(
     fake_log.setLevel(logging.CRITICAL)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     todo = [n for n in names if world_size > 1 or n == "ddp"]
-    progress = Progress(len(todo))
+    progress = Progress(len(todo), QUIET_FOR)
     try:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
         plans = Plans()
@@ -357,7 +288,7 @@ def _trace(
     from jupyter_shard.strategies.precision import Precision, cast_floating_inputs, cast_parameters
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    model = tracing.fake_model(model_or_builder, mode)
+    model = tracing.fake_model(model_or_builder, mode, gpu=device == "cuda")
     inputs = tracing.fake_batch(batch, mode)
     tensors = tracing.batch_tensors(inputs)
     formula: dict[str, int] = {}
@@ -421,7 +352,7 @@ def _trace(
         assert run is not None
         rounding = cuda_blocks() if device == "cuda" else contextlib.nullcontext()
         with rounding:
-            tracker = tracing.run_steps(model, inputs, run, optimizer, make_tracker)
+            tracker = tracing.run_steps(model, inputs, run, optimizer, make_tracker, device == "cuda")
     snap = tracing.peak_snapshot(tracker)
     offloaded = "offload" in STRATEGIES[name]
     return _breakdown(snap, unit, formula, offloaded, _gradient_shard(model) if offloaded else 0)

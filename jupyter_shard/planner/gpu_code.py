@@ -35,10 +35,18 @@ class _CudaOnCpu(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.device:  # torch.device("cuda", 0), torch.device(type="cuda", index=0)
+            kind = args[0] if args else kwargs.get("type")
+            return _CPU if _cpu(kind) is _CPU else func(*args, **kwargs)
+        if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], int):
+            args = (args[0], _CPU, *args[2:])  # x.to(0): a CUDA device by its index
+        if isinstance(kwargs.get("device"), int):
+            kwargs["device"] = _CPU
         args = tuple(_cpu(a) for a in args)
-        kwargs = {k: _cpu(v) for k, v in (kwargs or {}).items()}
+        kwargs = {k: _cpu(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
 
 

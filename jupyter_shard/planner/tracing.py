@@ -14,6 +14,7 @@ itself but modelled: full sharding per unit with DeepSpeed's optimizer layout (:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import warnings
@@ -53,7 +54,9 @@ class Traced:
 # -- the model and the batch, fake -----------------------------------------------------------------
 
 
-def fake_model(model_or_builder: nn.Module | Callable[[], nn.Module], mode: FakeTensorMode) -> nn.Module:
+def fake_model(
+    model_or_builder: nn.Module | Callable[[], nn.Module], mode: FakeTensorMode, gpu: bool = False
+) -> nn.Module:
     """The user's model with every parameter and buffer a fake CPU tensor of the same shape and dtype.
 
     A module is copied with its tensors swapped for meta ones first, so its real storage is never
@@ -81,7 +84,8 @@ def fake_model(model_or_builder: nn.Module | Callable[[], nn.Module], mode: Fake
         strict = mode.allow_non_fake_inputs
         mode.allow_non_fake_inputs = True
         try:
-            with mode, torch.device("meta"), gpu_code_on_cpu(), moves_in_place():
+            gpu_code = gpu_code_on_cpu() if gpu else contextlib.nullcontext()
+            with mode, torch.device("meta"), gpu_code, moves_in_place():
                 model = model_or_builder()
         except SpecError:  # model code (:mod:`.cell_model`) says itself what went wrong
             raise
@@ -295,6 +299,7 @@ def run_steps(
     step: Step,
     optimizer: torch.optim.Optimizer | None,
     make_tracker: Callable[[list[torch.optim.Optimizer]], Any],
+    gpu: bool = False,
 ) -> Any:
     """One step untracked, then :data:`STEPS` - 1 steps under the tracker ``make_tracker`` returns for
     the optimizers that exist by then; the tracker.
@@ -304,7 +309,7 @@ def run_steps(
     some 15% high); the steady-state step after it holds the optimizer state through forward and
     backward, which is the peak a training loop reaches. A failure becomes one line saying what to pass.
     """
-    _one_step(model, batch, step, optimizer)
+    _one_step(model, batch, step, optimizer, gpu)
     optimizers = [optimizer] if optimizer is not None else _optimizers_of(model)
     tracker = make_tracker(optimizers)
     for opt in optimizers:
@@ -314,14 +319,17 @@ def run_steps(
                 tracker._update_and_maybe_create_winfos(param, tracker._ref_class.OPT)
     with tracker:
         for _ in range(STEPS - 1):
-            _one_step(model, batch, step, optimizer)
+            _one_step(model, batch, step, optimizer, gpu)
             tracker.reset_mod_stats()
     return tracker
 
 
-def _one_step(model: nn.Module, batch: object, step: Step, optimizer: torch.optim.Optimizer | None) -> None:
+def _one_step(
+    model: nn.Module, batch: object, step: Step, optimizer: torch.optim.Optimizer | None, gpu: bool
+) -> None:
+    """One step; ``gpu``: a plan for CUDA, where code written for a GPU runs as it would there."""
     try:
-        with gpu_code_on_cpu():
+        with gpu_code_on_cpu() if gpu else contextlib.nullcontext():
             step(model, batch)
     except SpecError:
         raise
@@ -358,21 +366,31 @@ def outside_optimizers(step: Step) -> list[str]:
     an enclosing function): one built over the user's own model. The dry run traces a copy of the
     model, so such an optimizer would find no gradients to count (its state read as 0 bytes) and would
     step the user's real parameters with whatever gradients they hold."""
+    import dis
+    import functools
+
+    if isinstance(step, functools.partial):
+        bound = [*step.args, *step.keywords.values()]
+        found = [f"{i}" for i, v in enumerate(bound) if isinstance(v, torch.optim.Optimizer)]
+        return found + outside_optimizers(step.func)
     code = getattr(step, "__code__", None)
     if code is None:
         return []
-    found: list[str] = []
     scope = getattr(step, "__globals__", {})
-    for name in code.co_names:
-        if isinstance(scope.get(name), torch.optim.Optimizer):
-            found.append(name)
-    cells = getattr(step, "__closure__", None) or ()
-    for name, cell in zip(code.co_freevars, cells, strict=False):
-        try:
-            value = cell.cell_contents
-        except ValueError:  # a cell not yet filled
+    cells = dict(zip(code.co_freevars, getattr(step, "__closure__", None) or (), strict=False))
+    found = []
+    for instruction in dis.get_instructions(code):  # the names the step loads, not its attributes
+        name = instruction.argval
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            value = scope.get(name)
+        elif instruction.opname == "LOAD_DEREF" and name in cells:
+            try:
+                value = cells[name].cell_contents
+            except ValueError:  # a cell not yet filled
+                continue
+        else:
             continue
-        if isinstance(value, torch.optim.Optimizer):
+        if isinstance(value, torch.optim.Optimizer) and name not in found:
             found.append(name)
     return found
 

@@ -352,7 +352,8 @@ def _cannot_shard(name: str, exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return (
         f'fsdp cannot shard {name}: {text[:300]}; pass --config \'{{"auto_wrap": ["<layer class>"]}}\' '
-        "naming the model's repeated layer class, or use --strategy deepspeed"
+        "naming the model's repeated layer class (on a freshly built model: this one is partly "
+        "sharded), or use --strategy deepspeed"
     )
 
 

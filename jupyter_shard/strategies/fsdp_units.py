@@ -50,7 +50,7 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     named = [(n, m) for n, m in model.named_modules() if n and not n.endswith(WRAPPED[:-1])]
     barred = split_sharers(model)
     able = [(n, m) for n, m in named if id(m) not in barred and not without_forward(m)]
-    blocks = _blocks(able, _listed(named), total)
+    blocks = _blocks(able, _listed([("", model), *named]), total)  # the root may hold the stack
     chosen = {id(m) for m in blocks}
     claimed = {id(p) for m in blocks for p in m.parameters()}
     in_blocks = sum(p.numel() for m in blocks for p in m.parameters())
@@ -75,9 +75,11 @@ def unit_policies(
     low ``dtype`` each of :func:`fp32_units` is a unit first that keeps float32."""
     low = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
     keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=dtype)
-    fp32 = [m for m in fp32_units(model) if m is not model] if dtype is not None else []
+    fp32 = fp32_units(model) if dtype is not None else []
     kept = {id(m) for m in fp32}
-    return [(m, keep) for m in fp32] + [(m, low) for m in [*targets, model] if id(m) not in kept]
+    units = [(m, keep) for m in fp32 if m is not model]
+    units += [(m, low) for m in targets if id(m) not in kept]
+    return [*units, (model, keep if id(model) in kept else low)]
 
 
 def fp32_units(model: nn.Module) -> list[nn.Module]:

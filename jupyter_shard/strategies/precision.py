@@ -82,16 +82,18 @@ def cast_floating_inputs(module: nn.Module, dtype: torch.dtype) -> RemovableHand
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
-    """``model``'s floating-point parameters and buffers to ``dtype`` in place, one at a time: each
-    full-precision copy is freed as its cast is made, and optimizers keep referring to the same
-    parameter objects. Buffers go too, as DeepSpeed's own ``module.bfloat16()`` takes them: a
-    BatchNorm's float32 running statistics beside bfloat16 weights fail on the CPU (``expected
-    scalar type BFloat16 but found Float``)."""
+    """``model``'s floating-point parameters to ``dtype`` in place, one at a time: each full-precision
+    copy is freed as its cast is made, and optimizers keep referring to the same parameter objects.
+    A BatchNorm's running statistics go too: beside bfloat16 weights the CPU's batch norm refuses
+    float32 ones (``expected scalar type BFloat16 but found Float``). Other buffers keep their dtype,
+    as DeepSpeed keeps them (RoPE's ``inv_freq`` must stay float32)."""
     with torch.no_grad():
         for p in model.parameters():
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
         for module in model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
-                    module._buffers[name] = buffer.to(dtype)
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                for name in ("running_mean", "running_var"):
+                    buffer = module._buffers.get(name)
+                    if buffer is not None and buffer.dtype != dtype:
+                        module._buffers[name] = buffer.to(dtype)

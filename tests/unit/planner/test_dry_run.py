@@ -339,6 +339,8 @@ def test_plans_that_fail_are_listed_and_the_rest_are_planned() -> None:
     failed = plans.failed  # type: ignore[attr-defined]
     assert set(failed) == {"fsdp FULL_SHARD", "fsdp SHARD_GRAD_OP", "fsdp FULL_SHARD + offload"}
     assert all("no FSDP here" in why and "\n" not in why for why in failed.values())
+    with pytest.raises(SpecError, match=r"fsdp FULL_SHARD was not planned: .*no FSDP here"):
+        plans["fsdp FULL_SHARD"]
 
 
 def test_several_plans_show_one_live_line_and_ctrl_c_stops_cleanly(
@@ -393,3 +395,26 @@ def test_a_step_with_an_optimizer_over_the_users_own_model_is_refused_in_one_lin
 
     steps: dict[int, torch.optim.Optimizer] = {}
     assert dry_run(model, "torch.randn(4, 64)", 2, strategies=["ddp"], step=own)["ddp"].optimizer > 0
+
+    class Config:
+        optimizer = "adamw"
+
+    cfg = Config()
+
+    def named_like_it(m: nn.Module, batch: torch.Tensor) -> None:  # reads cfg.optimizer: no optimizer
+        assert cfg.optimizer == "adamw"
+        own(m, batch)
+
+    assert (
+        dry_run(model, "torch.randn(4, 64)", 2, strategies=["ddp"], step=named_like_it)["ddp"].optimizer > 0
+    )
+    import functools
+
+    def train(m: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        m(batch).mean().backward()
+        optimizer.step()
+
+    with pytest.raises(SpecError, match="made outside it"):
+        dry_run(
+            model, "torch.randn(4, 64)", 2, strategies=["ddp"], step=functools.partial(train, optimizer=opt)
+        )

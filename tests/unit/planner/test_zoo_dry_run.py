@@ -91,6 +91,17 @@ def autocast_step(model: nn.Module, batch: torch.Tensor) -> None:
     out.float().mean().backward()
 
 
+def cpu_autocast_step(model: nn.Module, batch: torch.Tensor) -> None:
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(batch)
+    out.float().mean().backward()
+
+
+def held_step(model: nn.Module, batch: torch.Tensor) -> None:  # cpu_autocast_step without autocast
+    out = model(batch)
+    out.float().mean().backward()
+
+
 def test_a_step_under_cuda_autocast_plans_in_its_low_precision() -> None:
     """Without CUDA, torch turns ``autocast("cuda")`` off with a warning: the plan was fp32's."""
     import warnings
@@ -134,3 +145,26 @@ def test_a_cuda_plan_counts_each_tensor_as_the_allocators_512_byte_block() -> No
     assert "512 bytes" in cuda.source["device"] and "not modelled" in cuda.source["device"]
     # restored after the call: a CPU plan counts bytes again
     assert dry_run(many_small, "torch.randn(2, 5)", 2, device="cpu", strategies=["ddp"])["ddp"] == cpu
+
+
+def test_cuda_devices_by_index_plan_on_a_cpu_machine() -> None:
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 1)).to(torch.device("cuda", 0))
+
+    def step(model: nn.Module, batch: torch.Tensor) -> None:
+        extra = torch.zeros(1, device=0) + torch.ones(1, device=torch.device(type="cuda", index=0))
+        (model(batch.to(0)).mean() + extra.sum()).backward()
+
+    plan = dry_run(build, "torch.randn(4, 64)", 2, strategies=["ddp"], step=step)["ddp"]
+    assert plan.parameters == 64 * 64 * 4 + 3 * 512  # three tensors under a 512-byte block
+
+
+def test_a_cpu_plan_runs_gpu_code_as_a_cpu_pool_would() -> None:
+    """A plan for CPU ranks keeps torch's own behaviour: autocast("cuda") is off there."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "CUDA is not available. Disabling"
+        plain = dry_run(mlp, "torch.randn(256, 1024)", 2, "cpu", ["ddp"], step=held_step)["ddp"]
+        mixed = dry_run(mlp, "torch.randn(256, 1024)", 2, "cpu", ["ddp"], step=cpu_autocast_step)
+    assert mixed["ddp"].peak_bytes == plain.peak_bytes

@@ -115,3 +115,17 @@ def test_an_auto_wrap_that_cannot_work_is_one_line(classes: list[str], says: str
     with pytest.raises(ValueError, match=says) as caught:
         fsdp.check_named_units(model, frozenset(classes))
     assert "\n" not in str(caught.value) and "auto_wrap" in str(caught.value)
+
+
+def test_a_stack_held_by_the_root_itself_is_found_and_a_tied_head_stays_with_the_root() -> None:
+    with torch.device("meta"):
+        embed, head = nn.Embedding(4096, 512), nn.Linear(512, 4096, bias=False)
+        head.weight = embed.weight
+        model = nn.Sequential(embed, *[Block(512) for _ in range(6)], head)
+    units = fsdp.default_units(model)
+    assert units == list(model)[1:7][::-1]
+
+
+def test_a_model_that_is_a_batch_norm_keeps_float32() -> None:
+    norm = nn.BatchNorm1d(8)
+    assert fsdp.unit_policies(norm, [], torch.bfloat16)[-1][1].param_dtype == torch.float32

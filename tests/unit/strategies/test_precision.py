@@ -70,7 +70,7 @@ def test_cast_floating_inputs_stops_when_its_handle_is_removed() -> None:
     assert seen == [torch.float16, torch.float32]
 
 
-def test_cast_parameters_casts_floating_parameters_and_buffers_only() -> None:
+def test_cast_parameters_casts_floating_parameters_and_batch_norm_statistics_only() -> None:
     model = nn.Module()
     model.w = nn.Parameter(torch.ones(2))
     model.counts = nn.Parameter(torch.ones(2, dtype=torch.int64), requires_grad=False)
@@ -78,5 +78,8 @@ def test_cast_parameters_casts_floating_parameters_and_buffers_only() -> None:
     cast_parameters(model, torch.bfloat16)
     assert model.w.dtype == torch.bfloat16 and model.w.requires_grad
     assert model.counts.dtype == torch.int64
-    # as DeepSpeed's module.bfloat16(): BatchNorm's statistics must match its weights on the CPU
-    assert model.scale.dtype == torch.bfloat16
+    assert model.scale.dtype == torch.float32, "a buffer such as RoPE's inv_freq keeps float32"
+    norm = nn.BatchNorm1d(3)
+    cast_parameters(norm, torch.bfloat16)
+    assert norm.running_mean.dtype == norm.running_var.dtype == norm.weight.dtype == torch.bfloat16
+    assert norm.num_batches_tracked.dtype == torch.int64
