@@ -364,12 +364,9 @@ def _fixes(ctx: _Context, plan: Plan, doubled: Plan | None) -> tuple[Fix, ...]:
         verdict = "fits" if doubled.peak_bytes <= ctx.usable else "still does not fit"
         fixes.append(Fix(f"{world * 2} ranks (the same batch on each): {verdict}", doubled.peak_bytes))
     if ctx.shape.size > 1:
-        size = _find(ctx, plan.strategy)
-        if size:
-            args = ctx.args
-            batch = ctx.shape.expression(size)
-            peak = _run(ctx.model, batch, world, args.device, [plan.strategy], ctx.step, args.precision)
-            fixes.append(Fix(f"a batch of {size} (the largest that fits)", peak[plan.strategy].peak_bytes))
+        size, found = _find(ctx, plan.strategy)
+        if found is not None:
+            fixes.append(Fix(f"a batch of {size} (the largest that fits)", found.peak_bytes))
         else:
             fixes.append(Fix("a smaller batch: not even a batch of 1 fits"))
     state = plan.parameters + plan.gradients + plan.optimizer
@@ -406,8 +403,8 @@ def _fixes(ctx: _Context, plan: Plan, doubled: Plan | None) -> tuple[Fix, ...]:
     return tuple(fixes)
 
 
-def _find(ctx: _Context, name: str) -> int:
-    from jupyter_shard.planner.dry_run import find_batch
+def _find(ctx: _Context, name: str) -> tuple[int, Plan | None]:
+    from jupyter_shard.planner.dry_run import find_batch_plan
 
     assert ctx.usable is not None
 
@@ -416,7 +413,7 @@ def _find(ctx: _Context, name: str) -> int:
 
     try:
         args = ctx.args
-        return find_batch(
+        return find_batch_plan(
             ctx.model, make, args.world_size, ctx.usable, name, ctx.step, args.device.value, args.precision
         )
     except SpecError as exc:
@@ -489,11 +486,5 @@ def _largest_batch(ctx: _Context, out: Outcome, plans: Mapping[str, Plan]) -> tu
         name = out.recommended
     else:
         name = min(plans, key=lambda n: plans[n].peak_bytes)
-    size = _find(ctx, name)
-    if not size:
-        return name, 0, None
-    args = ctx.args
-    peak = _run(
-        ctx.model, ctx.shape.expression(size), args.world_size, args.device, [name], ctx.step, args.precision
-    )
-    return name, size, peak[name].peak_bytes
+    size, found = _find(ctx, name)
+    return name, size, None if found is None else found.peak_bytes

@@ -156,9 +156,26 @@ def find_batch(
     precision: str = "32",
 ) -> int:
     """The largest batch size whose dry-run peak per rank fits in ``device_bytes`` with ``strategy``
-    (one name of :data:`STRATEGIES`): doubling from 1 until a size does not fit, then bisecting.
-    0 if even a batch of 1 does not fit. ``model_or_builder`` is what :func:`dry_run` takes (code
-    runs over no namespace but ``torch`` and ``nn``)."""
+    (one name of :data:`STRATEGIES`), measured to fit while the size above it is measured not to
+    (:mod:`~jupyter_shard.planner.batch_search`). 0 if even a batch of 1 does not fit.
+    ``model_or_builder`` is what :func:`dry_run` takes (code runs over no namespace but torch and nn)."""
+    args = (model_or_builder, make_batch, world_size, device_bytes, strategy, step, device, precision)
+    return find_batch_plan(*args)[0]
+
+
+def find_batch_plan(
+    model_or_builder: nn.Module | Callable[[], nn.Module] | str,
+    make_batch: Callable[[int], object],
+    world_size: int,
+    device_bytes: int,
+    strategy: str,
+    step: Step | None = None,
+    device: str = "cuda",
+    precision: str = "32",
+) -> tuple[int, Plan | None]:
+    """:func:`find_batch`'s size with the plan of that size (None with 0), traced once."""
+    from jupyter_shard.planner.batch_search import largest_batch
+
     if isinstance(model_or_builder, str):
         model_or_builder = model_builder(model_or_builder)
     if strategy not in STRATEGIES:
@@ -166,7 +183,7 @@ def find_batch(
     if not isinstance(device_bytes, int) or device_bytes < 1:
         raise SpecError(f"device_bytes {device_bytes!r} is not valid; give the free bytes per rank")
 
-    def fits(size: int) -> bool:
+    def measure(size: int) -> Plan:
         try:
             batch = make_batch(size)
         except Exception as exc:
@@ -174,20 +191,9 @@ def find_batch(
                 f"make_batch({size}) raised {one_line(exc)}; pass a function of the batch size "
                 "that returns a batch"
             ) from exc
-        plan = dry_run(model_or_builder, batch, world_size, device, [strategy], step, precision)[strategy]
-        return plan.peak_bytes <= device_bytes
+        return dry_run(model_or_builder, batch, world_size, device, [strategy], step, precision)[strategy]
 
-    if not fits(1):
-        return 0
-    good, bad = 1, 2
-    while bad <= MAX_BATCH and fits(bad):
-        good, bad = bad, bad * 2
-    if bad > MAX_BATCH:
-        return good
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        good, bad = (mid, bad) if fits(mid) else (good, mid)
-    return good
+    return largest_batch(measure, device_bytes, MAX_BATCH)
 
 
 # -- checking what was asked ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import types
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -312,6 +313,7 @@ def run_steps(
     _one_step(model, batch, step, optimizer, gpu)
     optimizers = [optimizer] if optimizer is not None else _optimizers_of(model)
     tracker = make_tracker(optimizers)
+    tracker._update_peak_stats = types.MethodType(_global_peak_only, tracker)
     for opt in optimizers:
         tracker._track_optimizer_states(tracker._ref_class.OPT, opt)
         for group in opt.param_groups:  # a flat copy the optimizer holds (the model's own stay as they are)
@@ -322,6 +324,20 @@ def run_steps(
             _one_step(model, batch, step, optimizer, gpu)
             tracker.reset_mod_stats()
     return tracker
+
+
+def _global_peak_only(tracker: Any, peak_state: object) -> None:
+    """The tracker's peak over the whole step, without its peak per module.
+
+    torch's ``MemTracker._update_peak_stats`` walks every module the tracker has seen after every
+    operator to keep each one's own peak, which the dry run never reads: on a 24-layer model that walk
+    was half the time of a plan (10 of 22 s)."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    for dev, snap in tracker._curr_mem_snap.items():
+        if tracker._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+            tracker._peak_mem[dev] = snap[_TOTAL_KEY]
+            tracker._peak_mem_snap[dev] = dict(snap)
 
 
 def _one_step(
