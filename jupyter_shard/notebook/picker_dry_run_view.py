@@ -110,7 +110,7 @@ def _largest_text(found: tuple[str, int, int | None]) -> str:
     name, size, peak = found
     if not size:
         return f"Largest batch with {name}: none fits, not even a batch of 1."
-    how = "doubling, then bisecting the dry run"
+    how = "the dry run measured it and the size above it"
     return f"Largest batch with {name}: {size} (peak {_fb(peak)} per rank; {how})."
 
 
