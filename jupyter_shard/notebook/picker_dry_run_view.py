@@ -62,6 +62,11 @@ def _sources(out: Outcome) -> list[str]:
     return seen
 
 
+def _reserved(out: Outcome) -> bool:
+    """Whether the plans are CUDA's, whose allocator reserves more than the peak of live tensors."""
+    return any(v.plan.reserved_bytes for v in out.verdicts)
+
+
 def _fix_lines(v: Verdict) -> list[str]:
     lines = []
     for fix in v.fixes:
@@ -81,12 +86,14 @@ def _heading(out: Outcome) -> str:
 def report(out: Outcome, line: str, confirmation: Confirmation | None = None) -> str:
     """The picker's content as plain text: the table, what would make faster plans fit, the
     recommendation, ``--confirm``'s real steps, the line, and where each figure comes from."""
-    head = ["strategy", *COLUMNS, "peak", "host", "largest unit", "fits"]
+    cuda = _reserved(out)
+    head = ["strategy", *COLUMNS, "peak", *(["reserved"] if cuda else []), "host", "largest unit", "fits"]
     rows = [head]
     for v in out.verdicts:
         p = v.plan
         sizes = [_fb(getattr(p, c)) for c in COLUMNS]
-        rows.append([v.name, *sizes, _fb(p.peak_bytes), _fb(p.host_bytes), _unit(v), _fit(v)])
+        peaks = [_fb(p.peak_bytes), *([_fb(p.reserved_bytes)] if cuda else [])]
+        rows.append([v.name, *sizes, *peaks, _fb(p.host_bytes), _unit(v), _fit(v)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [_heading(out) + ", per rank:"]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
@@ -200,7 +207,9 @@ def _html(
 ) -> str:
     esc = html.escape
     sources = _sources(out)
-    head = ["", "strategy", *COLUMNS, "peak (device)", "host", "largest unit gathered", "fits"]
+    cuda = _reserved(out)
+    reserved = ["reserved (CUDA's allocator)"] if cuda else []
+    head = ["", "strategy", *COLUMNS, "peak (device)", *reserved, "host", "largest unit gathered", "fits"]
     rows = ["<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
     for v in out.verdicts:
         p = v.plan
@@ -212,7 +221,8 @@ def _html(
 
         cells = [f"<td>{'★' if v.name == out.recommended else ''}</td>", f"<td>{esc(v.name)}</td>"]
         cells += [cell(c, getattr(p, c)) for c in COLUMNS]
-        cells += [cell("peak_bytes", p.peak_bytes), cell("host_bytes", p.host_bytes)]
+        cells += [cell("peak_bytes", p.peak_bytes), *([cell("device", p.reserved_bytes)] if cuda else [])]
+        cells += [cell("host_bytes", p.host_bytes)]
         cells += [f"<td>{esc(_unit(v))}</td>", f"<td>{esc(_fit(v))}</td>"]
         rows.append("<tr>" + "".join(cells) + "</tr>")
     parts = [

@@ -32,7 +32,7 @@ from jupyter_shard.planner import tracing
 from jupyter_shard.planner.cell_model import model_builder
 from jupyter_shard.planner.gpu_code import cuda_blocks
 from jupyter_shard.planner.isolation import forked
-from jupyter_shard.planner.plan import Plan, Plans, Progress
+from jupyter_shard.planner.plan import Plan, Plans, Progress, ds_estimate
 from jupyter_shard.planner.tracing import Step, Traced
 
 #: every strategy a dry run can follow, by the name its plan is returned under
@@ -58,6 +58,12 @@ MAX_WORLD = 1 << 16
 QUIET_FOR = 1.0
 MAX_BATCH = 1 << 24
 RESULTS = "benchmarks/results/dry_run.md"
+RESERVED = (
+    "the step's allocations and frees replayed through the caching allocator's rules (2 MiB and 20 MiB "
+    "segments, best fit, splits and merges; planner/cuda_allocator.py), what max_memory_reserved reads, "
+    "with each formula buffer in a segment of its own; not modelled: per-stream pools, the CUDA context and "
+    "NCCL's buffers; not yet measured on a GPU"
+)
 TRACED = (
     "traced: training steps under fake tensors and a fake process group (on CPU, with gloo's copy of "
     "each reduce-scatter input); against real 2- and 4-rank CPU pools (an MLP, a small GPT, a large "
@@ -358,10 +364,12 @@ def _trace(
         assert run is not None
         rounding = cuda_blocks() if device == "cuda" else contextlib.nullcontext()
         with rounding:
-            tracker = tracing.run_steps(model, inputs, run, optimizer, make_tracker, device == "cuda")
+            offloaded = "offload" in STRATEGIES[name]
+            host = HOST_ROLES if offloaded else ()
+            tracker = tracing.run_steps(model, inputs, run, optimizer, make_tracker, device == "cuda", host)
     snap = tracing.peak_snapshot(tracker)
-    offloaded = "offload" in STRATEGIES[name]
-    return _breakdown(snap, unit, formula, offloaded, _gradient_shard(model) if offloaded else 0)
+    traced = _breakdown(snap, unit, formula, offloaded, _gradient_shard(model) if offloaded else 0)
+    return tracing.with_reserved(traced, tracker)
 
 
 def _gradient_shard(model: nn.Module) -> int:
@@ -437,7 +445,7 @@ def _plan(
     peak = sum(parts.values())
     source["peak_bytes"] = "formula and trace" if traced.formula else TRACED
     if name.startswith("deepspeed"):
-        source["peak_bytes"] = f"{ZERO3_OFFLOAD if offloaded else ZERO3}; {_ds_estimate()}"
+        source["peak_bytes"] = f"{ZERO3_OFFLOAD if offloaded else ZERO3}; {ds_estimate()}"
     source["host_bytes"] = OFFLOAD if offloaded else "no offload planned"
     if offloaded:
         source["parameters"] = source["gradients"] = source["optimizer"] = f"{TRACED}; {OFFLOAD}"
@@ -449,8 +457,7 @@ def _plan(
     if device == "cuda":
         source["device"] = (
             "traced on CPU shapes, each tensor's block rounded up to 512 bytes as CUDA's caching allocator "
-            "does (torch's round_size); not modelled: the allocator's 2 MiB and 20 MiB segments, which "
-            "max_memory_reserved counts, the CUDA context and NCCL's buffers"
+            f"does (torch's round_size); reserved: {RESERVED}"
         )
     return Plan(
         strategy=name,
@@ -462,6 +469,7 @@ def _plan(
         largest_unit=traced.largest_unit,
         source=source,
         precision=precision,
+        reserved_bytes=max(traced.reserved, peak) if device == "cuda" else 0,
         **parts,
     )
 
@@ -474,18 +482,6 @@ _FORMULA_NOTES: dict[str, dict[str, str]] = {
         "transient": "formula: DeepSpeed's reduce bucket (the largest parameter, float32)",
     },
 }
-
-
-def _ds_estimate() -> str:
-    """Whether DeepSpeed's own estimator could be consulted (it assumes fp16 training on GPUs)."""
-    try:
-        from deepspeed.runtime.zero import stage3
-
-        present = hasattr(stage3, "estimate_zero3_model_states_mem_needs_all_cold")
-    except Exception:
-        present = False
-    where = "importable" if present else "not installed"
-    return f"DeepSpeed's estimate_zero3_model_states_mem_needs_all_cold is {where} and assumes fp16 on GPUs"
 
 
 class _CallableModule(ModuleType):

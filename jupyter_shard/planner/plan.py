@@ -87,3 +87,18 @@ class Plan:
     largest_unit: tuple[str, int] | None = None
     source: dict[str, str] = field(default_factory=dict)
     precision: str = "32"
+    #: a CUDA plan's peak of the caching allocator's reserved segments (``max_memory_reserved``), at
+    #: least ``peak_bytes``; 0 for a CPU plan
+    reserved_bytes: int = 0
+
+
+def ds_estimate() -> str:
+    """Whether DeepSpeed's own estimator could be consulted (it assumes fp16 training on GPUs)."""
+    try:
+        from deepspeed.runtime.zero import stage3
+
+        present = hasattr(stage3, "estimate_zero3_model_states_mem_needs_all_cold")
+    except Exception:
+        present = False
+    where = "importable" if present else "not installed"
+    return f"DeepSpeed's estimate_zero3_model_states_mem_needs_all_cold is {where} and assumes fp16 on GPUs"

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import types
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from jupyter_shard.errors import SpecError, one_line
+from jupyter_shard.planner import cuda_allocator
 from jupyter_shard.planner.gpu_code import gpu_code_on_cpu, moves_in_place
 
 #: steps run: the second one holds optimizer state through forward and backward, the steady state
@@ -50,6 +52,7 @@ class Traced:
     largest_unit: tuple[str, int] | None
     formula: dict[str, int] = field(default_factory=dict)
     host: int = 0  # what an offload plan keeps in host memory, not counted in the figures above
+    reserved: int = 0  # a CUDA plan's segments reserved by the caching allocator (cuda_allocator)
 
 
 # -- the model and the batch, fake -----------------------------------------------------------------
@@ -301,6 +304,7 @@ def run_steps(
     optimizer: torch.optim.Optimizer | None,
     make_tracker: Callable[[list[torch.optim.Optimizer]], Any],
     gpu: bool = False,
+    host: Collection[str] = (),
 ) -> Any:
     """One step untracked, then :data:`STEPS` - 1 steps under the tracker ``make_tracker`` returns for
     the optimizers that exist by then; the tracker.
@@ -314,6 +318,8 @@ def run_steps(
     optimizers = [optimizer] if optimizer is not None else _optimizers_of(model)
     tracker = make_tracker(optimizers)
     tracker._update_peak_stats = types.MethodType(_global_peak_only, tracker)
+    if gpu:  # the caching allocator's segments, replayed from what the tracker sees (``host`` stays off)
+        tracker.jshard_allocator = cuda_allocator.follow(tracker, host)
     for opt in optimizers:
         tracker._track_optimizer_states(tracker._ref_class.OPT, opt)
         for group in opt.param_groups:  # a flat copy the optimizer holds (the model's own stay as they are)
@@ -324,6 +330,17 @@ def run_steps(
             _one_step(model, batch, step, optimizer, gpu)
             tracker.reset_mod_stats()
     return tracker
+
+
+def with_reserved(traced: Traced, tracker: Any) -> Traced:
+    """``traced`` with the peak the caching allocator reserved in :func:`run_steps` (a CUDA plan),
+    each buffer counted by formula in a segment of its own."""
+    allocator = getattr(tracker, "jshard_allocator", None)
+    if allocator is None:
+        return traced
+    segments = (cuda_allocator.segment_size(cuda_allocator.round_size(b)) for b in traced.formula.values())
+    extra = sum(size for size, b in zip(segments, traced.formula.values(), strict=True) if b)
+    return dataclasses.replace(traced, reserved=allocator.peak_reserved + extra)
 
 
 def _global_peak_only(tracker: Any, peak_state: object) -> None:
