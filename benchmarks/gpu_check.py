@@ -298,6 +298,13 @@ def measure(
                 }
                 print(f"round {n + 1}: median step {steps}", flush=True)
                 save()
+            import gpu_calibrate  # beside this file: the dry run against the allocator, same pool and model
+
+            try:
+                results["calibration"] = gpu_calibrate.calibrate(pool, TRAIN, sizes, device, precision)
+            except Exception as e:  # the figures above stand; the report says why this did not
+                results["calibration_error"] = f"{type(e).__name__}: {e}"[-1500:]
+            save()
 
 
 # -- check: runs with the host's Python (standard library only) ---------------------------------------
@@ -634,6 +641,9 @@ def report(
             _median(warm) <= RESTART_TARGET,
         ),
     ]
+    import gpu_calibrate
+
+    lines += gpu_calibrate.lines(bench.get("calibration", []), bench.get("calibration_error"))
     lines += ["### Targets", "", "| target | measured | |", "|---|---|---|"]
     lines += [f"| {what} | {value} | {status} |" for what, value, status in targets]
     lines += ["", *(f"<!-- target: {what} | {value} | {status} -->" for what, value, status in targets), ""]
