@@ -42,7 +42,7 @@ class KeepMagics(Magics):
         pool = self.holder.pool
         if pool is None or not pool.started:
             raise UsageError("no pool is running; there is nothing to suspend")
-        print(suspend(pool, line.strip() or DEFAULT_DIRECTORY).summary())
+        print(suspend(pool, line.strip() or DEFAULT_DIRECTORY, _say).summary())
 
     @line_magic
     def dist_resume(self, line: str) -> None:

@@ -30,12 +30,12 @@ from jupyter_shard.launchers import merge_spec
 from jupyter_shard.pool.keep import let_go
 from jupyter_shard.pool.pool import Pool
 from jupyter_shard.pool.results import DistributedError
+from jupyter_shard.pool.suspend_target import MANIFEST, claim, fsync_directory, is_suspend, sync_tree
 from jupyter_shard.spec import LaunchSpec, format_ranks
 
 __all__ = ["DEFAULT_DIRECTORY", "Resumed", "Suspended", "resume", "suspend"]
 
 DEFAULT_DIRECTORY = "jupyter_shard-suspended"
-MANIFEST = "manifest.json"
 SPEC_FILE = "spec.pkl"
 FORMAT = 1
 
@@ -96,17 +96,25 @@ class Resumed:
         return "\n".join(lines)
 
 
-def suspend(pool: Pool, directory: str | os.PathLike[str] = DEFAULT_DIRECTORY) -> Suspended:
-    """Write the pool's state into ``directory`` (atomically), then stop its ranks."""
+def suspend(
+    pool: Pool,
+    directory: str | os.PathLike[str] = DEFAULT_DIRECTORY,
+    say: Callable[[str], None] = lambda line: None,
+) -> Suspended:
+    """Write the pool's state into ``directory`` (atomically), then stop its ranks. ``directory``
+    must be new, empty or an earlier suspend (:func:`~jupyter_shard.pool.suspend_target.claim`);
+    ``say`` is told what was found on the way (a half-written suspend cleaned up)."""
     pool.refuse_while_background("suspend the pool")
     if not pool.started:
         raise PoolError("no pool is running; there is nothing to suspend")
     final = Path(directory).expanduser().absolute()
-    tmp = final.with_name(f".{final.name}.suspending")
     began = time.monotonic()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    target = claim(final)  # refused here, before any rank writes, where the suspend cannot go
+    for note in target.notes:
+        say(note)
+    tmp = target.tmp
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True, mode=0o700)
         pool.run_own(f"__import__('jupyter_shard.rank.suspend', fromlist=['save']).save({str(tmp)!r})")
         reports = pool.last_values()
         missing = sorted(set(range(pool.world_size)) - set(reports))
@@ -123,13 +131,19 @@ def suspend(pool: Pool, directory: str | os.PathLike[str] = DEFAULT_DIRECTORY) -
             "history": pool.history.records(),
         }
         write_private(tmp / SPEC_FILE, pickle.dumps(pool.spec))
+        sync_tree(tmp)  # every rank's files and directories on the disk before the manifest says done
         write_private(tmp / MANIFEST, json.dumps(manifest, indent=1, default=str).encode())
+        fsync_directory(tmp)
         _swap(tmp, final)
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _empty(tmp)
         if isinstance(exc, KeyboardInterrupt):
             raise
         raise PoolError(_failed("suspend", exc, pool, final)) from exc
+    finally:
+        if tmp.is_dir() and not any(tmp.iterdir()):
+            tmp.rmdir()  # while still locked: no other kernel has it yet
+        target.release()
     lost: dict[str, str] = {}
     for rank in sorted(reports, reverse=True):
         lost.update(reports[rank]["lost"])
@@ -243,22 +257,25 @@ def _readable(final: Path) -> Path:
 
 
 def _swap(tmp: Path, final: Path) -> None:
-    """``tmp`` becomes ``final``; a crash between the renames leaves ``.final.old``, which resume reads."""
+    """``tmp`` becomes ``final`` (checked by :func:`claim` to be new, empty or an earlier suspend); a
+    crash between the renames leaves ``.final.old``, which resume reads and the next suspend puts back."""
     old = final.with_name(f".{final.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
+    if old.exists() or old.is_symlink():
+        if not is_suspend(old) or old.is_symlink():
+            raise PoolError(f"{old} is in the way of the swap and is not a suspend; move it away")
+        shutil.rmtree(old)
     if final.exists():
         final.rename(old)
     tmp.rename(final)
-    _fsync_directory(final.parent)
+    fsync_directory(final.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _empty(tmp: Path) -> None:
+    """What a failed suspend wrote into its temporary directory (still locked by this kernel)."""
+    if tmp.is_dir() and not tmp.is_symlink():
+        for entry in tmp.iterdir():
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
 
 
 def _sizes(root: Path) -> list[int]:

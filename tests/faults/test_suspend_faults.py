@@ -117,3 +117,35 @@ def test_f22_resume_from_a_directory_without_a_suspend_is_one_line(tmp_path: Pat
     (tmp_path / "broken" / "manifest.json").write_text(json.dumps({"format": 1}))
     with pytest.raises(PoolError, match="is not a readable suspend"):
         resume(tmp_path / "broken")
+
+
+def test_a_suspend_into_a_project_folder_is_refused_and_deletes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``%dist_suspend .`` from a project folder: refused in one line before any rank writes; the
+    user's files, the kernel's working directory, the ranks and their state are as they were."""
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "train.py").write_text("print('mine')\n")
+    (project / "src" / "model.py").write_text("class Net: ...\n")
+    monkeypatch.chdir(project)
+    with _pool(2) as pool:
+        pool.run(SETUP)
+        for where in (".", str(project), str(tmp_path)):
+            with pytest.raises(PoolError) as refused:
+                suspend(pool, where)
+            assert len(str(refused.value).splitlines()) == 1
+            assert "working directory" in str(refused.value) or "not a suspend" in str(refused.value)
+        assert Path.cwd() == project and (project / "train.py").read_text() == "print('mine')\n"
+        assert (project / "src" / "model.py").is_file()
+        assert sorted(p.name for p in project.iterdir()) == ["src", "train.py"]
+        assert pool.started and pool.run("kept").value == {"text/plain": "41"}
+        # a directory of its own in the project is fine, and a second suspend there replaces the first
+        suspend(pool, "run")
+        resumed, _ = resume("run", pool=pool)
+        resumed.run("kept = 42")
+        suspend(resumed, "run")
+    assert sorted(p.name for p in project.iterdir()) == ["run", "src", "train.py"]
+    again, _ = resume(project / "run")
+    with again:
+        assert again.run("kept").value == {"text/plain": "42"}
