@@ -139,6 +139,11 @@ def test_sync_tree_syncs_every_file_and_directory(tmp_path: Path, monkeypatch: p
     run = a_suspend(tmp_path / "run")
     synced: list[int] = []
     real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+
+    def counted(fd: int) -> None:
+        synced.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", counted)
     sync_tree(run)
     assert len(synced) == 6 + 2  # five files and .metadata, then state/ and run/
