@@ -194,6 +194,12 @@ def attach(
             )
         _take_over(kept, owner)
     record = kept.record
+    gone = [pid for pid, started in kept.processes if not _alive(pid, started)]
+    if gone:  # checked before this kernel's own pool is let go: a pool that cannot answer leaves it be
+        raise PoolError(
+            f"pool {kept.id} cannot be attached: its process {', '.join(map(str, gone))} has ended; "
+            f"python -m jupyter_shard stop {kept.id} clears it (this kernel's pool is untouched)"
+        )
     if pool is not None and pool.started:
         let_go(pool, say)
     pool = pool or Pool(spec=kept.spec)

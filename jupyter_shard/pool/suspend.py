@@ -180,6 +180,7 @@ def resume(
             f"{root} was written by another version of jupyter_shard (format {manifest.get('format')})"
         )
     spec = merge_spec(saved, dict(changes or {}))
+    _check_parts(root, manifest)  # before the running pool is let go: a suspend that cannot load leaves it be
     began = time.monotonic()
     if pool is None:
         pool = Pool(spec=spec)
@@ -212,6 +213,31 @@ def resume(
         lost=lost,
         prepared=bool(manifest["ranks"]["0"].get("prepared")),
     )
+
+
+def _check_parts(root: Path, manifest: Mapping[str, Any]) -> None:
+    """Every rank's part is there at the size the suspend wrote (its namespace and, with a prepared
+    model, its DCP files and the recipe); one line naming the first part missing or cut short."""
+    try:
+        ranks = {int(r): int(part["bytes"]) for r, part in manifest["ranks"].items()}
+        prepared = bool(manifest["ranks"]["0"].get("prepared"))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PoolError(
+            f"{root} is not a readable suspend (its manifest lacks {exc}); nothing was changed"
+        ) from None
+    needed = [root / "model.pkl", root / "state" / ".metadata"] if prepared else []
+    for path in needed:
+        if not path.is_file():
+            raise PoolError(f"{root} lacks {path.name}, so it cannot be resumed; nothing was changed")
+    for rank, size in sorted(ranks.items()):
+        parts = [root / f"namespace-{rank}.pkl", *(root / "state").glob(f"__{rank}_*")]
+        have = sum(p.stat().st_size for p in parts if p.is_file())
+        if not parts[0].is_file() or have != size:
+            what = "lacks" if not parts[0].is_file() else f"holds {have} of the {size} bytes of"
+            raise PoolError(
+                f"{root} {what} rank {rank}'s part, so it cannot be resumed; nothing was changed (the "
+                "running pool, if any, keeps going)"
+            )
 
 
 def _restore_history(pool: Pool, records: list[dict[str, Any]]) -> None:

@@ -91,3 +91,26 @@ def test_f21_without_keep_the_ranks_end_with_their_kernel(runtime: Path) -> None
     wait_gone(pids, within=3.0)
     assert not (directory / "kept.json").exists()
     assert kept_pools() == []
+
+
+def test_f21_attaching_a_pool_that_lost_a_rank_leaves_the_running_pool_alone(runtime: Path) -> None:
+    """Checked before this kernel's pool is let go: a kept pool with a rank gone is refused in one
+    line, and the pool this kernel runs keeps running with its state."""
+    import signal
+
+    from jupyter_shard import Pool
+
+    pids, _ = _killed_driver(2, keep=60.0)
+    os.kill(pids[1], signal.SIGKILL)
+    wait_gone(pids[1:], within=5.0)
+    said: list[str] = []
+    with Pool(nproc=2, device="cpu", strategy="ddp") as mine:
+        mine.run("mine = 5")
+        with pytest.raises(PoolError) as refused:
+            attach(None, False, mine, said.append)
+        assert said == [] and mine.started and mine.run("mine").value == {"text/plain": "5"}
+        message = str(refused.value)
+        assert len(message.splitlines()) == 1 and f"process {pids[1]} has ended" in message
+    for pool in kept_pools():
+        subprocess.run([sys.executable, "-m", "jupyter_shard", "stop", pool.id, "--force"], timeout=60)
+    wait_gone(pids, within=10.0)

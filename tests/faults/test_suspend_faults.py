@@ -149,3 +149,25 @@ def test_a_suspend_into_a_project_folder_is_refused_and_deletes_nothing(
     again, _ = resume(project / "run")
     with again:
         assert again.run("kept").value == {"text/plain": "42"}
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_resume_that_cannot_load_leaves_the_running_pool_alone(damage: str, tmp_path: Path) -> None:
+    """Checked before the running pool is let go: a rank's part missing or cut short is one line,
+    and the pool that was running keeps running with its state."""
+    directory = tmp_path / "run"
+    with _pool(2) as pool:
+        _first_suspend(pool, directory)
+        part = directory / "namespace-1.pkl"
+        if damage == "missing":
+            part.unlink()
+        else:
+            part.write_bytes(part.read_bytes()[:-10])
+        pool.run("kept = 7")
+        said: list[str] = []
+        with pytest.raises(PoolError) as failed:
+            resume(directory, pool=pool, say=said.append)
+        message = str(failed.value)
+        assert len(message.splitlines()) == 1 and "rank 1's part" in message
+        assert "nothing was changed" in message and said == []
+        assert pool.started and pool.run("kept").value == {"text/plain": "7"}
