@@ -202,3 +202,20 @@ def shared_kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kernel]:
     assert run.ok, run.outputs
     yield k
     k.shutdown()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def suspend_key_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Suspends made by the tests are signed with a key of the test session's, not the user's own
+    (kernels the tests start inherit it)."""
+    from jupyter_shard.pool.suspend_seal import KEY_DIR_VAR
+
+    path = tmp_path_factory.mktemp("suspend-key")
+    path.chmod(0o700)
+    saved = os.environ.get(KEY_DIR_VAR)
+    os.environ[KEY_DIR_VAR] = str(path)
+    yield path
+    if saved is None:
+        os.environ.pop(KEY_DIR_VAR, None)
+    else:
+        os.environ[KEY_DIR_VAR] = saved

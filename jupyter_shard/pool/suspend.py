@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -25,19 +24,22 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_shard._util.atomic import write_private
+from jupyter_shard._util.digests import check_digest, check_file, digest_bytes
 from jupyter_shard.errors import PoolError
 from jupyter_shard.launchers import merge_spec
+from jupyter_shard.launchers.spec_record import from_record, to_record
 from jupyter_shard.pool.keep import let_go
 from jupyter_shard.pool.pool import Pool
 from jupyter_shard.pool.results import DistributedError
+from jupyter_shard.pool.suspend_seal import SEAL, open_manifest, seal
 from jupyter_shard.pool.suspend_target import MANIFEST, claim, fsync_directory, is_suspend, sync_tree
-from jupyter_shard.spec import LaunchSpec, format_ranks
+from jupyter_shard.spec import format_ranks
 
 __all__ = ["DEFAULT_DIRECTORY", "Resumed", "Suspended", "resume", "suspend"]
 
 DEFAULT_DIRECTORY = "jupyter_shard-suspended"
-SPEC_FILE = "spec.pkl"
-FORMAT = 1
+SPEC_FILE = "spec.json"
+FORMAT = 2  # 2: the spec as JSON, each file's digest, the manifest signed (pool/suspend_seal.py)
 
 
 @dataclass
@@ -130,9 +132,16 @@ def suspend(
             "ranks": {str(rank): reports[rank] for rank in sorted(reports)},
             "history": pool.history.records(),
         }
-        write_private(tmp / SPEC_FILE, pickle.dumps(pool.spec))
+        spec = json.dumps(to_record(pool.spec), indent=1).encode()
+        write_private(tmp / SPEC_FILE, spec)
+        digests = {SPEC_FILE: digest_bytes(spec)}
+        for rank in sorted(reports):
+            digests |= reports[rank].pop("digests", {})
+        manifest["digests"] = digests
         sync_tree(tmp)  # every rank's files and directories on the disk before the manifest says done
-        write_private(tmp / MANIFEST, json.dumps(manifest, indent=1, default=str).encode())
+        data = json.dumps(manifest, indent=1, default=str).encode()
+        write_private(tmp / MANIFEST, data)
+        write_private(tmp / SEAL, seal(tmp, data))
         fsync_directory(tmp)
         _swap(tmp, final)
     except BaseException as exc:
@@ -171,16 +180,23 @@ def resume(
     (a kept one released, any other stopped; ``say`` is told which)."""
     root = _readable(Path(directory).expanduser().absolute())
     try:
-        manifest = json.loads((root / MANIFEST).read_text())
-        saved: LaunchSpec = pickle.loads((root / SPEC_FILE).read_bytes())
-    except (OSError, ValueError, pickle.UnpicklingError, AttributeError) as exc:
+        manifest = open_manifest(root)  # signed by this user, and no one else could write the tree
+    except (OSError, ValueError) as exc:
         raise PoolError(f"{root} is not a readable suspend ({exc}); suspend with %dist_suspend") from None
     if manifest.get("format") != FORMAT:
         raise PoolError(
             f"{root} was written by another version of jupyter_shard (format {manifest.get('format')})"
         )
+    digests: dict[str, str] = manifest.get("digests", {})
+    try:
+        data = (root / SPEC_FILE).read_bytes()
+        check_digest(data, SPEC_FILE, digests)
+        saved = from_record(json.loads(data))
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise PoolError(f"{root} is not a readable suspend ({exc}); suspend with %dist_suspend") from None
     spec = merge_spec(saved, dict(changes or {}))
-    _check_parts(root, manifest)  # before the running pool is let go: a suspend that cannot load leaves it be
+    # before the running pool is let go: a suspend that cannot load leaves it be
+    _check_parts(root, manifest, digests)
     began = time.monotonic()
     if pool is None:
         pool = Pool(spec=spec)
@@ -191,7 +207,7 @@ def resume(
     try:
         pool.start()
         load = f"__import__('jupyter_shard.rank.suspend', fromlist=['load']).load({str(root)!r}, "
-        pool.run_own(load + f"{int(manifest['world_size'])})")
+        pool.run_own(load + f"{int(manifest['world_size'])}, {digests!r})")
         reports = pool.last_values()
     except BaseException as exc:
         pool.shutdown()
@@ -215,9 +231,20 @@ def resume(
     )
 
 
-def _check_parts(root: Path, manifest: Mapping[str, Any]) -> None:
+def _check_parts(root: Path, manifest: Mapping[str, Any], digests: Mapping[str, str]) -> None:
     """Every rank's part is there at the size the suspend wrote (its namespace and, with a prepared
-    model, its DCP files and the recipe); one line naming the first part missing or cut short."""
+    model, its DCP files and the recipe), and every file but DCP's tensor files (which the ranks check
+    as they load) is the one the signed manifest names; one line naming the first that is not."""
+    for name in sorted(digests):
+        if name.startswith("state/__"):
+            continue
+        if not (root / name).is_file():
+            raise PoolError(f"{root} lacks {name}, so it cannot be resumed; nothing was changed")
+        try:
+            check_file(root / name, name, dict(digests))
+        except (OSError, RuntimeError) as exc:
+            why = " ".join(str(exc).split())
+            raise PoolError(f"{root}: {why}; the running pool, if any, keeps going") from None
     try:
         ranks = {int(r): int(part["bytes"]) for r, part in manifest["ranks"].items()}
         prepared = bool(manifest["ranks"]["0"].get("prepared"))

@@ -26,7 +26,9 @@ from jupyter_shard.errors import PoolError
 
 MANIFEST = "manifest.json"
 #: the names a suspend writes at its top level (pool/suspend.py and rank/suspend.py)
-OURS = re.compile(r"manifest\.json|spec\.pkl|model\.pkl|namespace-\d+\.pkl|state|\.[^/]+\.tmp")
+OURS = re.compile(
+    r"manifest\.json|manifest\.sig|spec\.json|spec\.pkl|model\.pkl|namespace-\d+\.pkl|state|\.[^/]+\.tmp"
+)
 
 
 @dataclass

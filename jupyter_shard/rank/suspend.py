@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from jupyter_shard._util.atomic import write_private
+from jupyter_shard._util.digests import check_digest, check_file, digest_bytes, digest_file
 from jupyter_shard.rank import shard as shard_module
 from jupyter_shard.rank.recipe import Recipe
 
@@ -60,11 +61,17 @@ def save(directory: str) -> dict[str, Any]:
     helper = _helper()
     root = Path(directory)
     model, optimizer = helper.prepared_model, helper.prepared_optimizer
+    digests: dict[str, str] = {}  # each file this rank wrote, for the signed manifest
     if model is not None:
         recipe = helper.recipe
         if helper.rank == 0:
-            _write(root / RECIPE_FILE, _recipe_bytes(recipe))
+            data = _recipe_bytes(recipe)
+            _write(root / RECIPE_FILE, data)
+            digests[RECIPE_FILE] = digest_bytes(data)
         dcp_save(helper.impl.dcp_state(model, optimizer), checkpoint_id=root / STATE_DIR)
+        written = [*(root / STATE_DIR).glob(f"__{helper.rank}_*")]
+        written += [root / STATE_DIR / ".metadata"] if helper.rank == 0 else []
+        digests |= {f"{STATE_DIR}/{p.name}": digest_file(p) for p in written}
     ns, hidden = _namespace()
     values, modules, lost = pickle_namespace(ns, hidden, _references(helper))
     payload = {
@@ -80,9 +87,12 @@ def save(directory: str) -> dict[str, Any]:
         "lost": lost,
         "rng": _rng_state(),
     }
-    _write(root / NAMESPACE_FILE.format(rank=helper.rank), pickle.dumps(payload, protocol=5))
+    data = pickle.dumps(payload, protocol=5)
+    _write(root / NAMESPACE_FILE.format(rank=helper.rank), data)
+    digests[NAMESPACE_FILE.format(rank=helper.rank)] = digest_bytes(data)
     mine = [root / NAMESPACE_FILE.format(rank=helper.rank), *(root / STATE_DIR).glob(f"__{helper.rank}_*")]
     return {
+        "digests": digests,
         "kept": sorted([*values, *modules]),
         "lost": lost,
         "bytes": sum(p.stat().st_size for p in mine if p.is_file()),
@@ -91,20 +101,25 @@ def save(directory: str) -> dict[str, Any]:
     }
 
 
-def load(directory: str, saved_world_size: int) -> dict[str, Any]:
-    """Restore a suspend from ``directory`` into this rank; what came back and what did not."""
+def load(directory: str, saved_world_size: int, digests: dict[str, str]) -> dict[str, Any]:
+    """Restore a suspend from ``directory`` into this rank; what came back and what did not.
+    ``digests`` are the signed manifest's: nothing is unpickled before every rank has found the
+    files it checks unchanged, and each pickle is loaded from the bytes that were checked."""
     helper = _helper()
     root = Path(directory)
     same = helper.world_size == saved_world_size
     source = helper.rank if same else 0
-    with open(root / NAMESPACE_FILE.format(rank=source), "rb") as fh:
-        payload: dict[str, Any] = pickle.load(fh)
+    _check_state_files(helper, root, digests)
+    name = NAMESPACE_FILE.format(rank=source)
+    data = (root / name).read_bytes()
+    check_digest(data, name, digests)
+    payload: dict[str, Any] = pickle.loads(data)
     if payload.get("format") != FORMAT:
         raise RuntimeError(
             f"{root} was written by another version of jupyter_shard (format {payload.get('format')})"
         )
     if payload["prepared"]:
-        _prepare_again(helper, root, payload)
+        _prepare_again(helper, root, payload, digests)
     ns, _ = _namespace()
     restored, lost = unpickle_namespace(payload["values"], _references(helper), ns)
     for name, module in payload["modules"].items():
@@ -119,10 +134,37 @@ def load(directory: str, saved_world_size: int) -> dict[str, Any]:
     return {"restored": sorted(restored), "lost": lost, "namespace_of_rank": source}
 
 
-def _prepare_again(helper: shard_module.Shard, root: Path, payload: Mapping[str, Any]) -> None:
+def _check_state_files(helper: shard_module.Shard, root: Path, digests: dict[str, str]) -> None:
+    """Every rank checks DCP's metadata and its share of DCP's files (each file by one rank), then
+    all agree before any rank loads one: a file changed since the suspend stops every rank, each
+    naming the same first file."""
+    import torch.distributed as dist
+
+    names = sorted(n for n in digests if n.startswith(f"{STATE_DIR}/"))
+    bad = torch.zeros(len(names) + 1, dtype=torch.int32)
+    for i, name in enumerate(names):
+        if name.endswith(".metadata") or i % helper.world_size == helper.rank:
+            try:
+                check_file(root / name, name, digests)
+            except (OSError, RuntimeError):
+                bad[i] = 1
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    first = next((names[i] for i in range(len(names)) if bad[i]), None)
+    if first is not None:
+        raise RuntimeError(
+            f"{first} of this suspend does not match its signed manifest (changed after the suspend, or "
+            "missing); nothing was loaded from it"
+        )
+
+
+def _prepare_again(
+    helper: shard_module.Shard, root: Path, payload: Mapping[str, Any], digests: dict[str, str]
+) -> None:
     """Build, prepare and fill the model and optimizer at this pool's world size."""
-    with open(root / RECIPE_FILE, "rb") as fh:
-        recipe: Recipe = cloudpickle.load(fh)
+    data = (root / RECIPE_FILE).read_bytes()
+    check_digest(data, RECIPE_FILE, digests)
+    recipe: Recipe = cloudpickle.loads(data)
     model, optimizer = recipe.build()
     clip = recipe.clip_grad_norm
     prepared = helper.prepare(model, optimizer, accumulate=recipe.accumulate, clip_grad_norm=clip)

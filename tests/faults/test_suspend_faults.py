@@ -114,8 +114,8 @@ def test_f22_resume_from_a_directory_without_a_suspend_is_one_line(tmp_path: Pat
     with pytest.raises(PoolError, match=r"^no suspend in .*; suspend a pool there with %dist_suspend$"):
         resume(tmp_path / "nothing")
     (tmp_path / "broken").mkdir()
-    (tmp_path / "broken" / "manifest.json").write_text(json.dumps({"format": 1}))
-    with pytest.raises(PoolError, match="is not a readable suspend"):
+    (tmp_path / "broken" / "manifest.json").write_text(json.dumps({"format": 2}))
+    with pytest.raises(PoolError, match=r"has no signature \(manifest.sig is missing\).*nothing was loaded$"):
         resume(tmp_path / "broken")
 
 
@@ -168,6 +168,78 @@ def test_a_resume_that_cannot_load_leaves_the_running_pool_alone(damage: str, tm
         with pytest.raises(PoolError) as failed:
             resume(directory, pool=pool, say=said.append)
         message = str(failed.value)
-        assert len(message.splitlines()) == 1 and "rank 1's part" in message
-        assert "nothing was changed" in message and said == []
+        assert len(message.splitlines()) == 1 and "namespace-1.pkl" in message
+        assert ("nothing was changed" in message or "keeps going" in message) and said == []
         assert pool.started and pool.run("kept").value == {"text/plain": "7"}
+
+
+class _Runs:
+    """A pickle that runs a command when loaded: what an altered suspend file would hold."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("part", ["namespace-1.pkl", "model.pkl", "spec.json", "manifest.json"])
+def test_an_altered_suspend_runs_nothing_and_is_refused_in_one_line(part: str, tmp_path: Path) -> None:
+    """A file of a suspend replaced by one that runs a command when loaded (the manifest rewritten
+    to match it, for the manifest's case): the resume is refused before anything is loaded, the
+    command never runs, and the running pool keeps its state."""
+    import pickle
+
+    directory = tmp_path / "run"
+    marker = tmp_path / "ran"
+    with _pool(2) as pool:
+        _first_suspend(pool, directory)
+        hostile = pickle.dumps(_Runs(marker))
+        if part == "manifest.json":
+            manifest = json.loads((directory / part).read_text())
+            manifest["digests"]["namespace-1.pkl"] = __import__("hashlib").sha256(hostile).hexdigest()
+            (directory / "namespace-1.pkl").write_bytes(hostile)
+            (directory / part).write_text(json.dumps(manifest))
+        else:
+            (directory / part).write_bytes(hostile)
+        pool.run("kept = 7")
+        with pytest.raises(PoolError) as refused:
+            resume(directory, pool=pool)
+        message = str(refused.value)
+        assert len(message.splitlines()) == 1
+        assert (
+            "signed" in message or "signature" in message or "does not match its signed manifest" in message
+        )
+        assert not marker.exists()
+        # refused in the kernel, before the pool was let go
+        assert pool.started and pool.run("kept").value == {"text/plain": "7"}
+    assert not marker.exists()
+
+
+def test_a_suspend_another_user_could_write_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "run"
+    with _pool(2) as pool:
+        _first_suspend(pool, directory)
+        (directory / "state").chmod(0o777)
+        with pytest.raises(PoolError, match=r"/state can be written by another user.*chmod go-w -R"):
+            resume(directory, pool=pool)
+        assert pool.started
+
+
+def test_an_altered_tensor_file_is_found_by_the_ranks_before_any_loads(tmp_path: Path) -> None:
+    """DCP's tensor files are checked by the ranks as they resume (each file by one rank, all ranks
+    agreeing before any loads): an altered one stops the resume in one line naming it."""
+    directory = tmp_path / "run"
+    with _pool(2) as pool:
+        _first_suspend(pool, directory)
+    shard = next((directory / "state").glob("__1_*"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(PoolError) as refused:
+        resume(directory)
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1
+    assert f"state/{shard.name} of this suspend does not match its signed manifest" in message
