@@ -15,10 +15,8 @@ one lets go (its watcher thread reads the record) before the new one binds.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
-import pickle
 import re
 import shutil
 import time
@@ -28,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_shard._util.atomic import write_private
+from jupyter_shard._util.private_files import read_private_json
 from jupyter_shard.errors import PoolError, SpecError
 from jupyter_shard.launchers import get_launcher
 from jupyter_shard.launchers.base import KEPT_RECORD, started_at
+from jupyter_shard.launchers.spec_record import from_record
 from jupyter_shard.pool.lifecycle import DIR_PREFIX, runtime_root
 from jupyter_shard.pool.pool import Pool
 from jupyter_shard.pool.ranks import RankRecord, RankState
@@ -78,8 +78,7 @@ class KeptPool:
 
     @property
     def spec(self) -> LaunchSpec:
-        spec: LaunchSpec = pickle.loads(base64.b64decode(self.record["spec"]))
-        return spec
+        return from_record(self.record["spec"])
 
     @property
     def owner(self) -> int | None:
@@ -126,11 +125,9 @@ def kept_pools() -> list[KeptPool]:
     found = []
     for record_path in sorted(runtime_root().glob(f"{DIR_PREFIX}*/{KEPT_RECORD}")):
         directory = record_path.parent
-        try:
-            if directory.stat().st_uid != os.getuid() or record_path.stat().st_uid != os.getuid():
-                continue
+        try:  # through the opened directory and file, owner and mode checked on them: no link race
             kept = KeptPool(
-                directory.name.removeprefix(DIR_PREFIX), directory, json.loads(record_path.read_text())
+                directory.name.removeprefix(DIR_PREFIX), directory, read_private_json(record_path)
             )
             if kept.alive():
                 found.append(kept)
@@ -255,7 +252,7 @@ def _take_over(kept: KeptPool, owner: int) -> None:
     write_private(path, json.dumps(data))
     deadline = time.monotonic() + RELEASE_WAIT
     while time.monotonic() < deadline:
-        current = json.loads(path.read_text())
+        current = read_private_json(path)
         if not current.get("owner") or not _alive(int(current["owner"][0]), current["owner"][1]):
             return
         time.sleep(0.05)

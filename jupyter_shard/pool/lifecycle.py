@@ -10,11 +10,9 @@ gone, killing their recorded ranks only when pid *and* start time still match - 
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
-import pickle
 import re
 import shutil
 import sys
@@ -31,11 +29,13 @@ import zmq
 
 from jupyter_shard._util.atomic import write_private
 from jupyter_shard._util.net import free_port
+from jupyter_shard._util.private_files import read_private_json
 from jupyter_shard.env import LOG_DIR_VAR, RUNTIME_DIR_VAR, START_TIMEOUT_VAR
 from jupyter_shard.errors import PoolError
 from jupyter_shard.launchers import Launcher, get_launcher
 from jupyter_shard.launchers.base import KEPT_RECORD, KeptRank, RankHandle, started_at
 from jupyter_shard.launchers.local import kill_recorded
+from jupyter_shard.launchers.spec_record import to_record
 from jupyter_shard.pool.connection import Connection
 from jupyter_shard.pool.launches import rank_launch
 from jupyter_shard.pool.ranks import RankRecord, RankState, RankTable
@@ -65,9 +65,7 @@ def record_pool(directory: Path, rank_pids: list[int]) -> None:
         "kernel": [os.getpid(), started_at(os.getpid())],
         "ranks": [[pid, started_at(pid)] for pid in rank_pids],
     }
-    tmp = directory / "pool.json.tmp"
-    tmp.write_text(json.dumps(record))
-    tmp.replace(directory / "pool.json")
+    write_private(directory / "pool.json", json.dumps(record))  # 0600: read back by read_private_json
 
 
 def clean_stale_pools(base: Path | None = None) -> list[Path]:
@@ -82,7 +80,7 @@ def clean_stale_pools(base: Path | None = None) -> list[Path]:
                 continue
             if not directory.is_dir() or directory.stat().st_uid != os.getuid():
                 continue
-            record = json.loads((directory / "pool.json").read_text())
+            record = read_private_json(directory / "pool.json")  # no link race: see private_files
             kernel_pid, kernel_start = _pid_and_start(record["kernel"])
             ranks = [_pid_and_start(item) for item in record["ranks"]]
         except (OSError, ValueError, KeyError, TypeError):
@@ -303,7 +301,7 @@ class Lifecycle:
             "processes": [[pid, started_at(pid)] for pid in self._local_processes()],
             "log_dir": str(self.log_dir or ""),
             "options": spec.describe(),
-            "spec": base64.b64encode(pickle.dumps(spec)).decode(),
+            "spec": to_record(spec),  # JSON: reading a record never unpickles
             "ranks": [_rank_entry(r, not self.launcher.remote) for r in self.ranks],
         }
         write_private(path, json.dumps(record))
@@ -407,7 +405,7 @@ def _rank_entry(r: RankRecord, here: bool) -> dict[str, object]:
 def _let_go_of(path: Path) -> None:
     """The record of a kept pool this process lets go of names no kernel, from now (its lease starts)."""
     try:
-        data = json.loads(path.read_text())
+        data = read_private_json(path)
     except (OSError, ValueError):
         return
     if data.get("owner") and data["owner"][0] == os.getpid():
@@ -422,7 +420,7 @@ def _watch_take_over(path: Path, let_go: Callable[[str], bool]) -> None:
     while True:
         time.sleep(0.1)
         try:
-            data = json.loads(path.read_text())
+            data = read_private_json(path)
         except (OSError, ValueError):
             return  # the pool stopped, or its record went with --keep 0
         owner, taker = data.get("owner"), data.get("take_over")

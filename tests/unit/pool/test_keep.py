@@ -15,8 +15,10 @@ from subprocess import Popen
 import psutil
 import pytest
 
+from jupyter_shard._util.atomic import write_private
 from jupyter_shard.env import RUNTIME_DIR_VAR
 from jupyter_shard.errors import PoolError, SpecError
+from jupyter_shard.launchers.spec_record import to_record
 from jupyter_shard.pool import keep
 from jupyter_shard.spec import LaunchSpec
 
@@ -75,9 +77,7 @@ def _record(runtime: Path, name: str, ranks: list[int], owner: int | None, **ext
         "notebook": "/home/u/work/train.ipynb",
         "owner": [owner, started[owner]] if owner else None,
         "orphaned_at": time.time() - 60 if owner is None else None,
-        "spec": keep.base64.b64encode(
-            keep.pickle.dumps(LaunchSpec.create(nproc=len(ranks), device="cpu"))
-        ).decode(),
+        "spec": to_record(LaunchSpec.create(nproc=len(ranks), device="cpu")),
         "ranks": [
             {"rank": i, "pid": pid, "started": started[pid], "device": "cpu", "log": "/l"}
             for i, pid in enumerate(ranks)
@@ -87,7 +87,7 @@ def _record(runtime: Path, name: str, ranks: list[int], owner: int | None, **ext
         "processes": [[pid, started[pid]] for pid in ranks],
         **extra,
     }
-    (directory / "kept.json").write_text(json.dumps(record))
+    write_private(directory / "kept.json", json.dumps(record))  # 0600, as the pool writes it
     return directory
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from jupyter_shard._util.atomic import write_private
 from jupyter_shard.env import RUNTIME_DIR_VAR, RankEnv
 from jupyter_shard.errors import PoolError
 from jupyter_shard.launchers import resolve_spec
@@ -39,8 +40,8 @@ def killed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def _pool_dir(root: Path, name: str, record: object) -> Path:
     directory = root / name
-    directory.mkdir()
-    (directory / "pool.json").write_text(record if isinstance(record, str) else json.dumps(record))
+    directory.mkdir(mode=0o700)
+    write_private(directory / "pool.json", record if isinstance(record, str) else json.dumps(record))
     return directory
 
 
@@ -107,7 +108,7 @@ def test_a_new_pool_dir_is_private_in_the_runtime_dir_and_found_by_clean_up(
     directory = new_pool_dir()
     assert directory.parent == tmp_path
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
-    (directory / "pool.json").write_text(json.dumps({"kernel": [os.getpid(), 1.0], "ranks": []}))
+    write_private(directory / "pool.json", json.dumps({"kernel": [os.getpid(), 1.0], "ranks": []}))
     assert clean_stale_pools() == [directory]
 
 

@@ -10,6 +10,7 @@ import pytest
 from jupyter_shard.errors import PoolError
 from jupyter_shard.pool import suspend as module
 from jupyter_shard.pool.suspend import Resumed, Suspended, resume
+from jupyter_shard.pool.suspend_seal import seal
 
 
 def _dir(path: Path, text: str) -> Path:
@@ -35,7 +36,7 @@ def test_a_swap_cut_between_its_renames_is_still_read(tmp_path: Path) -> None:
 
 def test_resume_of_another_format_is_one_line(tmp_path: Path) -> None:
     root = _dir(tmp_path / "run", '{"format": 99}')
-    (root / "spec.pkl").write_bytes(__import__("pickle").dumps(None))
+    (root / "manifest.sig").write_bytes(seal(root, (root / "manifest.json").read_bytes()))
     with pytest.raises(PoolError, match=r"another version of jupyter_shard \(format 99\)"):
         resume(root)
 
