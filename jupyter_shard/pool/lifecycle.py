@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -51,8 +52,25 @@ _POOL_DIR_NAME = re.compile(re.escape(DIR_PREFIX) + r"[a-z0-9_]{8}")
 
 
 def runtime_root() -> Path:
-    """Where private pool directories go: $JUPYTER_SHARD_RUNTIME_DIR, else the temp directory."""
-    return Path(os.environ.get(RUNTIME_DIR_VAR) or tempfile.gettempdir())
+    """Where private pool directories go: $JUPYTER_SHARD_RUNTIME_DIR, else a directory of this user's
+    alone (0700): ``$XDG_RUNTIME_DIR/jupyter_shard`` where the session has one, else
+    ``jupyter_shard-UID`` in the temp directory, made on first use and refused in one line if it is
+    a link or another user's (someone could otherwise plant records there)."""
+    configured = os.environ.get(RUNTIME_DIR_VAR)
+    if configured:
+        return Path(configured)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(xdg) / "jupyter_shard" if xdg and os.path.isdir(xdg) else None
+    root = base or Path(tempfile.gettempdir()) / f"jupyter_shard-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        root.mkdir(mode=0o700)
+    info = root.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PoolError(
+            f"{root} is not this user's private directory (a link, another user's, or open to others); "
+            f"remove it, or set {RUNTIME_DIR_VAR} to a directory of your own"
+        )
+    return root
 
 
 def new_pool_dir() -> Path:
