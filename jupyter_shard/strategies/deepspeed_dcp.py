@@ -297,10 +297,13 @@ def _named(engine: nn.Module) -> Iterator[tuple[str, Any]]:
 
 def _create_state(inner: torch.optim.Optimizer, flats: list[tuple[int, torch.Tensor]]) -> None:
     """Create the optimizer state (lazy in torch's optimizers and DeepSpeed's CPU Adam) without
-    changing a weight: one step at learning rate 0 over zero gradients, each group holding its flat
-    partitions for the step (ZeRO-3 empties the groups between steps)."""
+    changing a weight or the step count: one step at learning rate 0 over zero gradients, each group
+    holding its flat partitions for the step (ZeRO-3 empties the groups between steps), then each
+    created state's step count set back to 0. Its moments are zeros, as a first real step finds them,
+    so a suspend before the first step neither takes one nor shifts Adam's bias correction after."""
     if all(inner.state.get(flat) for _, flat in flats):
         return
+    created = [flat for _, flat in flats if not inner.state.get(flat)]
     saved = [(g["params"], g["lr"]) for g in inner.param_groups]
     grads = [flat.grad for _, flat in flats]
     try:
@@ -310,6 +313,11 @@ def _create_state(inner: torch.optim.Optimizer, flats: list[tuple[int, torch.Ten
             inner.param_groups[index]["params"].append(flat)
             flat.grad = torch.zeros_like(flat)
         inner.step()
+        for flat in created:
+            state = inner.state.get(flat, {})
+            if "step" in state:
+                step = state["step"]
+                state["step"] = torch.zeros_like(step) if isinstance(step, torch.Tensor) else 0
     finally:
         for group, (params, lr) in zip(inner.param_groups, saved, strict=True):
             group["params"], group["lr"] = params, lr

@@ -166,3 +166,27 @@ def test_another_world_size_gathers_the_saved_weights(
     # and back: what this pool saved after its step, a 2-rank pool gathers exactly
     back = _run(tmp_path / "back", 2, run, SETUP.format(seed=9) + RESUME.format(ckpt=str(again)), _LOADED)
     assert not _equal(back["loaded"], out["after"]), f"ZeRO-{stage} from {nproc} ranks to 2: weights differ"
+
+
+FIRST_STEPS = """
+losses = [train(*b) for b in batches[:2]]
+after = weights()
+"""
+
+
+@pytest.mark.parametrize("run", [(3, "32", "none"), (2, "32", "cpu")], ids=["zero3", "zero2-cpu_adam"])
+def test_a_suspend_before_the_first_step_takes_no_step(run: Run, tmp_path: Path) -> None:
+    """Saved before any optimizer step, then trained: the saving pool and a pool resumed from it both
+    train exactly as a pool that never saved (no step taken at learning rate 0, Adam's step count
+    and bias correction untouched)."""
+    ckpt = tmp_path / "ckpt"
+    names = ("losses", "after")
+    plain = _run(tmp_path / "a", 2, run, SETUP.format(seed=0) + FIRST_STEPS, names)
+    save = f"dcp.save(shard.impl.dcp_state(model, opt), checkpoint_id={str(ckpt)!r})\n"
+    saving = _run(tmp_path / "b", 2, run, SETUP.format(seed=0) + save + FIRST_STEPS, names)
+    load = "state = shard.impl.dcp_state(model, opt)\n"
+    load += f"dcp.load(state, checkpoint_id={str(ckpt)!r})\nshard.impl.load_dcp_state(model, opt, state)\n"
+    resumed = _run(tmp_path / "c", 2, run, SETUP.format(seed=7) + load + FIRST_STEPS, names)
+    for label, out in (("the saving pool", saving), ("the resumed pool", resumed)):
+        assert [x.item() for x in out["losses"]] == [x.item() for x in plain["losses"]], label
+        assert not _equal(out["after"], plain["after"]), f"{label}: weights differ after two steps"
