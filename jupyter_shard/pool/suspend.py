@@ -80,6 +80,7 @@ class Resumed:
     restored: list[str]
     lost: dict[str, str] = field(default_factory=dict)
     prepared: bool = False
+    reopened: dict[str, str] = field(default_factory=dict)  # open files reopened, by name (rank 0's)
 
     def summary(self) -> str:
         model = "the prepared model and optimizer and " if self.prepared else ""
@@ -93,6 +94,8 @@ class Resumed:
                 "resharded; every rank has rank 0's other names and freshly seeded generators (rebuild "
                 "per-rank data such as a data shard)"
             )
+        for name, where in sorted(self.reopened.items()):
+            lines.append(f"jupyter_shard: reopened {name}: {where}")
         for name, why in sorted(self.lost.items()):
             lines.append(f"jupyter_shard: not restored: {name} ({why})")
         return "\n".join(lines)
@@ -228,6 +231,7 @@ def resume(
         restored=list(first.get("restored", [])),
         lost=lost,
         prepared=bool(manifest["ranks"]["0"].get("prepared")),
+        reopened=dict(first.get("reopened", {})),
     )
 
 

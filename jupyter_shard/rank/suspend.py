@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from jupyter_shard._util.atomic import write_private
 from jupyter_shard._util.digests import check_digest, check_file, digest_bytes, digest_file
+from jupyter_shard.rank import live_objects
 from jupyter_shard.rank import shard as shard_module
 from jupyter_shard.rank.recipe import Recipe
 
@@ -121,7 +122,8 @@ def load(directory: str, saved_world_size: int, digests: dict[str, str]) -> dict
     if payload["prepared"]:
         _prepare_again(helper, root, payload, digests)
     ns, _ = _namespace()
-    restored, lost = unpickle_namespace(payload["values"], _references(helper), ns)
+    reopened: dict[str, str] = {}
+    restored, lost = unpickle_namespace(payload["values"], _references(helper), ns, reopened)
     for name, module in payload["modules"].items():
         try:
             ns[name] = importlib.import_module(module)
@@ -131,7 +133,7 @@ def load(directory: str, saved_world_size: int, digests: dict[str, str]) -> dict
             restored.append(name)
     if same:
         _set_rng_state(payload["rng"])
-    return {"restored": sorted(restored), "lost": lost, "namespace_of_rank": source}
+    return {"restored": sorted(restored), "lost": lost, "namespace_of_rank": source, "reopened": reopened}
 
 
 def _check_state_files(helper: shard_module.Shard, root: Path, digests: dict[str, str]) -> None:
@@ -205,6 +207,10 @@ def pickle_namespace(
         if isinstance(value, types.ModuleType):
             modules[name] = value.__name__
             continue
+        record = live_objects.file_record(value)
+        if record is not None:  # reopened at its path, mode and position (never an in-memory copy)
+            values[name] = pickle.dumps(_FileRecord(record))
+            continue
         buffer = io.BytesIO()
         try:
             _Pickler(buffer, refs, ns).dump(value)
@@ -216,20 +222,36 @@ def pickle_namespace(
 
 
 def unpickle_namespace(
-    values: Mapping[str, bytes], references: Mapping[str, Any], ns: dict[str, Any]
+    values: Mapping[str, bytes],
+    references: Mapping[str, Any],
+    ns: dict[str, Any],
+    reopened: dict[str, str] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """Put the pickled values into ``ns``; (names restored, names that failed with why)."""
+    """Put the pickled values into ``ns``; (names restored, names that failed with why). Open files
+    are reopened, each told to ``reopened`` by name."""
+    reopened = {} if reopened is None else reopened
     restored: list[str] = []
     lost: dict[str, str] = {}
     references = {**references, "namespace": ns}
     for name, blob in values.items():
         try:
-            ns[name] = _Unpickler(io.BytesIO(blob), references).load()
+            value = _Unpickler(io.BytesIO(blob), references).load()
+            if isinstance(value, _FileRecord):
+                value, said = live_objects.reopen(value.record)
+                reopened[name] = said
+            ns[name] = value
         except Exception as exc:
             lost[name] = _line(exc)
         else:
             restored.append(name)
     return restored, lost
+
+
+class _FileRecord:
+    """An open regular file of the namespace, kept as where it was (:mod:`live_objects`)."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self.record = record
 
 
 class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
@@ -246,6 +268,9 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         return self._refs.get(id(obj))
 
     def reducer_override(self, obj: Any) -> Any:
+        reason = live_objects.not_kept_reason(obj)
+        if reason is not None:
+            raise TypeError(reason)
         if isinstance(obj, types.FunctionType) and obj.__globals__ is self._namespace:
             cells = tuple(_cell_value(c) for c in obj.__closure__) if obj.__closure__ is not None else None
             attributes = (

@@ -4,6 +4,8 @@ references, functions from cells rebuilt over the new namespace, what cannot be 
 from __future__ import annotations
 
 import types
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,3 +62,50 @@ def test_hidden_names_are_skipped_only_while_unchanged() -> None:
     start = object()
     values, _, _ = pickle_namespace({"a": start, "b": 2}, {"a": start, "b": 1}, {})
     assert set(values) == {"b"}
+
+
+def test_an_open_file_is_reopened_at_its_place_never_copied_into_memory(tmp_path: Path) -> None:
+    log = tmp_path / "train.log"
+    writer = open(log, "w")  # noqa: SIM115
+    writer.write("step 1\n")
+    data = tmp_path / "data.bin"
+    data.write_bytes(bytes(range(100)))
+    reader = open(data, "rb")  # noqa: SIM115
+    reader.read(40)
+    values, _, lost = pickle_namespace({"log": writer, "data": reader}, {}, {})
+    assert lost == {} and all(len(blob) < 1000 for blob in values.values())  # no file content inside
+    writer.close()
+    reader.close()
+    fresh: dict[str, Any] = {}
+    reopened: dict[str, str] = {}
+    restored, failed = unpickle_namespace(values, {}, fresh, reopened)
+    assert sorted(restored) == ["data", "log"] and failed == {}
+    fresh["log"].write("step 2\n")  # goes on where it was, on disk, nothing truncated
+    fresh["log"].close()
+    assert log.read_text() == "step 1\nstep 2\n"
+    assert fresh["data"].read(1) == bytes([40])
+    fresh["data"].close()
+    assert reopened["log"] == f"{log} (opened 'w', reopened 'r+', at byte 7)"
+
+
+def test_live_objects_inside_values_are_listed_as_not_kept_with_what_to_do(tmp_path: Path) -> None:
+    import socket
+    import threading
+
+    handle = open(tmp_path / "x.txt", "w")  # noqa: SIM115
+    sock = socket.socket()
+    try:
+        ns = {
+            "cfg": {"out": handle},
+            "lock": threading.Lock(),
+            "sock": sock,
+            "t": threading.Thread(target=print),
+        }
+        values, _, lost = pickle_namespace(ns, {}, {})
+    finally:
+        handle.close()
+        sock.close()
+    assert values == {}
+    assert "an open file" in lost["cfg"] and "open it again after the resume" in lost["cfg"]
+    assert "lock is not kept" in lost["lock"] and "socket is not kept" in lost["sock"]
+    assert "thread is not kept" in lost["t"]
