@@ -201,23 +201,36 @@ def pickle_namespace(
     values: dict[str, bytes] = {}
     modules: dict[str, str] = {}
     lost: dict[str, str] = {}
+    # One pickler over every name: its memo spans them, so an object two names share (``b = a``, a
+    # loader and its sampler) is written once and comes back as one object. A name that cannot be
+    # pickled is left out and the stream written again without it (the memo cannot be wound back).
+    chosen = {}
     for name, value in ns.items():
         if _NOT_USERS.match(name) or (name in hidden and hidden[name] is value):
             continue
         if isinstance(value, types.ModuleType):
             modules[name] = value.__name__
-            continue
-        record = live_objects.file_record(value)
-        if record is not None:  # reopened at its path, mode and position (never an in-memory copy)
-            values[name] = pickle.dumps(_FileRecord(record))
-            continue
-        buffer = io.BytesIO()
-        try:
-            _Pickler(buffer, refs, ns).dump(value)
-        except Exception as exc:
-            lost[name] = _line(exc)
         else:
-            values[name] = buffer.getvalue()
+            record = live_objects.file_record(value)  # an open file: reopened where it was, never copied
+            chosen[name] = _FileRecord(record) if record is not None else value
+    while True:
+        buffer = io.BytesIO()
+        pickler = _Pickler(buffer, refs, ns)
+        spans: dict[str, tuple[int, int]] = {}
+        for name, value in chosen.items():
+            start = buffer.tell()
+            try:
+                pickler.dump(value)
+            except Exception as exc:
+                lost[name] = _line(exc)
+                break
+            spans[name] = (start, buffer.tell())
+        else:
+            break
+        del chosen[name]
+    data = buffer.getbuffer()
+    for name, (start, end) in spans.items():
+        values[name] = bytes(data[start:end])
     return values, modules, lost
 
 
@@ -233,9 +246,12 @@ def unpickle_namespace(
     restored: list[str] = []
     lost: dict[str, str] = {}
     references = {**references, "namespace": ns}
+    memo: dict[int, Any] = {}  # carried from name to name, as the pickler's was (shared objects)
     for name, blob in values.items():
+        unpickler = _Unpickler(io.BytesIO(blob), references)
+        unpickler.memo = memo  # type: ignore[attr-defined]  # the same dict, kept as it is
         try:
-            value = _Unpickler(io.BytesIO(blob), references).load()
+            value = unpickler.load()
             if isinstance(value, _FileRecord):
                 value, said = live_objects.reopen(value.record)
                 reopened[name] = said
@@ -312,7 +328,10 @@ def _cell_function(
     return function
 
 
-class _Unpickler(pickle.Unpickler):
+class _Unpickler(pickle._Unpickler):
+    """pickle's Python unpickler, whose memo is a plain dict that can be handed from one name's part
+    to the next (the C unpickler's memo cannot be set safely), with the tagged references."""
+
     def __init__(self, file: io.BytesIO, references: Mapping[str, Any]) -> None:
         super().__init__(file)
         self._references = references

@@ -109,3 +109,22 @@ def test_live_objects_inside_values_are_listed_as_not_kept_with_what_to_do(tmp_p
     assert "an open file" in lost["cfg"] and "open it again after the resume" in lost["cfg"]
     assert "lock is not kept" in lost["lock"] and "socket is not kept" in lost["sock"]
     assert "thread is not kept" in lost["t"]
+
+
+def test_objects_shared_between_names_stay_shared_across_a_failing_name() -> None:
+    """``b = a`` and a loader holding its sampler come back as one object each, even with a name
+    that cannot be kept between them (its part of the stream is cut, the memo put back)."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    data = list(range(10))
+    sampler = RandomSampler(data)
+    loader = DataLoader(data, sampler=sampler, batch_size=2)
+    shared = {"weights": [1.0, 2.0]}
+    ns = {"a": shared, "gen": (i for i in range(2)), "b": shared, "sampler": sampler, "loader": loader}
+    values, _, lost = pickle_namespace(ns, {}, {})
+    assert set(lost) == {"gen"}
+    fresh: dict[str, Any] = {}
+    restored, failed = unpickle_namespace(values, {}, fresh)
+    assert failed == {} and set(restored) == {"a", "b", "sampler", "loader"}
+    assert fresh["a"] is fresh["b"]
+    assert fresh["loader"].sampler is fresh["sampler"]  # set_epoch on one reaches the other
