@@ -116,7 +116,7 @@ def test_no_dashboard_option_shows_none(nb: Any) -> None:
 
 def test_background_run_returns_at_once_and_keeps_updating(nb: Any) -> None:
     started = time.monotonic()
-    run = nb.execute(TRAIN.format(opts=" --bg", steps=150, pause=0.02))
+    run = nb.execute(TRAIN.format(opts=" --bg", steps=300, pause=0.02))  # 6 s: updates to count under load
     returned = time.monotonic()
     assert run.ok, run.outputs
     assert run.elapsed < 1.0
