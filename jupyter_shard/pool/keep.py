@@ -183,6 +183,17 @@ def attach(
     owner = kept.owner
     if owner == os.getpid():
         raise PoolError(f"pool {kept.id} is this kernel's already")
+    # checked before anything is let go (its owner's or this kernel's pool): a pool that cannot answer
+    gone = [pid for pid, started in kept.processes if not _alive(pid, started)]
+    if gone:
+        raise PoolError(
+            f"pool {kept.id} cannot be attached: its process {', '.join(map(str, gone))} has ended; "
+            f"python -m jupyter_shard stop {kept.id} clears it (this kernel's pool is untouched)"
+        )
+    try:
+        spec = kept.spec
+    except ValueError as exc:
+        raise PoolError(f"pool {kept.id}'s record does not read back ({exc}); nothing was changed") from None
     if owner is not None:
         if not take_over:
             raise PoolError(
@@ -191,16 +202,10 @@ def attach(
             )
         _take_over(kept, owner)
     record = kept.record
-    gone = [pid for pid, started in kept.processes if not _alive(pid, started)]
-    if gone:  # checked before this kernel's own pool is let go: a pool that cannot answer leaves it be
-        raise PoolError(
-            f"pool {kept.id} cannot be attached: its process {', '.join(map(str, gone))} has ended; "
-            f"python -m jupyter_shard stop {kept.id} clears it (this kernel's pool is untouched)"
-        )
     if pool is not None and pool.started:
         let_go(pool, say)
-    pool = pool or Pool(spec=kept.spec)
-    pool.spec = kept.spec
+    pool = pool or Pool(spec=spec)
+    pool.spec = spec
     handles = pool.adopt(kept.directory, record)
     for handle, entry in zip(handles, record["ranks"], strict=True):
         rank = RankRecord(handle, Path(entry["log"]))

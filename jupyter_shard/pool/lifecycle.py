@@ -52,16 +52,14 @@ _POOL_DIR_NAME = re.compile(re.escape(DIR_PREFIX) + r"[a-z0-9_]{8}")
 
 
 def runtime_root() -> Path:
-    """Where private pool directories go: $JUPYTER_SHARD_RUNTIME_DIR, else a directory of this user's
-    alone (0700): ``$XDG_RUNTIME_DIR/jupyter_shard`` where the session has one, else
-    ``jupyter_shard-UID`` in the temp directory, made on first use and refused in one line if it is
-    a link or another user's (someone could otherwise plant records there)."""
+    """Where private pool directories go: $JUPYTER_SHARD_RUNTIME_DIR, else ``jupyter_shard-UID`` in
+    the temp directory, this user's alone (0700), made on first use and refused in one line if it is
+    a link or another user's (someone could otherwise plant records there). Not ``$XDG_RUNTIME_DIR``:
+    logind removes it at the user's last logout, under a kept pool a server left running."""
     configured = os.environ.get(RUNTIME_DIR_VAR)
     if configured:
         return Path(configured)
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(xdg) / "jupyter_shard" if xdg and os.path.isdir(xdg) else None
-    root = base or Path(tempfile.gettempdir()) / f"jupyter_shard-{os.getuid()}"
+    root = Path(tempfile.gettempdir()) / f"jupyter_shard-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
         root.mkdir(mode=0o700)
     info = root.lstat()

@@ -32,7 +32,14 @@ from jupyter_shard.pool.keep import let_go
 from jupyter_shard.pool.pool import Pool
 from jupyter_shard.pool.results import DistributedError
 from jupyter_shard.pool.suspend_seal import SEAL, open_manifest, seal
-from jupyter_shard.pool.suspend_target import MANIFEST, claim, fsync_directory, is_suspend, sync_tree
+from jupyter_shard.pool.suspend_target import (
+    MANIFEST,
+    check_again,
+    claim,
+    fsync_directory,
+    is_suspend,
+    sync_tree,
+)
 from jupyter_shard.spec import format_ranks
 
 __all__ = ["DEFAULT_DIRECTORY", "Resumed", "Suspended", "resume", "suspend"]
@@ -153,9 +160,13 @@ def suspend(
             raise
         raise PoolError(_failed("suspend", exc, pool, final)) from exc
     finally:
-        if tmp.is_dir() and not any(tmp.iterdir()):
-            tmp.rmdir()  # while still locked: no other kernel has it yet
-        target.release()
+        try:
+            if tmp.is_dir() and not any(tmp.iterdir()):
+                tmp.rmdir()  # while still locked: no other kernel has it yet
+        except OSError:
+            pass  # left for the next suspend, which empties and reuses it
+        finally:
+            target.release()
     lost: dict[str, str] = {}
     for rank in sorted(reports, reverse=True):
         lost.update(reports[rank]["lost"])
@@ -181,7 +192,7 @@ def resume(
     """Start a pool (``pool``, or a new one) from a suspend, with ``changes`` to its options
     (``{"nproc": 4}``), and load every rank's state into it. A running ``pool`` is let go first
     (a kept one released, any other stopped; ``say`` is told which)."""
-    root = _readable(Path(directory).expanduser().absolute())
+    root = _readable(Path(directory).expanduser().resolve())  # a link the user names is followed
     try:
         manifest = open_manifest(root)  # signed by this user, and no one else could write the tree
     except (OSError, ValueError) as exc:
@@ -321,6 +332,7 @@ def _swap(tmp: Path, final: Path) -> None:
         if not is_suspend(old) or old.is_symlink():
             raise PoolError(f"{old} is in the way of the swap and is not a suspend; move it away")
         shutil.rmtree(old)
+    check_again(final)
     if final.exists():
         final.rename(old)
     tmp.rename(final)

@@ -56,16 +56,30 @@ def claim(final: Path) -> Claim:
     except FileExistsError:
         if tmp.is_symlink() or not tmp.is_dir():
             raise PoolError(f"{tmp} is in the way of the suspend and is not ours; move it away") from None
-    fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:
+        raise PoolError(f"{tmp} cannot be used for the suspend ({exc.strerror}); move it away") from None
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid() or info.st_mode & 0o077:  # planted by someone else: not ours
+            raise PoolError(f"{tmp} is in the way of the suspend and is not this user's alone; move it away")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise PoolError(
+                    f"another kernel is suspending to {final} right now; wait for it to finish, or suspend "
+                    "to another directory"
+                ) from None
+            raise
+        now = os.lstat(tmp) if tmp.exists() or tmp.is_symlink() else None
+        if now is None or (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+            raise PoolError(  # another kernel finished and swapped it away between open and lock
+                f"another kernel just suspended to {final}; run the suspend again"
+            )
+    except BaseException:
         os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise PoolError(
-                f"another kernel is suspending to {final} right now; wait for it to finish, or suspend to "
-                "another directory"
-            ) from None
         raise
     left = _size(tmp)
     if any(tmp.iterdir()):
@@ -79,15 +93,19 @@ def claim(final: Path) -> Claim:
 
 
 def sync_tree(root: Path) -> None:
-    """fsync every file under ``root``, then every directory bottom-up, ``root`` included: what the
-    swap makes visible is on the disk."""
+    """fsync every file under ``root`` (made 0600), then every directory bottom-up (0700), ``root``
+    included: what the swap makes visible is on the disk and this user's alone, whatever the umask
+    the ranks wrote with (DCP makes its files with the umask's modes, and a resume refuses a tree
+    others could write)."""
     for directory, _, files in os.walk(root, topdown=False):
         for name in files:
             fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW)
             try:
+                os.fchmod(fd, 0o600)
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        os.chmod(directory, 0o700)
         fsync_directory(Path(directory))
 
 
@@ -108,6 +126,19 @@ def is_suspend(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(manifest, dict) and "format" in manifest and all(OURS.fullmatch(n) for n in names)
+
+
+def check_again(final: Path) -> None:
+    """Just before the swap: ``final`` is still new, empty or a suspend (the user may have saved
+    files into it while the ranks wrote), so the swap removes nothing of theirs."""
+    if final.exists() and not final.is_symlink() and final.is_dir():
+        names = sorted(os.listdir(final))
+        if names and not is_suspend(final):
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise PoolError(
+                f"{final} now holds files that are not a suspend ({shown}), added while the ranks wrote; "
+                "nothing was replaced: suspend to a new or empty directory"
+            )
 
 
 def _check(final: Path) -> None:

@@ -25,6 +25,8 @@ _REOPEN = {"w": "r+", "w+": "r+", "x": "r+", "x+": "r+", "r": "r", "r+": "r+", "
 
 def not_kept_reason(obj: object) -> str | None:
     """Why ``obj`` cannot be kept by value, or None if it can be pickled as it is."""
+    if isinstance(obj, io.BytesIO | io.StringIO):
+        return None  # in memory: pickled with its content, as it is
     if isinstance(obj, io.IOBase):
         name = getattr(obj, "name", None)
         what = f"an open file ({name})" if isinstance(name, str) else "an open file or pipe"

@@ -211,7 +211,11 @@ def pickle_namespace(
         if isinstance(value, types.ModuleType):
             modules[name] = value.__name__
         else:
-            record = live_objects.file_record(value)  # an open file: reopened where it was, never copied
+            try:  # an open file: reopened where it was, never copied
+                record = live_objects.file_record(value)
+            except OSError as exc:  # a text file read with next(): its position cannot be told
+                lost[name] = f"{_line(exc)}; open it again after the resume"
+                continue
             chosen[name] = _FileRecord(record) if record is not None else value
     while True:
         buffer = io.BytesIO()

@@ -299,8 +299,8 @@ def _create_state(inner: torch.optim.Optimizer, flats: list[tuple[int, torch.Ten
     """Create the optimizer state (lazy in torch's optimizers and DeepSpeed's CPU Adam) without
     changing a weight or the step count: one step at learning rate 0 over zero gradients, each group
     holding its flat partitions for the step (ZeRO-3 empties the groups between steps), then each
-    created state's step count set back to 0. Its moments are zeros, as a first real step finds them,
-    so a suspend before the first step neither takes one nor shifts Adam's bias correction after."""
+    created state's step count set back to 0 and its moments to zeros, as a first real step finds
+    them, so a suspend before the first step neither takes one nor shifts Adam's bias correction."""
     if all(inner.state.get(flat) for _, flat in flats):
         return
     created = [flat for _, flat in flats if not inner.state.get(flat)]
@@ -313,11 +313,13 @@ def _create_state(inner: torch.optim.Optimizer, flats: list[tuple[int, torch.Ten
             inner.param_groups[index]["params"].append(flat)
             flat.grad = torch.zeros_like(flat)
         inner.step()
-        for flat in created:
+        for flat in created:  # as a first real step finds it: no step taken, moments zero
             state = inner.state.get(flat, {})
-            if "step" in state:
-                step = state["step"]
-                state["step"] = torch.zeros_like(step) if isinstance(step, torch.Tensor) else 0
+            for key, value in state.items():
+                if key == "step":
+                    state[key] = torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0
+                elif isinstance(value, torch.Tensor) and value.is_floating_point():
+                    value.zero_()  # weight decay in the gradient (Adam, not AdamW) moved them
     finally:
         for group, (params, lr) in zip(inner.param_groups, saved, strict=True):
             group["params"], group["lr"] = params, lr

@@ -20,10 +20,10 @@ def _dir(path: Path, text: str) -> Path:
 
 
 def test_swap_replaces_the_old_suspend_and_leaves_no_sibling(tmp_path: Path) -> None:
-    final = _dir(tmp_path / "run", "old")
-    tmp = _dir(tmp_path / ".run.suspending", "new")
+    final = _dir(tmp_path / "run", '{"format": 2, "v": "old"}')
+    tmp = _dir(tmp_path / ".run.suspending", '{"format": 2, "v": "new"}')
     module._swap(tmp, final)
-    assert (final / "manifest.json").read_text() == "new"
+    assert (final / "manifest.json").read_text() == '{"format": 2, "v": "new"}'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 

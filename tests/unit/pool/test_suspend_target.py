@@ -113,7 +113,8 @@ def test_a_second_kernel_suspending_to_the_same_directory_is_refused_and_deletes
 
 def test_a_half_written_suspend_of_a_killed_kernel_is_emptied_reused_and_said(tmp_path: Path) -> None:
     left = tmp_path / ".run.suspending"
-    (left / "state").mkdir(parents=True)
+    left.mkdir(mode=0o700)  # as the killed kernel made it
+    (left / "state").mkdir()
     (left / "state" / "__0_0.distcp").write_bytes(b"\0" * (3 << 20))
     held = claim(tmp_path / "run")
     try:
@@ -147,3 +148,34 @@ def test_sync_tree_syncs_every_file_and_directory(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(os, "fsync", counted)
     sync_tree(run)
     assert len(synced) == 6 + 2  # five files and .metadata, then state/ and run/
+
+
+def test_files_added_while_the_ranks_wrote_stop_the_swap(tmp_path: Path) -> None:
+    from jupyter_shard.pool.suspend_target import check_again
+
+    (tmp_path / "run").mkdir()
+    held = claim(tmp_path / "run")  # empty: claimed
+    try:
+        (tmp_path / "run" / "results.csv").write_text("saved meanwhile")
+        with pytest.raises(PoolError, match=r"now holds files that are not a suspend \(results.csv\)"):
+            check_again(tmp_path / "run")
+    finally:
+        held.release()
+    assert (tmp_path / "run" / "results.csv").read_text() == "saved meanwhile"
+
+
+def test_a_temporary_others_can_write_is_never_taken_over(tmp_path: Path) -> None:
+    planted = tmp_path / ".run.suspending"
+    planted.mkdir()
+    planted.chmod(0o777)  # made by someone else in a shared directory, for our ranks to write into
+    with pytest.raises(PoolError, match="is in the way of the suspend and is not this user's alone"):
+        claim(tmp_path / "run")
+
+
+def test_sync_tree_makes_the_tree_private_whatever_the_umask(tmp_path: Path) -> None:
+    run = a_suspend(tmp_path / "run")
+    for path in [run, *run.rglob("*")]:
+        path.chmod(0o775 if path.is_dir() else 0o664)  # what umask 002 gives DCP's files
+    sync_tree(run)
+    assert {oct(p.stat().st_mode & 0o777) for p in [run, *run.rglob("*")] if p.is_dir()} == {"0o700"}
+    assert {oct(p.stat().st_mode & 0o777) for p in run.rglob("*") if p.is_file()} == {"0o600"}

@@ -128,3 +128,24 @@ def test_objects_shared_between_names_stay_shared_across_a_failing_name() -> Non
     assert failed == {} and set(restored) == {"a", "b", "sampler", "loader"}
     assert fresh["a"] is fresh["b"]
     assert fresh["loader"].sampler is fresh["sampler"]  # set_epoch on one reaches the other
+
+
+def test_in_memory_buffers_are_kept_and_a_file_read_by_next_is_named(tmp_path: Path) -> None:
+    import io
+
+    text = tmp_path / "lines.txt"
+    text.write_text("a\nb\n")
+    reading = open(text)  # noqa: SIM115
+    next(reading)  # its position can no longer be told
+    try:
+        ns = {"buf": io.BytesIO(b"abc"), "held": {"s": io.StringIO("x")}, "reading": reading}
+        values, _, lost = pickle_namespace(ns, {}, {})
+    finally:
+        reading.close()
+    assert set(values) == {"buf", "held"}
+    assert (
+        "telling position disabled" in lost["reading"] and "open it again after the resume" in lost["reading"]
+    )
+    fresh: dict[str, Any] = {}
+    unpickle_namespace(values, {}, fresh)
+    assert fresh["buf"].getvalue() == b"abc" and fresh["held"]["s"].getvalue() == "x"
