@@ -21,6 +21,8 @@ import psutil
 import pytest
 
 from jupyter_shard import Pool, PoolError
+from jupyter_shard._util.atomic import write_private
+from jupyter_shard.pool import lifecycle
 from jupyter_shard.pool.output import ConsoleSink
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,7 +76,7 @@ def test_stale_pool_directory_is_cleaned_by_pid_and_start_time(tmp_path: Path) -
     try:
         dead_kernel = subprocess.Popen([sys.executable, "-c", "pass"])
         dead_kernel.wait()
-        stale = Path(tempfile.mkdtemp(prefix="jupyter_shard-"))
+        stale = Path(tempfile.mkdtemp(prefix="jupyter_shard-", dir=lifecycle.runtime_root()))
         record = {
             "kernel": [dead_kernel.pid, 1.0],
             "ranks": [
@@ -82,7 +84,7 @@ def test_stale_pool_directory_is_cleaned_by_pid_and_start_time(tmp_path: Path) -
                 [unrelated.pid, 12345.0],  # pid recorded with another start time: not ours any more
             ],
         }
-        (stale / "pool.json").write_text(json.dumps(record))
+        write_private(stale / "pool.json", json.dumps(record))  # 0600, as a pool writes it
         with Pool(nproc=1, device="cpu", log_dir=tmp_path) as pool:
             assert pool.run("1").value == {"text/plain": "1"}
         assert sleeper.wait(timeout=5) == -9
@@ -188,7 +190,7 @@ def _pool_dir(root: Path, record: object | None, *, age: float = 0.0, files: boo
     """A pool directory as an earlier kernel left it: record, socket and store files, an age."""
     directory = Path(tempfile.mkdtemp(prefix="jupyter_shard-", dir=root))
     if record is not None:
-        (directory / "pool.json").write_text(json.dumps(record))
+        write_private(directory / "pool.json", json.dumps(record))  # 0600, as a pool writes it
     if files:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as left:
             left.bind(str(directory / "pool.sock"))  # a socket file nobody listens on any more
