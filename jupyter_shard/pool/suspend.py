@@ -88,6 +88,8 @@ class Resumed:
     lost: dict[str, str] = field(default_factory=dict)
     prepared: bool = False
     reopened: dict[str, str] = field(default_factory=dict)  # open files reopened, by name (rank 0's)
+    rebuilt: list[str] = field(default_factory=list)  # prepared loaders split again (another world size)
+    differed: list[str] = field(default_factory=list)  # names each suspended rank held its own value of
 
     def summary(self) -> str:
         model = "the prepared model and optimizer and " if self.prepared else ""
@@ -98,9 +100,18 @@ class Resumed:
         if self.world_size != self.saved_world_size:
             lines.append(
                 f"jupyter_shard: suspended at {self.saved_world_size} ranks: the model and optimizer were "
-                "resharded; every rank has rank 0's other names and freshly seeded generators (rebuild "
-                "per-rank data such as a data shard)"
+                "resharded; every rank has rank 0's other names and freshly seeded generators"
             )
+            if self.rebuilt:
+                lines.append(
+                    f"jupyter_shard: {', '.join(self.rebuilt)}: split again over {self.world_size} ranks; "
+                    "the rest of each epoch reads every sample no rank had read, once"
+                )
+            if self.differed:
+                lines.append(
+                    f"jupyter_shard: {', '.join(self.differed)}: each suspended rank held its own value; "
+                    "every rank now holds rank 0's (rebuild them if they were per-rank)"
+                )
         for name, where in sorted(self.reopened.items()):
             lines.append(f"jupyter_shard: reopened {name}: {where}")
         for name, why in sorted(self.lost.items()):
@@ -211,6 +222,14 @@ def resume(
     spec = merge_spec(saved, dict(changes or {}))
     # before the running pool is let go: a suspend that cannot load leaves it be
     _check_parts(root, manifest, digests)
+    saved_world = int(manifest["world_size"])
+    if spec.world_size != saved_world and any(r.get("between_steps") for r in manifest["ranks"].values()):
+        raise PoolError(
+            f"{root} was suspended between micro-steps of a gradient accumulation, whose gradients were "
+            f"summed over {saved_world} ranks' data; resume it at {saved_world} ranks (then suspend after "
+            "a step to change the world size); nothing was changed"
+        )
+    positions = _positions(manifest, saved_world) if spec.world_size != saved_world else None
     began = time.monotonic()
     if pool is None:
         pool = Pool(spec=spec)
@@ -221,7 +240,7 @@ def resume(
     try:
         pool.start()
         load = f"__import__('jupyter_shard.rank.suspend', fromlist=['load']).load({str(root)!r}, "
-        pool.run_own(load + f"{int(manifest['world_size'])}, {digests!r})")
+        pool.run_own(load + f"{saved_world}, {digests!r}, {positions!r})")
         reports = pool.last_values()
     except BaseException as exc:
         pool.shutdown()
@@ -237,13 +256,36 @@ def resume(
     return pool, Resumed(
         directory=root,
         world_size=pool.world_size,
-        saved_world_size=int(manifest["world_size"]),
+        saved_world_size=saved_world,
         seconds=time.monotonic() - began,
         restored=list(first.get("restored", [])),
         lost=lost,
         prepared=bool(manifest["ranks"]["0"].get("prepared")),
         reopened=dict(first.get("reopened", {})),
+        **_per_rank_names(manifest),
     )
+
+
+def _positions(manifest: Mapping[str, Any], world: int) -> dict[str, list[int]]:
+    """Each prepared-loader iterator's samples read on every suspended rank (those all ranks had)."""
+    ranks = [manifest["ranks"].get(str(r), {}).get("loaders", {}) for r in range(world)]
+    keys = set(ranks[0]).intersection(*ranks[1:]) if ranks else set()
+    return {key: [int(r[key]) for r in ranks] for key in sorted(keys)}
+
+
+def _per_rank_names(manifest: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The prepared loaders (split again) and the names whose pickles differed between the suspended
+    ranks (every rank of another world size gets rank 0's)."""
+    ranks = manifest["ranks"]
+    first = ranks["0"]
+    rebuilt = list(first.get("rebuilt", []))
+    digests = [r.get("name_digests", {}) for r in ranks.values()]
+    differed = sorted(
+        name
+        for name, value in first.get("name_digests", {}).items()
+        if name not in rebuilt and any(d.get(name) != value for d in digests)
+    )
+    return {"rebuilt": rebuilt, "differed": differed}
 
 
 def _check_parts(root: Path, manifest: Mapping[str, Any], digests: Mapping[str, str]) -> None:

@@ -3,9 +3,11 @@
 The loader is built again with every argument it was given (its workers, how they start and are
 seeded, collation, pinning, prefetching, timeout, order) and a DistributedSampler in place of its
 sampler: a loader whose dataset touches CUDA needs ``multiprocessing_context="spawn"``, and one
-rebuilt without it forks workers that fail. What a DistributedSampler cannot stand in for is
-refused with what to do instead: an IterableDataset picks its own samples, and a custom sampler or
-batch sampler picks them in a way the DistributedSampler would throw away.
+rebuilt without it forks workers that fail. The rebuilt loader knows where each of its iterators is
+in the epoch, so a suspend keeps that place (:mod:`~jupyter_shard.rank.loader_state`). What a
+DistributedSampler cannot stand in for is refused with what to do instead: an IterableDataset picks
+its own samples, and a custom sampler or batch sampler picks them in a way the DistributedSampler
+would throw away.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from jupyter_shard.rank.loader_state import ShardLoader, ShardSampler
+
 __all__ = ["distributed_loader"]
 
 _LEAVE_OUT = "and leave the loader out of shard.prepare"
@@ -35,10 +39,8 @@ def distributed_loader(loader: DataLoader[Any], rank: int, world_size: int) -> D
     batch_size, drop_last = loader.batch_size, loader.drop_last
     if isinstance(loader.batch_sampler, BatchSampler) and batch_size is None:  # given as batch_sampler
         batch_size, drop_last = loader.batch_sampler.batch_size, loader.batch_sampler.drop_last
-    sampler: DistributedSampler[Any] = DistributedSampler(
-        loader.dataset, num_replicas=world_size, rank=rank, shuffle=isinstance(source, RandomSampler)
-    )
-    return DataLoader(
+    sampler = ShardSampler(loader.dataset, world_size, rank, isinstance(source, RandomSampler))
+    return ShardLoader(
         loader.dataset,
         batch_size=batch_size,
         sampler=sampler,

@@ -24,9 +24,7 @@ from __future__ import annotations
 import importlib
 import io
 import pickle
-import random
 import re
-import sys
 import types
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,13 +33,21 @@ from typing import Any
 import cloudpickle
 import torch
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from jupyter_shard._util.atomic import write_private
 from jupyter_shard._util.digests import check_digest, check_file, digest_bytes, digest_file
-from jupyter_shard.rank import live_objects
+from jupyter_shard.rank import live_objects, training_state
 from jupyter_shard.rank import shard as shard_module
+from jupyter_shard.rank.loader_state import (
+    LoaderIterator,
+    ShardLoader,
+    ShardSampler,
+    live_positions,
+    resharding,
+)
 from jupyter_shard.rank.recipe import Recipe
 
 __all__ = ["load", "save"]
@@ -62,14 +68,19 @@ def save(directory: str) -> dict[str, Any]:
     helper = _helper()
     root = Path(directory)
     model, optimizer = helper.prepared_model, helper.prepared_optimizer
+    grads = training_state.accumulated(helper) if model is not None else None  # refused before any write
     digests: dict[str, str] = {}  # each file this rank wrote, for the signed manifest
+    stateless = False
     if model is not None:
         recipe = helper.recipe
         if helper.rank == 0:
             data = _recipe_bytes(recipe)
             _write(root / RECIPE_FILE, data)
             digests[RECIPE_FILE] = digest_bytes(data)
-        dcp_save(helper.impl.dcp_state(model, optimizer), checkpoint_id=root / STATE_DIR)
+        # an optimizer without state is kept as its hyperparameters (training_state says why)
+        stateless = optimizer is not None and not optimizer.state and helper.impl.dcp_format == "torch"
+        state = helper.impl.dcp_state(model, None if stateless else optimizer)
+        dcp_save(state, checkpoint_id=root / STATE_DIR)
         written = [*(root / STATE_DIR).glob(f"__{helper.rank}_*")]
         written += [root / STATE_DIR / ".metadata"] if helper.rank == 0 else []
         digests |= {f"{STATE_DIR}/{p.name}": digest_file(p) for p in written}
@@ -86,7 +97,10 @@ def save(directory: str) -> dict[str, Any]:
         "values": values,
         "modules": modules,
         "lost": lost,
-        "rng": _rng_state(),
+        "rng": training_state.rng_state(),
+        "scaler": helper.impl.scaler.state_dict() if model is not None and helper.impl.scaler else None,
+        "grads": grads,
+        "groups": training_state.optimizer_groups(optimizer) if stateless and optimizer else None,
     }
     data = pickle.dumps(payload, protocol=5)
     _write(root / NAMESPACE_FILE.format(rank=helper.rank), data)
@@ -99,13 +113,27 @@ def save(directory: str) -> dict[str, Any]:
         "bytes": sum(p.stat().st_size for p in mine if p.is_file()),
         "prepared": model is not None,
         "dcp_format": payload["dcp_format"],
+        "between_steps": bool(grads),
+        "loaders": live_positions(),
+        "rebuilt": sorted(n for n, v in ns.items() if n in values and isinstance(v, _REBUILT)),
+        "name_digests": {name: digest_bytes(blob)[:16] for name, blob in values.items()},
     }
 
 
-def load(directory: str, saved_world_size: int, digests: dict[str, str]) -> dict[str, Any]:
+_REBUILT = (ShardLoader, ShardSampler, LoaderIterator)
+
+
+def load(
+    directory: str,
+    saved_world_size: int,
+    digests: dict[str, str],
+    positions: dict[str, list[int]] | None = None,
+) -> dict[str, Any]:
     """Restore a suspend from ``directory`` into this rank; what came back and what did not.
     ``digests`` are the signed manifest's: nothing is unpickled before every rank has found the
-    files it checks unchanged, and each pickle is loaded from the bytes that were checked."""
+    files it checks unchanged, and each pickle is loaded from the bytes that were checked.
+    ``positions`` (at another world size) are each suspended rank's samples read, by loader iterator:
+    the prepared loaders go on with what no rank had read (:mod:`.loader_state`)."""
     helper = _helper()
     root = Path(directory)
     same = helper.world_size == saved_world_size
@@ -123,7 +151,8 @@ def load(directory: str, saved_world_size: int, digests: dict[str, str]) -> dict
         _prepare_again(helper, root, payload, digests)
     ns, _ = _namespace()
     reopened: dict[str, str] = {}
-    restored, lost = unpickle_namespace(payload["values"], _references(helper), ns, reopened)
+    with resharding(helper.rank, helper.world_size, None if same else (positions or {})):
+        restored, lost = unpickle_namespace(payload["values"], _references(helper), ns, reopened)
     for name, module in payload["modules"].items():
         try:
             ns[name] = importlib.import_module(module)
@@ -132,7 +161,7 @@ def load(directory: str, saved_world_size: int, digests: dict[str, str]) -> dict
         else:
             restored.append(name)
     if same:
-        _set_rng_state(payload["rng"])
+        training_state.set_rng_state(payload["rng"])
     return {"restored": sorted(restored), "lost": lost, "namespace_of_rank": source, "reopened": reopened}
 
 
@@ -179,11 +208,17 @@ def _prepare_again(
             f"--strategy {payload['strategy']} and the options it was suspended with"
             + (" (ddp and fsdp read each other's)" if saved == "torch" else "")
         )
-    state = helper.impl.dcp_state(wrapped, new_optimizer)
+    groups = payload.get("groups")
+    optimizer_kept = None if groups is not None else new_optimizer  # saved without state: none loaded
+    state = helper.impl.dcp_state(wrapped, optimizer_kept)
+    if optimizer_kept is not None and wanted == "torch":
+        keys = FileSystemReader(root / STATE_DIR).read_metadata().state_dict_metadata
+        training_state.keep_saved_state(state, keys)
     dcp_load(state, checkpoint_id=root / STATE_DIR)
-    helper.impl.load_dcp_state(wrapped, new_optimizer, state)
-    step, micro = payload["progress"]
-    helper.progress = (int(step), int(micro))
+    helper.impl.load_dcp_state(wrapped, optimizer_kept, state)
+    if groups is not None and new_optimizer is not None:
+        training_state.set_groups(new_optimizer, groups)
+    training_state.restore(helper, wrapped, payload)
 
 
 # -- the namespace -------------------------------------------------------------------------------
@@ -387,27 +422,6 @@ def _recipe_bytes(recipe: Recipe | None) -> bytes:
         return bytes(cloudpickle.dumps(recipe, protocol=5))
     except Exception as exc:
         raise RuntimeError(f"the prepared model's architecture cannot be pickled ({_line(exc)})") from None
-
-
-# -- random generators ---------------------------------------------------------------------------
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if "numpy" in sys.modules:
-        state["numpy"] = sys.modules["numpy"].random.get_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "numpy" in state:
-        importlib.import_module("numpy").random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 # -- files ---------------------------------------------------------------------------------------
