@@ -11,7 +11,10 @@ extension and runs a seeded random mix of cells on a CPU pool:
 and, from a shuffled deck so that a short run meets every kind, these faults: a rank calls
 ``os._exit(3)``; a rank is SIGKILLed (mid-cell or between cells); one rank raises while the others
 enter a collective; ``km.interrupt_kernel()`` during a sleeping cell or while one rank sits in a
-collective; ``%dist_restart``. Each fault cell must fail the way RELIABILITY.md says (the message
+collective; ``%dist_restart``; ``%dist_suspend`` and ``%dist_resume`` at the same world size, and at
+one rank more (then back); a rank SIGKILLed while the pool suspends (the suspend fails in one line
+and the earlier suspend in the directory stays whole, or it finished first and is resumed). Each
+fault cell must fail the way RELIABILITY.md says (the message
 names the rank and the cause) and the pool must then recover: the next ``compute`` cell succeeds,
 after ``%dist_restart`` where the product asks for one.
 
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     log_dir = tempfile.mkdtemp(prefix="jupyter_shard-soak-")
     kernel = Kernel(log_dir)
-    soak = Soak(kernel, rng, args.nproc)
+    soak = Soak(kernel, rng, args.nproc, suspend_dir=f"{log_dir}/suspended", base_nproc=args.nproc)
     started = time.monotonic()
     watch = LoadWatch().start()
     orphans: list[str] = []

@@ -20,7 +20,17 @@ from benchmarks.common.kernel import start_kernel
 
 SLOW = 5.0  # back to a working cell within 5 s of the failing cell's end
 CELL_LIMIT = 120.0  # a cell still running after this is a hang: interrupted, then given up on
-FAULTS = ("exit", "sigkill", "raise", "interrupt", "interrupt_collective", "restart")
+FAULTS = (
+    "exit",
+    "sigkill",
+    "raise",
+    "interrupt",
+    "interrupt_collective",
+    "restart",
+    "suspend_resume",
+    "resume_resized",
+    "kill_mid_suspend",
+)
 STATE_LOST = "rank state is lost"  # every restart notice of the product says this
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -157,6 +167,8 @@ class Soak:
     kernel: Kernel
     rng: random.Random
     nproc: int
+    suspend_dir: str = ""  # where the suspend faults write (one directory, replaced each time)
+    base_nproc: int = 0  # the world size the soak began with; a resized resume goes one above and back
     cells: int = 0
     counter: int | None = None  # rank 0's counter as it should be; None before the first compute
     may_lose: bool = True  # a restart was announced since the last compute check
@@ -344,6 +356,49 @@ class Soak:
         cell = self.run("%dist_restart")
         if not cell.ok or STATE_LOST not in cell.text:
             self.fail("%dist_restart did not say that rank state is lost", cell)
+        return cell
+
+    def _fault_suspend_resume(self, rank: int) -> Cell:
+        """Suspend and resume at the same world size: the counter goes on (the compute check)."""
+        return self._suspend_and_resume(self.nproc)
+
+    def _fault_resume_resized(self, rank: int) -> Cell:
+        """Resume at another world size: every rank goes on from rank 0's counter."""
+        new = self.base_nproc + 1 if self.nproc == self.base_nproc else self.base_nproc
+        return self._suspend_and_resume(new)
+
+    def _suspend_and_resume(self, nproc: int) -> Cell:
+        self.rank_pids()
+        cell = self.run(f"%dist_suspend {self.suspend_dir}")
+        if not cell.ok or "suspended" not in cell.stdout:
+            self.fail("%dist_suspend failed", cell)
+            return cell
+        cell = self.run(f"%dist_resume {self.suspend_dir} --nproc {nproc}")
+        if not cell.ok or f"on {nproc} ranks" not in cell.stdout:
+            self.fail("%dist_resume failed", cell)
+            return cell
+        self.nproc = nproc
+        return cell
+
+    def _fault_kill_mid_suspend(self, rank: int) -> Cell:
+        """A rank SIGKILLed while the pool suspends: either the suspend finished first (then it is
+        resumed) or it fails in one line naming the dead rank, and an earlier suspend in the
+        directory is still whole."""
+        pid = self.rank_pids()[rank]
+        earlier = os.path.isfile(os.path.join(self.suspend_dir, "manifest.json"))
+        cell = self.run(
+            f"%dist_suspend {self.suspend_dir}",
+            lambda: os.kill(pid, signal.SIGKILL),
+            at=self.rng.uniform(0, 0.3),
+        )
+        if cell.ok:
+            resumed = self.run(f"%dist_resume {self.suspend_dir}")
+            if not resumed.ok:
+                self.fail("%dist_resume after a suspend that beat the kill failed", resumed)
+            return cell
+        self._expect_failure(cell, "kill_mid_suspend", ["the suspend failed", f"rank {rank}"], 30.0)
+        if earlier and not os.path.isfile(os.path.join(self.suspend_dir, "manifest.json")):
+            self.lost.append(f"cell {self.cells}: the earlier suspend in {self.suspend_dir} is gone")
         return cell
 
     def recover(self) -> bool:

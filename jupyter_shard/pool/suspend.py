@@ -17,9 +17,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from jupyter_shard._util.digests import check_digest, check_file, digest_bytes
 from jupyter_shard.errors import PoolError
 from jupyter_shard.launchers import merge_spec
 from jupyter_shard.launchers.spec_record import from_record, to_record
+from jupyter_shard.pool.disk_progress import DiskProgress, bytes_read, bytes_written
 from jupyter_shard.pool.keep import let_go
 from jupyter_shard.pool.pool import Pool
 from jupyter_shard.pool.results import DistributedError
@@ -138,7 +141,8 @@ def suspend(
         say(note)
     tmp = target.tmp
     try:
-        pool.run_own(f"__import__('jupyter_shard.rank.suspend', fromlist=['save']).save({str(tmp)!r})")
+        with DiskProgress("suspending", "written", partial(bytes_written, tmp)):
+            pool.run_own(f"__import__('jupyter_shard.rank.suspend', fromlist=['save']).save({str(tmp)!r})")
         reports = pool.last_values()
         missing = sorted(set(range(pool.world_size)) - set(reports))
         if missing:
@@ -240,7 +244,9 @@ def resume(
     try:
         pool.start()
         load = f"__import__('jupyter_shard.rank.suspend', fromlist=['load']).load({str(root)!r}, "
-        pool.run_own(load + f"{saved_world}, {digests!r}, {positions!r})")
+        total = sum(int(part.get("bytes", 0)) for part in manifest["ranks"].values())
+        with DiskProgress("resuming", "read", bytes_read(_local_pids(pool)), total):
+            pool.run_own(load + f"{saved_world}, {digests!r}, {positions!r})")
         reports = pool.last_values()
     except BaseException as exc:
         pool.shutdown()
@@ -264,6 +270,12 @@ def resume(
         reopened=dict(first.get("reopened", {})),
         **_per_rank_names(manifest),
     )
+
+
+def _local_pids(pool: Pool) -> dict[int, int]:
+    """Rank -> pid of the ranks on this host (their reads can be counted)."""
+    here = socket.gethostname()
+    return {r.rank: r.handle.pid for r in pool.ranks if r.handle.pid and r.handle.host == here}
 
 
 def _positions(manifest: Mapping[str, Any], world: int) -> dict[str, list[int]]:

@@ -41,6 +41,7 @@ from jupyter_shard._util.atomic import write_private
 from jupyter_shard._util.digests import check_digest, check_file, digest_bytes, digest_file
 from jupyter_shard.rank import live_objects, training_state
 from jupyter_shard.rank import shard as shard_module
+from jupyter_shard.rank.fingerprint import fingerprints
 from jupyter_shard.rank.loader_state import (
     LoaderIterator,
     ShardLoader,
@@ -116,7 +117,9 @@ def save(directory: str) -> dict[str, Any]:
         "between_steps": bool(grads),
         "loaders": live_positions(),
         "rebuilt": sorted(n for n, v in ns.items() if n in values and isinstance(v, _REBUILT)),
-        "name_digests": {name: digest_bytes(blob)[:16] for name, blob in values.items()},
+        "name_digests": fingerprints(
+            {n: ns[n] for n in values if n in ns}, _reference_ids(helper), ns, _REBUILT
+        ),
     }
 
 
@@ -397,6 +400,10 @@ def _references(helper: shard_module.Shard) -> dict[str, Any]:
     if optimizer is not None:
         refs["optimizer"] = optimizer
     return refs
+
+
+def _reference_ids(helper: shard_module.Shard) -> dict[int, str]:
+    return {id(obj): tag for tag, obj in _references(helper).items()}
 
 
 def _namespace() -> tuple[dict[str, Any], dict[str, Any]]:
