@@ -337,7 +337,9 @@ def _check_parts(root: Path, manifest: Mapping[str, Any], digests: Mapping[str, 
 
 
 def _restore_history(pool: Pool, records: list[dict[str, Any]]) -> None:
-    """The dashboard's history carries on from where the suspended pool left it."""
+    """The dashboard's history carries on from where the suspended pool left it (in place of what
+    a reused pool object held: the suspend's history already has it)."""
+    pool.history.clear()
     for record in records:
         values = {k: v for k, v in record.items() if k not in ("rank", "step", "time")}
         pool.history.extend(
@@ -362,6 +364,8 @@ def _failed(what: str, exc: BaseException, pool: Pool, final: Path) -> str:
 def _cause(exc: BaseException) -> str:
     if isinstance(exc, DistributedError) and exc.failures:
         failure = exc.failures[0]
+        if all(f.ename == "KeyboardInterrupt" for f in exc.failures):
+            return "stopped by Ctrl-C"
         text = f"{failure.ename}: {failure.evalue}" if failure.status != "dead" else failure.evalue
         return f"rank {failure.rank}: {text.strip().splitlines()[0] if text.strip() else failure.ename}"
     lines = str(exc).strip().splitlines()

@@ -243,3 +243,43 @@ def test_an_altered_tensor_file_is_found_by_the_ranks_before_any_loads(tmp_path:
     message = str(refused.value)
     assert len(message.splitlines()) == 1
     assert f"state/{shard.name} of this suspend does not match its signed manifest" in message
+
+
+SLOW_TO_PICKLE = """
+import time
+class Slow:
+    def __reduce__(self):
+        time.sleep(60)
+        return (int, ())
+slow = Slow()
+"""
+
+
+def test_f22_ctrl_c_stops_a_long_suspend_with_its_live_line_and_keeps_the_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A suspend still pickling after 3 s shows its live line; Ctrl-C (SIGINT to the kernel) stops
+    it in one line, leaves no temporary directory and the ranks with their state."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from jupyter_shard.pool import disk_progress
+
+    monkeypatch.setattr(disk_progress, "QUIET_FOR", 1.0)
+    directory = tmp_path / "run"
+    with _pool(2) as pool:
+        pool.run(SETUP + SLOW_TO_PICKLE)
+        timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        began = time.monotonic()
+        with pytest.raises(
+            PoolError, match=r"^the suspend failed: stopped by Ctrl-C; the ranks keep running"
+        ):
+            suspend(pool, directory)
+        assert time.monotonic() - began < 30
+        assert "suspending: " in capsys.readouterr().err
+        assert list(tmp_path.iterdir()) == []
+        pool.run("del slow")
+        assert pool.run("kept + 1").value == {"text/plain": "42"}

@@ -29,7 +29,9 @@ def _dataset(n: int) -> TensorDataset:
     return TensorDataset(torch.arange(n))
 
 
-def _loader(n: int, rank: int, world: int, *, shuffle: bool = True, batch: int = 3, drop: bool = False) -> Any:
+def _loader(
+    n: int, rank: int, world: int, *, shuffle: bool = True, batch: int = 3, drop: bool = False
+) -> Any:
     source = DataLoader(_dataset(n), batch_size=batch, shuffle=shuffle, drop_last=drop)
     return distributed_loader(source, rank, world)
 
