@@ -120,6 +120,14 @@ class AdoptedRank(_SessionLeader):
     def exit_reason(self, code: int) -> str:
         return "ended (its exit status is unknown to a kernel that attached to it)"
 
+    def kill_tree(self) -> None:
+        """Its process group, only while no other process has its pid: the rank itself, or none (then
+        only the rank's own group, whose id Linux does not give out while it has members)."""
+        now = started_at(self.pid)
+        if now is not None and self._started not in (None, now):
+            return  # the pid was given to another process: nothing of the rank's is left to kill
+        super().kill_tree()
+
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):

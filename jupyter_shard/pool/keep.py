@@ -27,6 +27,7 @@ from typing import Any
 
 from jupyter_shard._util.atomic import write_private
 from jupyter_shard._util.private_files import read_private_json
+from jupyter_shard._util.record_lock import RecordBusy, record_lock
 from jupyter_shard.errors import PoolError, SpecError
 from jupyter_shard.launchers import get_launcher
 from jupyter_shard.launchers.base import KEPT_RECORD, started_at
@@ -178,22 +179,12 @@ def attach(
 ) -> Pool:
     """Make a kept pool this process's: its ranks, namespaces, prepared model and process group.
 
-    ``pool``, if given, becomes it; if it runs, it is let go first (:func:`let_go`, told to ``say``)."""
+    ``pool``, if given, becomes it; if it runs, it is let go first (:func:`let_go`, told to ``say``).
+    The record is changed under its lock (:mod:`~jupyter_shard._util.record_lock`): of two kernels
+    attaching at once one gets the pool and the other a refusal naming it."""
     kept = find(pool_id)
+    _check_attachable(kept)
     owner = kept.owner
-    if owner == os.getpid():
-        raise PoolError(f"pool {kept.id} is this kernel's already")
-    # checked before anything is let go (its owner's or this kernel's pool): a pool that cannot answer
-    gone = [pid for pid, started in kept.processes if not _alive(pid, started)]
-    if gone:
-        raise PoolError(
-            f"pool {kept.id} cannot be attached: its process {', '.join(map(str, gone))} has ended; "
-            f"python -m jupyter_shard stop {kept.id} clears it (this kernel's pool is untouched)"
-        )
-    try:
-        spec = kept.spec
-    except ValueError as exc:
-        raise PoolError(f"pool {kept.id}'s record does not read back ({exc}); nothing was changed") from None
     if owner is not None:
         if not take_over:
             raise PoolError(
@@ -201,7 +192,50 @@ def attach(
                 f"%dist_attach {kept.id} --take-over makes it this kernel's"
             )
         _take_over(kept, owner)
-    record = kept.record
+    try:
+        with record_lock(kept.directory):
+            kept = _read_again(kept)  # as it is now that no one else can change it
+            _check_attachable(kept)
+            if kept.owner is not None:
+                raise PoolError(
+                    f"pool {kept.id} was attached by kernel pid {kept.owner} a moment ago; "
+                    f"%dist_attach {kept.id} --take-over makes it this kernel's"
+                )
+            return _adopt(kept, pool, say)
+    except RecordBusy:
+        raise PoolError(
+            f"pool {kept.id} is being attached by another kernel; %dist_pools shows which, in a moment"
+        ) from None
+
+
+def _check_attachable(kept: KeptPool) -> None:
+    """Refused before anything is let go: this kernel's already, a process gone, an unreadable spec."""
+    if kept.owner == os.getpid():
+        raise PoolError(f"pool {kept.id} is this kernel's already")
+    gone = [pid for pid, started in kept.processes if not _alive(pid, started)]
+    if gone:
+        raise PoolError(
+            f"pool {kept.id} cannot be attached: its process {', '.join(map(str, gone))} has ended; "
+            f"python -m jupyter_shard stop {kept.id} clears it (this kernel's pool is untouched)"
+        )
+    try:
+        kept.spec  # noqa: B018  (read to check it)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PoolError(f"pool {kept.id}'s record does not read back ({exc}); nothing was changed") from None
+
+
+def _read_again(kept: KeptPool) -> KeptPool:
+    try:
+        return KeptPool(kept.id, kept.directory, read_private_json(kept.directory / KEPT_RECORD))
+    except (OSError, ValueError) as exc:
+        raise PoolError(
+            f"pool {kept.id} ended while attaching ({exc}); %dist_pools lists the others"
+        ) from None
+
+
+def _adopt(kept: KeptPool, pool: Pool | None, say: Callable[[str], None]) -> Pool:
+    """Bind the kept pool's socket in this process and wait for its ranks (under the record's lock)."""
+    record, spec = kept.record, kept.spec
     if pool is not None and pool.started:
         let_go(pool, say)
     pool = pool or Pool(spec=spec)
@@ -251,17 +285,34 @@ def stop(pool_id: str, force: bool = False) -> str:
 
 
 def _take_over(kept: KeptPool, owner: int) -> None:
-    """Ask the owning kernel to let go (it reads the record), and wait until it has."""
+    """Ask the owning kernel to let go (it reads the record), and wait until it has. If it does not
+    within :data:`RELEASE_WAIT` (a cell runs there), the request is withdrawn, so that the owner
+    does not let go later for a kernel that gave up."""
     path = kept.directory / KEPT_RECORD
-    data = dict(kept.record, take_over=[os.getpid(), started_at(os.getpid())])
-    write_private(path, json.dumps(data))
+    me = [os.getpid(), started_at(os.getpid())]
+    with record_lock(kept.directory):
+        write_private(path, json.dumps(dict(read_private_json(path), take_over=me)))
     deadline = time.monotonic() + RELEASE_WAIT
     while time.monotonic() < deadline:
-        current = read_private_json(path)
-        if not current.get("owner") or not _alive(int(current["owner"][0]), current["owner"][1]):
+        if _nobody_holds(path):
             return
         time.sleep(0.05)
-    raise PoolError(f"kernel pid {owner} did not let go of pool {kept.id} within {RELEASE_WAIT:.0f} s")
+    with record_lock(kept.directory):
+        current = read_private_json(path)
+        if _nobody_holds(path):
+            return  # it let go as the wait ran out
+        if current.get("take_over") == me:
+            write_private(path, json.dumps({k: v for k, v in current.items() if k != "take_over"}))
+    raise PoolError(
+        f"kernel pid {owner} did not let go of pool {kept.id} within {RELEASE_WAIT:.0f} s (a cell runs "
+        "there); the request was withdrawn and the pool stays that kernel's; try again when its cell ends"
+    )
+
+
+def _nobody_holds(path: Path) -> bool:
+    """Whether the record names no living kernel."""
+    current = read_private_json(path)
+    return not current.get("owner") or not _alive(int(current["owner"][0]), current["owner"][1])
 
 
 def _wait_connected(pool: Pool) -> dict[int, dict[str, Any]]:

@@ -11,6 +11,7 @@ gone, killing their recorded ranks only when pid *and* start time still match - 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -31,6 +32,7 @@ import zmq
 from jupyter_shard._util.atomic import write_private
 from jupyter_shard._util.net import free_port
 from jupyter_shard._util.private_files import read_private_json
+from jupyter_shard._util.record_lock import record_lock
 from jupyter_shard.env import LOG_DIR_VAR, RUNTIME_DIR_VAR, START_TIMEOUT_VAR
 from jupyter_shard.errors import PoolError
 from jupyter_shard.launchers import Launcher, get_launcher
@@ -376,8 +378,17 @@ class Lifecycle:
             sock.close(linger=0)
             self.directory = None
             self.teardown()
-            raise PoolError(f"cannot bind the kept pool's socket {self.address}: {exc}") from None
+            taken = "tcp://" in self.address and exc.errno == errno.EADDRINUSE
+            why = (
+                "another program took its port while no kernel held the pool; free the port (ss -ltnp "
+                "shows who holds it) and attach again, or end the pool: python -m jupyter_shard stop "
+                + directory.name.removeprefix(DIR_PREFIX)
+                if taken
+                else str(exc)
+            )
+            raise PoolError(f"cannot bind the kept pool's socket {self.address}: {why}") from None
         self.conn.attach(sock, Wire(self.key, KERNEL))
+        _own_pool_record(directory)
         return handles
 
     def teardown(self) -> None:
@@ -418,15 +429,28 @@ def _rank_entry(r: RankRecord, here: bool) -> dict[str, object]:
     }
 
 
+def _own_pool_record(directory: Path) -> None:
+    """``pool.json`` names this kernel from now: the stale-pool clean-up of another kernel, finding
+    the first kernel dead, would otherwise kill the ranks of a pool this kernel attached to once its
+    kept record is gone (``--keep 0``)."""
+    try:
+        record = read_private_json(directory / "pool.json")
+    except (OSError, ValueError):
+        return
+    record["kernel"] = [os.getpid(), started_at(os.getpid())]
+    write_private(directory / "pool.json", json.dumps(record))
+
+
 def _let_go_of(path: Path) -> None:
     """The record of a kept pool this process lets go of names no kernel, from now (its lease starts)."""
     try:
-        data = read_private_json(path)
+        with record_lock(path.parent, wait=5.0):
+            data = read_private_json(path)
+            if data.get("owner") and data["owner"][0] == os.getpid():
+                data["owner"], data["orphaned_at"] = None, time.time()
+                write_private(path, json.dumps(data))
     except (OSError, ValueError):
         return
-    if data.get("owner") and data["owner"][0] == os.getpid():
-        data["owner"], data["orphaned_at"] = None, time.time()
-        write_private(path, json.dumps(data))
 
 
 def _watch_take_over(path: Path, let_go: Callable[[str], bool]) -> None:

@@ -29,9 +29,11 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import zmq
 
 from jupyter_shard._util.atomic import write_private
+from jupyter_shard._util.record_lock import record_lock
 
 __all__ = ["LEASE", "Lease", "set_lease", "watch_kernel", "watch_owner"]
 
@@ -145,11 +147,36 @@ def _kernel_went(rank: int) -> None:
     if rank != 0 or record is None or seconds <= 0 or not record.exists():
         return  # (on another machine than the kernel's, the tether of node 0's agent notes it)
     try:
-        data = json.loads(record.read_text())
-        data["orphaned_at"], data["owner"] = time.time(), None
-        write_private(record, json.dumps(data))
+        with record_lock(record.parent, wait=5.0):  # attaching kernels change it under the same lock
+            data = json.loads(record.read_text())
+            data["orphaned_at"], data["owner"] = time.time(), None
+            write_private(record, json.dumps(data))
     except (OSError, ValueError) as exc:
         print(f"jupyter_shard: could not note the kernel's end in {record}: {exc}", file=sys.__stderr__)
+
+
+def _end_peers(record: Path) -> None:
+    """Rank 0, ending a kept pool whose lease ran out, ends the other ranks the record names on this
+    machine (by pid and start time): one stopped by SIGSTOP or a SLURM suspend cannot end itself,
+    and once the record is gone nothing would find it."""
+    try:
+        ranks = json.loads(record.read_text())["ranks"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    for entry in ranks:
+        try:
+            pid, started = int(entry["pid"]), entry.get("started")
+            if pid == os.getpid() or started is None:
+                continue
+            process = psutil.Process(pid)
+            if abs(process.create_time() - float(started)) > 1e-6:
+                continue  # the pid names another process now
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)  # its workers too; SIGKILL ends a stopped process
+            else:
+                os.kill(pid, signal.SIGKILL)
+        except (psutil.Error, OSError, KeyError, TypeError, ValueError):
+            continue
 
 
 def _end(rank: int, record: Path | None, why: str, kept: bool = True) -> None:
@@ -159,6 +186,7 @@ def _end(rank: int, record: Path | None, why: str, kept: bool = True) -> None:
         ran_out = " ran out" if kept else ""
         print(f"jupyter_shard: ending this rank: {why}{ran_out}", file=sys.__stderr__, flush=True)
     if rank == 0 and record is not None:
+        _end_peers(record)
         shutil.rmtree(record.parent, ignore_errors=True)
     if os.getpgrp() == os.getpid():
         os.killpg(os.getpid(), signal.SIGKILL)

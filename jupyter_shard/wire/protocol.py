@@ -226,7 +226,11 @@ class Wire:
         self.rejected = 0
         self._record = os.environ.get(CHECK_PROTOCOL_VAR) or None
 
-    def encode(self, msg_type: str, body: Mapping[str, Any], buffers: Sequence[bytes] = ()) -> list[bytes]:
+    def encode(
+        self, msg_type: str, body: Mapping[str, Any], buffers: Sequence[bytes] = (), to: str | None = None
+    ) -> list[bytes]:
+        """Sign a message for ``to``: ranks as ``"0-3,5"`` (the kernel's default ``"*"``: every rank),
+        or ``"kernel"`` (a rank's default). A rank refuses a message not meant for it."""
         if self._record is not None:
             _check_and_record(self._record, self.sender, msg_type, body)
         header = {
@@ -234,6 +238,7 @@ class Wire:
             "type": msg_type,
             "seq": next(self._seq),
             "sender": self.sender,
+            "to": to if to is not None else ("*" if self.sender == KERNEL else KERNEL),
             "ts": time.time(),
         }
         parts = [
@@ -251,9 +256,11 @@ class Wire:
             self.rejected += 1
             raise
 
-    def to_socket(self, msg_type: str, body: Mapping[str, Any], buffers: Sequence[bytes] = ()) -> list[bytes]:
+    def to_socket(
+        self, msg_type: str, body: Mapping[str, Any], buffers: Sequence[bytes] = (), to: str | None = None
+    ) -> list[bytes]:
         """:meth:`encode`, as the frames a socket sends (:func:`pack`)."""
-        return pack(self.encode(msg_type, body, buffers))
+        return pack(self.encode(msg_type, body, buffers, to))
 
     def from_socket(self, frames: Sequence[bytes | memoryview], expect_sender: str | None = None) -> Message:
         """:meth:`decode` of frames received from a socket (:func:`unpack`)."""
@@ -296,6 +303,10 @@ class Wire:
             raise ProtocolError(f"signed message has an unknown type or bad header: {msg_type!r}")
         if expect_sender is not None and sender != expect_sender:
             raise ProtocolError(f"message claims sender {sender!r} on the socket of {expect_sender!r}")
+        if not _meant_for(self.sender, header.get("to")):
+            raise ProtocolError(
+                f"a message from {sender!r} meant for {header.get('to')!r}, not {self.sender!r}"
+            )
         if seq <= self._last_seen.get(sender, -1):
             raise ProtocolError(f"replayed or reordered message from {sender!r}")
         self._last_seen[sender] = seq
@@ -314,6 +325,37 @@ def _check_and_record(path: str, sender: str, msg_type: str, body: Mapping[str, 
         os.close(fd)
     if problems:
         raise ProtocolError(f"{sender} sent a {msg_type!r} body the registry does not declare: {problems}")
+
+
+def recipients(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 3, 5]`` -> ``"0-3,5"``: the ranks a kernel message is meant for."""
+    parts: list[str] = []
+    ordered = sorted(set(ranks))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    text = ",".join(parts)
+    return text if len(text) <= MAX_HEADER // 2 else "*"  # very scattered ranks: meant for all
+
+
+def _meant_for(me: str, to: object) -> bool:
+    """Whether the endpoint ``me`` may accept a message whose header says ``to``."""
+    rank, _ = parse_identity(me.encode())
+    if rank < 0:
+        return True  # the kernel (which checks each sender against its socket), a tool or a test
+    if to == "*":
+        return True
+    if not isinstance(to, str) or to == KERNEL:
+        return False
+    for part in to.split(","):
+        low, _, high = part.partition("-")
+        if low.isdigit() and (high or low).isdigit() and int(low) <= rank <= int(high or low):
+            return True
+    return False
 
 
 def rank_identity(rank: int) -> str:

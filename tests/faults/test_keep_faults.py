@@ -114,3 +114,125 @@ def test_f21_attaching_a_pool_that_lost_a_rank_leaves_the_running_pool_alone(run
     for pool in kept_pools():
         subprocess.run([sys.executable, "-m", "jupyter_shard", "stop", pool.id, "--force"], timeout=60)
     wait_gone(pids, within=10.0)
+
+
+# A kernel attaching at a given moment (two of them race), saying how it went.
+ATTACH_AT = """
+import sys, time
+from jupyter_shard import PoolError
+from jupyter_shard.pool.keep import attach
+time.sleep(max(0.0, float(sys.argv[1]) - time.time()))
+try:
+    pool = attach()
+except PoolError as exc:
+    print("REFUSED", exc, flush=True)
+else:
+    print("ATTACHED", pool.run("kept + 1").value["text/plain"], flush=True)
+    pool.release()
+"""
+
+
+def test_f21_two_kernels_attaching_at_once_get_one_owner_and_one_refusal(runtime: Path) -> None:
+    pids, _ = _killed_driver(2, keep=60.0)
+    env = {**os.environ, RUNTIME_DIR_VAR: str(runtime)}
+    at = str(time.time() + 3.0)
+    racers = [
+        subprocess.Popen([sys.executable, "-c", ATTACH_AT, at], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    said = sorted(proc.communicate(timeout=90)[0].strip() for proc in racers)
+    assert said[0] == "ATTACHED 42", said
+    assert said[1].startswith("REFUSED pool ") and (
+        "was attached by kernel pid" in said[1] or "is attached to kernel pid" in said[1]
+    ), said
+    assert alive(pids) == pids
+    pool = attach()  # both let go: the pool is whole for the next kernel
+    try:
+        assert pool.run("kept + 1").value == {"text/plain": "42"}
+    finally:
+        pool.shutdown()
+
+
+TAKE_OVER = """
+from jupyter_shard import PoolError
+from jupyter_shard.pool.keep import attach
+try:
+    attach(None, True)
+except PoolError as exc:
+    print("REFUSED", exc, flush=True)
+"""
+
+
+def test_f21_a_take_over_that_times_out_is_withdrawn(runtime: Path) -> None:
+    """The owner runs a cell longer than the take-over waits: the request is withdrawn, and when the
+    cell ends the owner keeps its pool (it used to let go then, for a kernel that had given up)."""
+    from jupyter_shard import Pool
+
+    env = {**os.environ, RUNTIME_DIR_VAR: str(runtime)}
+    with Pool(nproc=2, device="cpu", strategy="ddp", keep=60.0) as pool:
+        pool.run("import time\nkept = 41")
+        run = pool.run_background("time.sleep(8)")
+        done = subprocess.run(
+            [sys.executable, "-c", TAKE_OVER], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert "REFUSED" in done.stdout and "the request was withdrawn" in done.stdout, (
+            done.stdout + done.stderr
+        )
+        record = json.loads((pool.directory / "kept.json").read_text())  # type: ignore[operator]
+        assert "take_over" not in record and record["owner"][0] == os.getpid()
+        while run.running:
+            time.sleep(0.1)
+        time.sleep(1.0)  # the owner's watcher looks every 0.1 s
+        assert pool.started and pool.run("kept + 1").value == {"text/plain": "42"}
+        assert json.loads((pool.directory / "kept.json").read_text())["owner"][0] == os.getpid()  # type: ignore[operator]
+
+
+def test_f21_an_attached_pool_set_to_keep_0_is_not_taken_for_a_dead_kernels(runtime: Path) -> None:
+    """Attached, then ``--keep 0``: another kernel's stale-pool clean-up finds the attaching kernel in
+    pool.json, alive, and leaves the ranks be (it used to find the first, dead kernel and kill them)."""
+    from jupyter_shard.pool.lifecycle import clean_stale_pools
+
+    pids, directory = _killed_driver(2, keep=60.0)
+    pool = attach()
+    try:
+        pool.keep = 0  # as %%distributed --keep 0 sets it
+        assert not (directory / "kept.json").exists()
+        assert json.loads((directory / "pool.json").read_text())["kernel"][0] == os.getpid()
+        assert directory not in clean_stale_pools()
+        assert alive(pids) == pids and pool.run("kept + 1").value == {"text/plain": "42"}
+    finally:
+        pool.shutdown()
+    wait_gone(pids, within=5.0)
+
+
+def test_f21_a_stopped_rank_still_ends_with_the_lease(runtime: Path) -> None:
+    """A rank stopped (SIGSTOP, as a SLURM suspend does) cannot end itself at lease end: rank 0 ends
+    it before it removes the record, so no process is left that nothing can find."""
+    import signal
+
+    pids, directory = _killed_driver(3, keep=2.0)
+    os.kill(pids[2], signal.SIGSTOP)
+    wait_gone(pids, within=8.0)
+    assert not directory.exists()
+
+
+def test_f21_killing_an_adopted_rank_never_kills_a_process_that_took_its_pid() -> None:
+    """The pid now names another process (another start time): kill_tree leaves it alone; the rank
+    itself (its start time) is killed."""
+    import signal
+
+    from jupyter_shard.launchers.base import started_at
+    from jupyter_shard.launchers.local import AdoptedRank
+
+    other = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        started = started_at(other.pid)
+        assert started is not None
+        AdoptedRank(0, other.pid, started - 5.0).kill_tree()  # recorded for an earlier process
+        time.sleep(0.2)
+        assert other.poll() is None
+        AdoptedRank(0, other.pid, started).kill_tree()
+        assert other.wait(5) == -signal.SIGKILL
+    finally:
+        other.kill()
+        other.wait()

@@ -696,3 +696,27 @@ def test_a_partial_stream_record_waits_for_the_rest() -> None:
     assert reader.feed(data[:-1]) == []
     assert reader.feed(data[-1:]) == [[b"abc", b"defg"]]
     assert reader.feed(b"") == []
+
+
+def test_a_kernel_message_names_its_recipients_and_other_ranks_refuse_it() -> None:
+    """Signed once for ranks 0-2 and 5: rank 3 refuses it (a copy sent its way is not its own); a
+    rank's message to the kernel is refused by another rank."""
+    from jupyter_shard.wire.protocol import KERNEL, io_identity, rank_identity, recipients
+
+    key = new_key()
+    kernel = Wire(key, KERNEL)
+    to = recipients([5, 0, 1, 2])
+    assert to == "0-2,5"
+    frames = kernel.encode("status", {}, to=to)
+    for rank in (0, 2, 5):
+        assert Wire(key, rank_identity(rank)).decode(frames).type == "status"
+    assert Wire(key, io_identity(1)).decode(frames).type == "status"
+    for rank in (3, 4, 6, 50):
+        with pytest.raises(ProtocolError, match="meant for '0-2,5', not 'rank-"):
+            Wire(key, rank_identity(rank)).decode(frames)
+    everyone = kernel.encode("status", {})
+    assert Wire(key, rank_identity(9)).decode(everyone).type == "status"
+    from_rank = Wire(key, rank_identity(1)).encode("status", {})
+    assert Wire(key, KERNEL).decode(from_rank).sender == "rank-1"
+    with pytest.raises(ProtocolError, match="meant for 'kernel'"):
+        Wire(key, rank_identity(2)).decode(from_rank)
