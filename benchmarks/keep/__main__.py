@@ -30,6 +30,7 @@ from typing import Any
 import psutil
 
 from benchmarks.common import RESULTS, LoadWatch, cpu, format_loads, git_revision, target_table, write_section
+from benchmarks.keep import disk
 
 ATTACH_TARGET = 1.0  # seconds: attaching to a kept pool takes under a second
 
@@ -132,10 +133,17 @@ def suspend_resume(width: int, depth: int, work: Path) -> dict[str, float]:
     report = suspend(pool, directory)
     out["suspend"] = time.perf_counter() - began
     out["disk_bytes"] = float(report.bytes)
+    # the disk's own rates in this run, for as many bytes and writers as the suspend
+    rate, files = disk.write_rate(work / "disk", int(report.bytes), writers=2)
+    out["disk_write"], out["disk_read"] = rate, disk.read_rate(files)
+    shutil.rmtree(work / "disk", ignore_errors=True)
+    parts = [p for p in directory.rglob("*") if p.is_file()]
     for nproc in (2, 4):
+        disk.evict(parts)  # read from the disk, as the disk's read rate was
         began = time.perf_counter()
-        resumed, _ = resume(directory, {"nproc": nproc})
+        resumed, resumed_report = resume(directory, {"nproc": nproc})
         out[f"resume_{nproc}"] = time.perf_counter() - began
+        out[f"load_{nproc}"] = resumed_report.load_seconds
         resumed.run(STEP.format(width=width), timeout=1800)
         out[f"loss_after_resume_{nproc}"] = float(resumed.pull("loss"))
         resumed.shutdown()
@@ -240,6 +248,13 @@ def _report(
             )
         )
     m = sr["model_bytes"]
+    write_gbs = sr["disk_bytes"] / sr["suspend"] / 1e9
+    read_gbs = sr["disk_bytes"] / sr["load_2"] / 1e9
+    write_share, read_share = write_gbs * 1e9 / sr["disk_write"], read_gbs * 1e9 / sr["disk_read"]
+    targets += [
+        ("suspend at 80 % of the disk's write rate or more", f"{write_share:.0%}", write_share >= 0.8),
+        ("resume's load at 80 % of the disk's read rate or more", f"{read_share:.0%}", read_share >= 0.8),
+    ]
     lines += [
         "",
         "## Suspend and resume",
@@ -255,6 +270,18 @@ def _report(
         f"| `%dist_suspend` at 2 ranks (ranks end) | {sr['suspend']:.1f} | {sr['disk_bytes'] / 1e9:.2f} |",
         f"| `%dist_resume` at 2 ranks | {sr['resume_2']:.1f} | |",
         f"| `%dist_resume --nproc 4` (resharded) | {sr['resume_4']:.1f} | |",
+        "",
+        "Against the disk's own rate, measured in this run with as many bytes and as many processes "
+        "(`benchmarks/keep/disk.py`: written and fsynced in 16 MiB pieces; read back after the pages "
+        "were dropped from the cache, as the suspend's files were before each resume). A resume's load is "
+        "its time after its pool started (the ranks check each file's digest, then DCP reads it).",
+        "",
+        "| | GB/s | share of the disk's |",
+        "|---|---:|---:|",
+        f"| the disk, writing | {sr['disk_write'] / 1e9:.2f} | |",
+        f"| `%dist_suspend` (all of it) | {write_gbs:.2f} | {write_share:.0%} |",
+        f"| the disk, reading | {sr['disk_read'] / 1e9:.2f} | |",
+        f"| `%dist_resume`, its load at 2 ranks | {read_gbs:.2f} | {read_share:.0%} |",
         "",
         f"The step before the suspend had loss {sr['loss_before']:.6f}; the first step after resuming at 2 "
         f"and 4 ranks: {sr['loss_after_resume_2']:.6f} and {sr['loss_after_resume_4']:.6f} (each rank's own "

@@ -16,6 +16,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
 from IPython.display import DisplayHandle, display
 
+from jupyter_shard._util.units import format_bytes
 from jupyter_shard.errors import PoolError
 from jupyter_shard.gpus import format_gpus
 from jupyter_shard.launchers import get_launcher, merge_spec, resolve_spec
@@ -37,7 +38,6 @@ from jupyter_shard.notebook.keeping import KeepMagics
 from jupyter_shard.notebook.panel import PromptNotice, register_comm, unregister_comm
 from jupyter_shard.notebook.postmortem import PostMortem
 from jupyter_shard.notebook.values import cell_value, shown_bundle
-from jupyter_shard.planner.estimate import format_bytes
 from jupyter_shard.pool.background import BackgroundRun
 from jupyter_shard.pool.keep import parse_duration
 from jupyter_shard.pool.pool import Pool

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 
+from jupyter_shard._util.units import format_bytes as format_bytes  # the picker names it here
 from jupyter_shard.planner.free_memory import FreeMemory
 from jupyter_shard.spec import Device, Offload, Precision, SpecError
 
@@ -58,14 +59,6 @@ def format_count(count: int) -> str:
         if count >= scale:
             return f"{count / scale:.3g}{suffix}"
     return str(count)
-
-
-def format_bytes(size: float) -> str:
-    """``1.8 GiB``, ``512.0 MiB``, ``3.0 KiB``, ``12 B``."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if size >= scale:
-            return f"{size / scale:.1f} {unit}"
-    return f"{size:.0f} B"
 
 
 @dataclass(frozen=True)

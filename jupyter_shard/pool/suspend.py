@@ -93,6 +93,7 @@ class Resumed:
     reopened: dict[str, str] = field(default_factory=dict)  # open files reopened, by name (rank 0's)
     rebuilt: list[str] = field(default_factory=list)  # prepared loaders split again (another world size)
     differed: list[str] = field(default_factory=list)  # names each suspended rank held its own value of
+    load_seconds: float = 0.0  # of ``seconds``, the ranks' loading (after their pool started)
 
     def summary(self) -> str:
         model = "the prepared model and optimizer and " if self.prepared else ""
@@ -245,9 +246,11 @@ def resume(
         pool.start()
         load = f"__import__('jupyter_shard.rank.suspend', fromlist=['load']).load({str(root)!r}, "
         total = sum(int(part.get("bytes", 0)) for part in manifest["ranks"].values())
+        loading = time.monotonic()
         with DiskProgress("resuming", "read", bytes_read(_local_pids(pool)), total):
             pool.run_own(load + f"{saved_world}, {digests!r}, {positions!r})")
         reports = pool.last_values()
+        load_seconds = time.monotonic() - loading
     except BaseException as exc:
         pool.shutdown()
         if isinstance(exc, KeyboardInterrupt):
@@ -269,6 +272,7 @@ def resume(
         prepared=bool(manifest["ranks"]["0"].get("prepared")),
         reopened=dict(first.get("reopened", {})),
         **_per_rank_names(manifest),
+        load_seconds=load_seconds,
     )
 
 

@@ -23,9 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jupyter_shard._util.units import format_bytes
 from jupyter_shard.env import SHARED_MEMORY_VAR
 from jupyter_shard.errors import PoolError
-from jupyter_shard.planner.estimate import format_bytes
 from jupyter_shard.pool.connection import Connection
 from jupyter_shard.pool.ranks import RankRecord, RankTable
 from jupyter_shard.pool.transcript import Held, PushEntry, Transcript
@@ -251,6 +251,9 @@ class Values:
                 segment.close()
         missing = sorted({r.rank for r in targets} - set(out))
         if missing:
+            dead = [r.rank for r in targets if r.dead and r.rank in missing]
+            if dead:  # the others were cut short by the death, not silent
+                raise PoolError(f"rank {format_ranks(dead)} died before it answered the pull of {what}")
             raise PoolError(f"rank {format_ranks(missing)} did not answer the pull of {what}")
         seconds = time.perf_counter() - started
         path = "+".join(sorted(paths))

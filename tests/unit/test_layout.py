@@ -29,6 +29,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     _P + "transfer": (_P + "wire", _P + "env", _P + "errors"),
     _P + "strategies": (_P + "errors", _P + "_util"),
     _P + "planner": (
+        _P + "_util",
         _P + "spec",
         _P + "gpus",
         _P + "errors",
@@ -38,7 +39,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     # the fork server preloads the rank runtime in the process ranks are forked from
     _P + "launchers.zygote.server": (*ROOT, _P + "_util", _P + "launchers", _P + "rank"),
     _P + "rank": (*ROOT, _P + "_util", _P + "wire", _P + "transfer", _P + "strategies"),
-    _P + "pool": (*_DRIVER, _P + "planner"),
+    _P + "pool": _DRIVER,
     _P + "export": (*ROOT, _P + "_util", _P + "pool", _P + "launchers", _P + "strategies"),
     _P + "notebook": (*_DRIVER, _P + "planner", _P + "pool", _P + "export"),
     _P + "__main__": (_P + "errors", _P + "pool"),  # python -m jupyter_shard pools | stop ID

@@ -1,0 +1,77 @@
+"""The disk's own rate, measured in the same run as the suspend and resume it is compared with.
+
+Writing: ``writers`` processes (as many as the suspending ranks) each write their share of ``total``
+bytes to a file in the suspend's directory's file system, in 16 MiB pieces, and fsync it; the rate is
+all the bytes over the wall time from the first start to the last fsync. Reading: the same files,
+evicted from the page cache first (``posix_fadvise(DONTNEED)`` after the fsync), read back by as many
+processes. :func:`evict` does the same to a suspend's files before a resume is timed, so that both
+read from the disk.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["evict", "read_rate", "write_rate"]
+
+PIECE = 16 << 20
+
+_WRITE = """
+import os, sys
+path, size, piece = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+data = os.urandom(piece)
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+left = size
+while left > 0:
+    left -= os.write(fd, memoryview(data)[: min(piece, left)])
+os.fsync(fd)
+os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+os.close(fd)
+"""
+_READ = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+while os.read(fd, int(sys.argv[2])):
+    pass
+os.close(fd)
+"""
+
+
+def _run_all(argvs: list[list[str]]) -> float:
+    began = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-c", *argv]) for argv in argvs]
+    for proc in procs:
+        if proc.wait() != 0:
+            raise RuntimeError(f"a disk measurement process failed ({proc.returncode})")
+    return time.perf_counter() - began
+
+
+def write_rate(directory: Path, total: int, writers: int) -> tuple[float, list[Path]]:
+    """(bytes per second, the files written) for ``writers`` processes writing ``total`` bytes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    share = total // writers
+    paths = [directory / f"disk-rate-{i}.bin" for i in range(writers)]
+    seconds = _run_all([[_WRITE, str(p), str(share), str(PIECE)] for p in paths])
+    return share * writers / seconds, paths
+
+
+def read_rate(paths: list[Path]) -> float:
+    """Bytes per second reading ``paths`` back from the disk, one process each."""
+    evict(paths)
+    total = sum(p.stat().st_size for p in paths)
+    return total / _run_all([[_READ, str(p), str(PIECE)] for p in paths])
+
+
+def evict(paths: list[Path]) -> None:
+    """Drop the files' pages from the page cache (they are on the disk: written and synced)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
