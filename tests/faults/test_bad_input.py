@@ -7,13 +7,20 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.timeout(120)
+VISIBLE = torch.cuda.device_count()  # the kernel's ranks see the same devices (0 here, some on a GPU machine)
+MORE = VISIBLE + 4
 
 BAD = [
     ("--nproc 0", "--nproc 0 is not valid; a pool needs at least 1 rank"),
     ("--strategy bogus", "--strategy 'bogus' is not valid; choose one of: none, ddp, fsdp, deepspeed"),
-    ("--gpus 4", "--gpus 4 asked for, but 0 CUDA device(s) are visible; run `--nproc 4 --device cpu`"),
+    (
+        f"--gpus {MORE}",
+        f"--gpus {MORE} asked for, but {VISIBLE} CUDA device(s) are visible; "
+        f"run `--nproc {MORE} --device cpu`",
+    ),
     ("--device tpu", "--device 'tpu' is not valid; choose one of: auto, cpu, cuda"),
     ("--nproc two", "argument --nproc: invalid int value: 'two'"),
     ("--launcher k8s", "--launcher 'k8s' is not installed; available: local"),

@@ -159,16 +159,25 @@ def test_push_of_what_cannot_be_sent_names_the_variable_and_what_to_do(nb: Any) 
     assert nb.execute("%%distributed\n'fh' in dir()").data("execute_result") == [{"text/plain": "False"}]
 
 
-def test_pull_gather_brings_a_plain_model(nb: Any) -> None:
-    run = nb.execute(
-        "%%distributed\nimport torch\nnet = torch.nn.Linear(3, 1)\nprepared = shard.prepare(net)\n"
-        "type(prepared).__name__"
+def test_pull_gather_brings_a_plain_model(kernel: Any) -> None:
+    """Under fsdp each rank holds a shard of a wrapped module (``FSDPLinear``, DTensor parameters):
+    ``--gather`` brings the kernel a plain ``Linear`` with whole tensors, the ones the ranks built."""
+    assert kernel.execute("%load_ext jupyter_shard").ok
+    run = kernel.execute(
+        "%%distributed --nproc 2 --device cpu --strategy fsdp\nimport torch\ntorch.manual_seed(0)\n"
+        "net = torch.nn.Linear(4, 6)\nwhole = {k: v.clone() for k, v in net.state_dict().items()}\n"
+        "prepared = shard.prepare(net)\nprint(type(prepared).__name__, type(prepared.weight).__name__)"
     )
     assert run.ok, run.outputs
-    run = nb.execute(
-        "%dist_pull prepared --gather\ntype(prepared).__name__, sum(p.numel() for p in prepared.parameters())"
+    assert "[rank 0] FSDPLinear DTensor" in run.stream(), run.stream()
+    run = kernel.execute(
+        "%dist_pull prepared --gather\n%dist_pull whole\nimport torch\n"
+        "(type(prepared).__name__, type(prepared.weight).__name__, tuple(prepared.weight.shape), "
+        "all(torch.equal(prepared.state_dict()[k], v) for k, v in whole.items()))"
     )
-    assert run.data("execute_result") == [{"text/plain": "('Linear', 4)"}]
+    assert run.data("execute_result") == [{"text/plain": "('Linear', 'Parameter', (6, 4), True)"}], (
+        run.outputs
+    )
     said = run.stream()
     assert re.search(
         r"gathered prepared on the ranks in \d+\.\d\d s, then .+ to the kernel in \d+\.\d\d s", said
@@ -302,11 +311,21 @@ def test_shutdown_then_a_new_cell_starts_a_fresh_pool(nb: Any) -> None:
 
 def test_a_gpus_list_without_gpus_is_one_line_and_keeps_the_pool(nb: Any) -> None:
     before = nb.execute("%%distributed\nimport os\nos.getpid()").data("execute_result")
-    run = nb.execute("%%distributed --gpus 0,2\nprint('never runs')")
-    assert run.stream("stderr") == (
-        "UsageError: --gpus 0,2 asked for, but 0 CUDA device(s) are visible; "
-        "run `--nproc 2 --device cpu` for CPU ranks\n"
-    )
+    import torch
+
+    visible = torch.cuda.device_count()  # 0 here; on a GPU machine, devices past the last one
+    run = nb.execute(f"%%distributed --gpus {visible},{visible + 2}\nprint('never runs')")
+    if visible == 0:
+        assert run.stream("stderr") == (
+            "UsageError: --gpus 0,2 asked for, but 0 CUDA device(s) are visible; "
+            "run `--nproc 2 --device cpu` for CPU ranks\n"
+        )
+    else:
+        err = run.stream("stderr")
+        assert err.startswith(f"UsageError: --gpus {visible},{visible + 2}") and len(err.splitlines()) == 1, (
+            err
+        )
+        assert f"GPU {visible} is not visible; this kernel sees {visible} GPU(s)" in err, err
     assert nb.execute("%%distributed\nos.getpid()").data("execute_result") == before
 
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -284,11 +285,17 @@ def test_wait_ready_returns_once_every_rank_is_ready(runtime: Path, monkeypatch:
     launcher = _Launcher()
     life, _ = _started(runtime, monkeypatch, launcher)
     _accepting(life)
-    for r in life.start(_spec(), lambda rank, sig: None):
-        r.state = RankState.IDLE
+    ranks = life.start(_spec(), lambda rank, sig: None)
+    ranks[0].state = RankState.IDLE  # rank 1 still starting
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (life.wait_ready(lambda line: None), done.set()))
     try:
-        life.wait_ready(lambda line: None)
+        waiter.start()
+        assert not done.wait(0.5), "wait_ready returned while rank 1 was still starting"
+        ranks[1].state = RankState.IDLE
+        assert done.wait(2.0), "wait_ready did not return once every rank was ready"
     finally:
+        waiter.join(5)
         life.stop()
 
 

@@ -29,8 +29,20 @@ def test_numbers_of_every_kind_are_kept_and_the_rest_dropped() -> None:
     assert scalars(logged) == {"loss": 0.5, "lr": 1e-3, "count": 3.0, "np": 2.5, "grad_norm": 0.25}
 
 
+class _Unreadable:
+    """A value that fails the moment anything reads it as a number."""
+
+    def __float__(self) -> float:
+        raise AssertionError("read outside a rank")
+
+
 def test_outside_a_rank_nothing_is_sent() -> None:
-    to_dashboard({"loss": 1.0}, 3)  # no shard helper in this process: a no-op, no error
+    """No shard helper in this process: nothing is read (a value that fails when read passes
+    through), nothing sent, no error."""
+    from jupyter_shard.rank.shard import current
+
+    assert current() is None
+    assert to_dashboard({"loss": _Unreadable()}, 3) is None
 
 
 class _Helper:
