@@ -43,6 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+try:  # run as a script (`make gpu-check`): beside this file
+    import gpu_verdict
+except ImportError:  # imported as part of the benchmarks package (the tests)
+    from benchmarks import gpu_verdict
+
 ROOT = Path(__file__).resolve().parent.parent
 HELD = ("torch", "lightning", "pytorch-lightning")  # the host's own: pinned while the bundle installs
 INSTALL = ("jupyter_shard", "deepspeed", "pytest", "pytest-timeout")
@@ -420,14 +425,26 @@ def check(args: argparse.Namespace) -> int:
         python = str(args.venv / "bin" / "python")
         stages["install"].status = "skipped"
     ready = stages["install"].ok or stages["install"].status.startswith("skipped")
+    rehearsal = args.device == "cpu"
+    visible = _visible_gpus(python) if ready else 0
+    if visible == 0 and not rehearsal:
+        ready = False  # nothing GPU-specific could run: said in the verdict, the exit status 1
+        for name in ("bench", "tests"):
+            stages[name].status = "not run: no GPU is visible"
     if "bench" in wanted and ready:
         command = [python, __file__, "bench", "--json", str(bench_json), "--device", args.device]
         command += ["--quick"] if args.quick else []
         run_stage(stages["bench"], command, min(BENCH_LIMIT, deadline - time.monotonic()))
+    collected: list[str] = []
     if "tests" in wanted and ready:
-        command = [python, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-rfEs", "-p", "no:cacheprovider"]
-        run_stage(stages["tests"], [*command, f"--junitxml={junit}"], deadline - time.monotonic() - 10)
-    text = report(stages, _read_json(bench_json), _tests(junit), args, loads, time.monotonic() - started)
+        base = [python, "-m", "pytest", "-m", "gpu", *gpu_verdict.GPU_FILES, "-p", "no:cacheprovider"]
+        collected = _collected([*base, "--collect-only", "-q"])
+        command = [*base, "-q", "-rfEs", f"--junitxml={junit}"]
+        run_stage(stages["tests"], command, deadline - time.monotonic() - 10)
+    tests = _tests(junit)
+    statuses = {name: stage.status for name, stage in stages.items()}
+    verdict = gpu_verdict.problems(statuses, sorted(wanted), tests, collected, visible, rehearsal)
+    text = report(stages, _read_json(bench_json), tests, args, loads, time.monotonic() - started, verdict)
     shutil.rmtree(work, ignore_errors=True)
     if args.results == "-":
         print(text)
@@ -435,7 +452,32 @@ def check(args: argparse.Namespace) -> int:
         Path(args.results).parent.mkdir(parents=True, exist_ok=True)
         Path(args.results).write_text(text)
         print(f"report: {args.results}")
-    return 0 if all(s.ok or s.status.startswith(("skipped", "not run")) for s in stages.values()) else 1
+    for line in verdict:
+        print(f"gpu-check: {line}", flush=True)
+    print(
+        "gpu-check: "
+        + ("FAILED" if verdict else "passed")
+        + (" (a rehearsal on CPU ranks)" if rehearsal else "")
+    )
+    return 1 if verdict else 0
+
+
+def _visible_gpus(python: str) -> int:
+    """CUDA devices the check's Python sees (0 when it cannot tell)."""
+    try:
+        text = _output([python, "-c", "import torch; print(torch.cuda.device_count())"], 180)
+        return int(text.strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return 0
+
+
+def _collected(command: list[str]) -> list[str]:
+    """The test ids pytest collects (to name the ones a timed-out stage never reached)."""
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in done.stdout.splitlines() if "::" in line and not line.startswith(" ")]
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -543,9 +585,10 @@ def report(
     args: argparse.Namespace,
     loads: tuple[float, float, float],
     seconds: float,
+    verdict: list[str] | None = None,
 ) -> str:
     versions, packages = bench.get("versions", {}), bench.get("packages", {})
-    dry = " (a dry run on CPU ranks: no GPU)" if args.device == "cpu" else ""
+    dry = " (a rehearsal on CPU ranks: nothing GPU-specific ran)" if args.device == "cpu" else ""
     device = versions.get("device", "n/a")
     if versions.get("memory_gib"):
         device += f", {versions['memory_gib']:.0f} GiB, compute capability {versions['capability']}"
@@ -558,6 +601,14 @@ def report(
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {_git_revision()}; "
         f"the check took {seconds:.0f} s (budget {args.minutes:g} min).",
+        "",
+        "## Verdict",
+        "",
+        *(
+            [f"**FAILED**: {len(verdict)} problem(s):", "", *(f"- {_cell(line)}" for line in verdict)]
+            if verdict
+            else ["**Passed**: every stage ran, every collected test ran, every skip was for a device count."]
+        ),
         "",
         "## Machine",
         "",
