@@ -78,7 +78,8 @@ test: setup
 		if [ $$rc -ne 0 ]; then failed="$$failed $$name(exit $$rc)"; fi; \
 	}; \
 	$(LINT_SH); [ $$status -eq 0 ] || failed="$$failed lint"; \
-	run_pytest unit tests/unit; \
+	mkdir -p test-artifacts; rm -f test-artifacts/junit-*.xml; \
+	run_pytest unit tests/unit --junitxml=test-artifacts/junit-unit.xml; \
 	if command -v npm >/dev/null 2>&1; then \
 		echo "+ npm test (labextension, Jest)"; (cd labextension && npm test) || failed="$$failed jest"; \
 	elif [ -n "$(CI)" ]; then echo "error: npm not found; the extension's Jest tests need Node"; failed="$$failed jest"; \
@@ -97,7 +98,12 @@ test: setup
 		fi; \
 	done; \
 	run_pytest integration+faults+notebooks $(foreach s,$(SUITES),$(wildcard $(s))) notebooks \
-		--nbval --nbval-current-env --nbval-sanitize-with tests/notebooks/nbval_sanitize.cfg; \
+		--nbval --nbval-current-env --nbval-sanitize-with tests/notebooks/nbval_sanitize.cfg \
+		--junitxml=test-artifacts/junit-suites.xml; \
+	echo "+ .ci/ran_each.py (each test folder ran a test; tests/gpu needs a GPU)"; \
+	if ! $(PY) .ci/ran_each.py test-artifacts/junit-*.xml -- tests/unit $(filter-out tests/gpu,$(SUITES)) notebooks; then \
+		if [ -n "$(CI)" ]; then failed="$$failed ran-each"; else echo "warning: (outside CI, a folder may skip for what this machine lacks)"; fi; \
+	fi; \
 	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed"; exit 1; fi; \
 	echo "make test: all stages passed"
 

@@ -219,3 +219,32 @@ def suspend_key_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ.pop(KEY_DIR_VAR, None)
     else:
         os.environ[KEY_DIR_VAR] = saved
+
+
+# -- under CI, a missing package fails its tests instead of skipping them ------------------------
+
+
+def _missing_package(report: Any) -> bool:
+    """A skip because a package did not import (``pytest.importorskip``)."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr or "")
+    return "could not import" in reason
+
+
+def _fail_missing(report: Any) -> None:
+    if os.environ.get("CI") and report.skipped and _missing_package(report):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"{reason} (CI installs every extra: this skip would hide the tests that need it)"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: Any) -> Iterator[None]:
+    outcome = yield
+    _fail_missing(outcome.get_result())  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: Any, call: Any) -> Iterator[None]:
+    outcome = yield
+    _fail_missing(outcome.get_result())  # type: ignore[attr-defined]
