@@ -122,18 +122,54 @@ SHARDINGS: dict[str, dict[str, Any]] = {
 MESHES = {"hybrid-1x2": (1, 2), "hybrid-2x1": (2, 1), "no-shard": (2, 1)}
 
 
+# Whether each option took effect, seen from the trained model: its FSDP units, checkpoint wrappers
+# and the Linear forwards one step runs (a checkpointed layer runs again in backward), whether a
+# forward leaves the parameters sharded (SHARD_GRAD_OP keeps them gathered until backward), and the
+# offload policy its units hold.
+EFFECTS = """
+def effects(model):
+    import torch.nn as nn
+    units = sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule) and n)
+    units = [n.replace("._checkpoint_wrapped_module", "") for n in units]
+    calls = []
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    for m in linears:  # the forward itself: a checkpoint's recomputation runs no forward hooks
+        m.forward = lambda *a, _f=m.forward: (calls.append(1), _f(*a))[1]
+    loss = nn.functional.mse_loss(model(xs).float(), ys)
+    resharded = all(isinstance(p, DTensor) for p in model.parameters())  # after the forward
+    shard.backward(loss)
+    for m in linears:
+        del m.forward
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    policy = {type(g.offload_policy).__name__ for g in groups if g is not None}
+    return dict(units=units, calls=len(calls), resharded=resharded, offload=policy,
+                wrapped=any("_checkpoint_wrapped_module" in n for n, _ in model.named_modules()))
+"""
+# What each case must show (fields of ``effects``); None where the case does not decide it.
+EXPECTED: dict[str, dict[str, Any]] = {
+    "full": {"wrapped": False, "calls": 3, "resharded": True, "offload": {"OffloadPolicy"}},
+    "full-wrap-ckpt": {"wrapped": True, "calls": 6, "units": ["0", "2", "4"], "resharded": True},
+    "grad-op-min-params": {"wrapped": False, "calls": 3, "units": ["0", "2"], "resharded": False},
+    "hybrid-1x2": {"wrapped": False, "calls": 3},
+    "hybrid-2x1": {"wrapped": False, "calls": 3},
+    "no-shard": {"wrapped": False, "calls": 3},
+    "cpu-offload": {"wrapped": False, "calls": 3, "resharded": True, "offload": {"CPUOffloadPolicy"}},
+}
+
+
 @pytest.mark.parametrize("case", list(SHARDINGS))
 def test_training_matches_one_process(pool: Pool, config: Path, case: str) -> None:
     use(pool, config, **SHARDINGS[case])
     pool.run(
-        "model, opt, losses = train()\n"
+        EFFECTS + "model, opt, losses = train()\n"
         "names = [n for n, _ in model.named_parameters()]\n"
         "summary = dict(diff=rel(losses, reference()), kind=repr(shard.impl),"
         " mesh=tuple(shard.impl.mesh().shape), fsdp=isinstance(model, FSDPModule),"
         " dtensors=all(isinstance(p, DTensor) for p in model.parameters()),"
         " rebuilt=[type(opt).__name__, opt.defaults['lr']],"
         " same=all(p is q for p, q in zip(opt.param_groups[0]['params'], model.parameters())),"
-        " clean=[n.replace('._checkpoint_wrapped_module', '') for n in names])"
+        " clean=[n.replace('._checkpoint_wrapped_module', '') for n in names])\n"
+        "summary['effects'] = effects(model)"
     )
     summary = pool.pull("summary")
     assert summary["diff"] <= 1e-5, summary
@@ -142,6 +178,9 @@ def test_training_matches_one_process(pool: Pool, config: Path, case: str) -> No
     assert summary["fsdp"] and summary["dtensors"] and summary["same"]
     assert summary["rebuilt"] == ["AdamW", 0.01]
     assert summary["clean"] == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    effects = summary["effects"]
+    for field, wanted in EXPECTED[case].items():
+        assert effects[field] == wanted, (case, field, effects)
 
 
 def test_parameters_and_optimizer_state_are_sharded(pool: Pool, config: Path) -> None:
