@@ -327,7 +327,7 @@ class Soak:
     def _fault_sigkill(self, rank: int) -> Cell:
         pid = self.rank_pids()[rank]
         if self.rng.random() < 0.5:
-            cell = self.run(SLEEP, lambda: os.kill(pid, signal.SIGKILL), at=self.rng.uniform(0.5, 2.0))
+            cell = self.run(SLEEP, lambda: _kill_if_alive(pid), at=self.rng.uniform(0.5, 2.0))
         else:
             os.kill(pid, signal.SIGKILL)
             time.sleep(0.5)
@@ -436,6 +436,12 @@ class Soak:
             if alive(pid):
                 found.append(f"earlier rank pid {pid} still alive")
         return found
+
+
+def _kill_if_alive(pid: int) -> None:
+    """SIGKILL ``pid``, unless it already ended (a suspend that finished first ends its ranks)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def alive(pid: int) -> bool:
