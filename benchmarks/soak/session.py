@@ -388,7 +388,7 @@ class Soak:
         earlier = os.path.isfile(os.path.join(self.suspend_dir, "manifest.json"))
         cell = self.run(
             f"%dist_suspend {self.suspend_dir}",
-            lambda: os.kill(pid, signal.SIGKILL),
+            lambda: _kill_if_alive(pid),
             at=self.rng.uniform(0, 0.3),
         )
         if cell.ok:
