@@ -116,18 +116,23 @@ def test_f21_attaching_a_pool_that_lost_a_rank_leaves_the_running_pool_alone(run
     wait_gone(pids, within=10.0)
 
 
-# A kernel attaching at a given moment (two of them race), saying how it went.
+# A kernel attaching at a given moment (two of them race), saying how it went. Its attach takes a
+# second longer between binding the socket and naming itself in the record (the window two kernels
+# used to both get through), and it holds the pool a while before letting go.
 ATTACH_AT = """
 import sys, time
+import jupyter_shard.pool.keep as keep
 from jupyter_shard import PoolError
-from jupyter_shard.pool.keep import attach
+slow = keep._wait_connected
+keep._wait_connected = lambda pool: (time.sleep(1.0), slow(pool))[1]
 time.sleep(max(0.0, float(sys.argv[1]) - time.time()))
 try:
-    pool = attach()
+    pool = keep.attach()
 except PoolError as exc:
     print("REFUSED", exc, flush=True)
 else:
     print("ATTACHED", pool.run("kept + 1").value["text/plain"], flush=True)
+    time.sleep(3.0)
     pool.release()
 """
 
