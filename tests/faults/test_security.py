@@ -531,8 +531,10 @@ def test_rank_drops_a_replayed_genuine_execute(
     captured: list[list[bytes]] = []
     encode = pool.connection.wire.encode
 
-    def capture(msg_type: str, body: dict[str, Any], buffers: Sequence[bytes] = ()) -> list[bytes]:
-        frames = encode(msg_type, body, buffers)
+    def capture(
+        msg_type: str, body: dict[str, Any], buffers: Sequence[bytes] = (), to: str | None = None
+    ) -> list[bytes]:
+        frames = encode(msg_type, body, buffers, to)
         if msg_type == "execute":
             captured.append(frames)
         return frames
