@@ -178,9 +178,17 @@ def test_status_names_the_collective_and_stacks_work_during_a_background_run(ker
         "%%distributed --bg\nif shard.rank == 0:\n    time.sleep(30)\ndist.all_reduce(torch.ones(1))\n"
     )
     assert started.ok, started.error_text()
-    time.sleep(2.5)  # a heartbeat or two
-    status = _shown(kernel.execute("%dist_status"))
-    row = next(line for line in status.splitlines() if line.startswith("1 "))
+    # Until rank 1's heartbeats name the collective a second apart: it is then waiting inside it (in
+    # gloo's C++ wait, where an interrupt cannot reach it), not still entering it.
+    deadline, first_seen = time.monotonic() + 15.0, None
+    while True:
+        status = _shown(kernel.execute("%dist_status"))
+        row = next(line for line in status.splitlines() if line.startswith("1 "))
+        now = time.monotonic()
+        first_seen = (first_seen or now) if "in all_reduce" in row else None
+        if (first_seen is not None and now - first_seen >= 1.0) or now > deadline:
+            break
+        time.sleep(0.1)
     assert "in all_reduce" in row, status
     stacks = _shown(kernel.execute("%dist_stacks"))
     assert "time.sleep(30)" in stacks and "dist.all_reduce(torch.ones(1))" in stacks, stacks

@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -60,9 +61,21 @@ def test_background_error_is_kept_and_raised_by_wait(pool: Pool) -> None:
     assert run.error is not None and run.reported
 
 
-def test_interrupt_stops_a_background_run_within_the_grace_period(pool: Pool) -> None:
-    run = pool.run_background("import time\nwhile True:\n    time.sleep(0.05)\n")
-    time.sleep(0.5)
+def _started(tmp_path: Path, body: str) -> str:
+    """A background cell that first says on disk that it runs on this rank, then ``body``."""
+    return f"import pathlib, time\npathlib.Path({str(tmp_path)!r}, f'started-{{shard.rank}}').touch()\n{body}"
+
+
+def _wait_started(tmp_path: Path, ranks: int) -> None:
+    deadline = time.monotonic() + 15.0
+    while len(list(tmp_path.glob("started-*"))) < ranks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(list(tmp_path.glob("started-*"))) == ranks
+
+
+def test_interrupt_stops_a_background_run_within_the_grace_period(pool: Pool, tmp_path: Path) -> None:
+    run = pool.run_background(_started(tmp_path, "while True:\n    time.sleep(0.05)\n"))
+    _wait_started(tmp_path, 2)
     asked = time.monotonic()
     pool.interrupt()
     with pytest.raises(DistributedError, match="interrupted: KeyboardInterrupt on rank 0-1"):
@@ -71,9 +84,9 @@ def test_interrupt_stops_a_background_run_within_the_grace_period(pool: Pool) ->
     assert pool.run("'alive'").value == {"text/plain": "'alive'"}
 
 
-def test_shutdown_during_a_background_run_reports_it_lost(pool: Pool) -> None:
-    run = pool.run_background("import time\ntime.sleep(60)\n")
-    time.sleep(0.3)
+def test_shutdown_during_a_background_run_reports_it_lost(pool: Pool, tmp_path: Path) -> None:
+    run = pool.run_background(_started(tmp_path, "time.sleep(60)\n"))
+    _wait_started(tmp_path, 2)
     pool.shutdown()
     with pytest.raises(DistributedError, match="the pool was shut down"):
         run.wait(5)
@@ -113,8 +126,14 @@ def test_heartbeats_bring_memory_and_step(pool: Pool) -> None:
         "model, opt = shard.prepare(m, torch.optim.SGD(m.parameters(), 0.1))\n"
         "for _ in range(3):\n    shard.backward(model(torch.ones(2, 4)).sum()); shard.step()\n"
     )
-    time.sleep(1.5)
+    deadline = time.monotonic() + 10.0
     rows = pool.activity()
+    while (
+        not all(row.step == 3 and row.memory.get("rss", 0) > 0 for row in rows)
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)  # until a heartbeat after the cell has brought each rank's step and memory
+        rows = pool.activity()
     assert all(row.memory["rss"] > 50 * 2**20 for row in rows)
     assert all(row.step == 3 for row in rows), rows
     times, rss, _ = pool.history.memory(0)

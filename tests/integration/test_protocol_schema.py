@@ -81,7 +81,11 @@ def _drive(pool: Pool, tmp_path: Path) -> None:
     assert set(pool.stacks()) == {0, 1}
     assert len(pool.status()) == 2
     assert set(pool.connection.request(*HISTORY({}), list(pool.ranks), timeout=5.0)) == {0, 1}  # an attach
-    time.sleep(1.2)  # a heartbeat from each rank's I/O thread
+    since = time.monotonic()
+    deadline = since + 10.0
+    while any(r.heartbeat <= since for r in pool.ranks) and time.monotonic() < deadline:
+        pool.connection.pump(0.05)  # until a heartbeat from each rank's I/O thread has come
+    assert all(r.heartbeat > since for r in pool.ranks)
     with pytest.raises(DistributedError):
         pool.run(DESYNC)  # rank 1 closes its group (release) so rank 0's all_reduce fails
     assert pool.run("import torch, torch.distributed as dist\ndist.all_reduce(torch.ones(1))").ok  # regroup
