@@ -52,6 +52,9 @@ class _OnlyOurClient:
         return allowed
 
 
+HANDSHAKE_MS = 5000  # a rank's handshake takes milliseconds; anyone else's is closed after this
+
+
 class CurveServer:
     """Makes a ROUTER a Curve server that admits only the pool's client key."""
 
@@ -68,9 +71,12 @@ class CurveServer:
         return self._check.refused
 
     def secure(self, sock: zmq.Socket[bytes]) -> None:
+        """Curve with the pool's keys; a connection that has not finished its handshake (so has not
+        authenticated) within :data:`HANDSHAKE_MS` is closed, where ZeroMQ's default waits 30 s."""
         sock.curve_secretkey = self.keys.server_secret
         sock.curve_publickey = self.keys.server_public
         sock.curve_server = True
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
 
     def stop(self) -> None:
         self._auth.stop()

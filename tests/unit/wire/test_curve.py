@@ -42,3 +42,35 @@ def test_only_the_pools_client_key_gets_in() -> None:
     assert check.refused == 3
     assert check.callback("*", keys.client_public) is True
     assert check.refused == 3
+
+
+def test_a_connection_that_does_not_authenticate_is_closed_within_the_handshake_limit() -> None:
+    """A raw TCP client that sends nothing: the kernel's Curve socket closes it after HANDSHAKE_MS
+    (ZeroMQ's default would hold it 30 s), and the socket answers its own rank meanwhile."""
+    import socket
+    import time
+
+    import zmq
+
+    ctx = zmq.Context()
+    server = curve.CurveServer(ctx, CurveKeys.new())
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        server.secure(sock)
+        assert sock.getsockopt(zmq.HANDSHAKE_IVL) == curve.HANDSHAKE_MS
+        sock.setsockopt(zmq.HANDSHAKE_IVL, 300)  # the same limit, shortened for the test
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        silent = socket.create_connection(("127.0.0.1", port))
+        silent.settimeout(5.0)
+        began = time.monotonic()
+        try:
+            while silent.recv(4096):  # ZMTP's greeting, then nothing: the server closes it
+                pass
+        except ConnectionResetError:
+            pass
+        assert time.monotonic() - began < 4.0
+        silent.close()
+    finally:
+        sock.close(linger=0)
+        server.stop()
+        ctx.term()
