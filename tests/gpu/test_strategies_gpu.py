@@ -102,6 +102,19 @@ def test_gpus_list_gives_ranks_those_physical_devices(
         assert f"CUDA_VISIBLE_DEVICES={','.join(map(str, physical))}" in pool.launch_path
 
 
+def _gpu_files(pid: int) -> set[str]:
+    """The NVIDIA device files process ``pid`` has open (``/dev/nvidia0``, ``/dev/nvidia-uvm``)."""
+    found = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("/dev/nvidia") and target != "/dev/nvidiactl":
+            found.add(target)
+    return found
+
+
 def test_only_the_ranks_hold_cuda_contexts(tmp_path: Path) -> None:
     from jupyter_shard import Pool
     from jupyter_shard.gpus import nvidia_smi
@@ -115,9 +128,17 @@ def test_only_the_ranks_hold_cuda_contexts(tmp_path: Path) -> None:
         apps = [tuple(f.strip() for f in line.split(",")) for line in text.splitlines() if line.strip()]
         rank_pids = {v[2] for v in seen.values()}
         listed = [int(pid) for pid, _ in apps]
-        if not rank_pids & set(listed):
-            pytest.skip("nvidia-smi lists processes of another PID namespace (a container)")
         zygotes = {v[3] for v in seen.values()} - {os.getpid()}
+        if not rank_pids & set(listed):
+            # nvidia-smi lists processes of another PID namespace (a container): look at each
+            # process's open device files instead. A CUDA context holds /dev/nvidia<N> (and
+            # /dev/nvidia-uvm) open; nothing else here opens them.
+            assert not _gpu_files(os.getpid()), "the kernel holds a CUDA device open"
+            for pid in zygotes:
+                assert not _gpu_files(pid), f"the zygote {pid} holds a CUDA device open"
+            for pid in rank_pids:
+                assert any(f.rstrip("0123456789") == "/dev/nvidia" for f in _gpu_files(pid)), pid
+            return
         assert pool.launch_path.startswith("zygote (fork server") == bool(zygotes)
         assert os.getpid() not in listed  # nothing from the kernel ...
         assert not zygotes & set(listed)  # ... or the zygote
