@@ -25,8 +25,9 @@ import zmq
 from jupyter_shard.errors import PoolError, ProtocolError
 from jupyter_shard.pool.links import Link, Links
 from jupyter_shard.pool.ranks import RankRecord, RankTable
+from jupyter_shard.spec import format_ranks
 from jupyter_shard.wire.messages import MESSAGES, REPLIES, handler_table
-from jupyter_shard.wire.protocol import Message, Wire, parse_identity, recipients
+from jupyter_shard.wire.protocol import Message, Wire, parse_identity
 
 __all__ = ["Connection", "Handler"]
 
@@ -87,7 +88,7 @@ class Connection:
     ) -> None:
         """Sign once, send to every target: each rank checks ``seq`` against its own history."""
         assert self.socket is not None and self.wire is not None
-        frames = self.wire.to_socket(msg_type, body, buffers, recipients([r.rank for r in targets]))
+        frames = self.wire.to_socket(msg_type, body, buffers, format_ranks([r.rank for r in targets]))
         io = MESSAGES[msg_type].io
         with self.lock:
             for r in targets:

@@ -238,7 +238,7 @@ class Wire:
             "type": msg_type,
             "seq": next(self._seq),
             "sender": self.sender,
-            "to": to if to is not None else ("*" if self.sender == KERNEL else KERNEL),
+            "to": _recipients(to, self.sender),
             "ts": time.time(),
         }
         parts = [
@@ -327,19 +327,12 @@ def _check_and_record(path: str, sender: str, msg_type: str, body: Mapping[str, 
         raise ProtocolError(f"{sender} sent a {msg_type!r} body the registry does not declare: {problems}")
 
 
-def recipients(ranks: Sequence[int]) -> str:
-    """``[0, 1, 2, 3, 5]`` -> ``"0-3,5"``: the ranks a kernel message is meant for."""
-    parts: list[str] = []
-    ordered = sorted(set(ranks))
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    text = ",".join(parts)
-    return text if len(text) <= MAX_HEADER // 2 else "*"  # very scattered ranks: meant for all
+def _recipients(to: str | None, sender: str) -> str:
+    """The header's ``to``: as given (ranks as ``spec.format_ranks`` writes them), the default for
+    the sender, or every rank where a very scattered list would not fit the header."""
+    if to is None:
+        return "*" if sender == KERNEL else KERNEL
+    return to if len(to) <= MAX_HEADER // 2 else "*"
 
 
 def _meant_for(me: str, to: object) -> bool:

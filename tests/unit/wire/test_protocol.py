@@ -701,11 +701,12 @@ def test_a_partial_stream_record_waits_for_the_rest() -> None:
 def test_a_kernel_message_names_its_recipients_and_other_ranks_refuse_it() -> None:
     """Signed once for ranks 0-2 and 5: rank 3 refuses it (a copy sent its way is not its own); a
     rank's message to the kernel is refused by another rank."""
-    from jupyter_shard.wire.protocol import KERNEL, io_identity, rank_identity, recipients
+    from jupyter_shard.spec import format_ranks
+    from jupyter_shard.wire.protocol import KERNEL, io_identity, rank_identity
 
     key = new_key()
     kernel = Wire(key, KERNEL)
-    to = recipients([5, 0, 1, 2])
+    to = format_ranks([5, 0, 1, 2])
     assert to == "0-2,5"
     frames = kernel.encode("status", {}, to=to)
     for rank in (0, 2, 5):
