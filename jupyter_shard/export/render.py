@@ -44,6 +44,12 @@ __all__ = ["Rendered", "plural", "render_message", "render_sbatch", "render_scri
 
 SIDECAR_OVER = 1 << 20  # pickled bytes above which a pushed value goes to a file beside the script
 _WRAP = " \\\n        "  # a shell line continuation in the script's header
+_PLACES = "NODE being its index (0 on the first node) and HEAD the first node's address"
+
+
+def _in_single_quotes(text: str) -> str:
+    """``text`` as it is written inside a single-quoted shell string."""
+    return text.replace("'", "'\\''")
 
 
 @dataclass
@@ -72,7 +78,7 @@ def render_message(
         message += f"; {plural(len(rendered.sidecars), 'large value')} in {data_dir}"
     message += f"). Run it with `{torchrun_line(spec, script.name)}` in {script.parent.resolve()}"
     if spec.nodes > 1:
-        message += " on each node (HEAD: the first node's address)"
+        message += " on each node (NODE: the node's index, 0 on the first; HEAD: the first node's address)"
     if sbatch is not None:
         message += f"; wrote {sbatch}: submit it with `sbatch {sbatch.name}` from {sbatch.parent.resolve()}"
     return message + "."
@@ -122,12 +128,12 @@ def _header(
         f"Source: {_plain(source)}",
         "",
         "Run it as the notebook's pool ran (add --tee 3 to label each output line with its rank)"
-        + (":" if spec.nodes == 1 else ", on each node, HEAD being the first node's address:"),
+        + (":" if spec.nodes == 1 else f", on each node, {_PLACES}:"),
         f"    {torchrun_line(spec, name, _WRAP)}",
     ]
     if spec.nodes == 1:
         lines += [
-            "On N nodes (N times the ranks): on each node, HEAD being the first node's address,",
+            f"On N nodes (N times the ranks): on each node, {_PLACES},",
             f"    {multi_node_torchrun_line('N', spec.nproc, name, _WRAP)}",
         ]
     if sbatch is not None:
@@ -231,7 +237,11 @@ def render_sbatch(spec: LaunchSpec, script: str, *, when: datetime, name: str = 
     """An sbatch file running ``script`` (a path relative to the submission directory) under torchrun."""
     job = Path(script).stem
     torchrun = Path(sys.executable).with_name("torchrun")
-    rendezvous = rendezvous_args('"$SLURM_JOB_NUM_NODES"', spec.nproc, '"$head:$port"', '"$SLURM_JOB_ID"')
+    # Each task learns its node's index from SLURM, so the torchrun line is expanded by the task's
+    # shell (single quotes), not by this script's (which runs on the first node only).
+    rendezvous = rendezvous_args(
+        '"$SLURM_JOB_NUM_NODES"', spec.nproc, '"$SLURM_NODEID"', '"$head"', '"$port"', '"$SLURM_JOB_ID"'
+    )
     lines = [
         "#!/bin/bash",
         f"# Written by jupyter_shard %dist_export on {when:%Y-%m-%d %H:%M}: {script} on "
@@ -246,12 +256,12 @@ def render_sbatch(spec: LaunchSpec, script: str, *, when: datetime, name: str = 
         "# torchrun of the environment the notebook ran in (it has torch and jupyter_shard)",
         f'TORCHRUN="${{TORCHRUN:-{torchrun if torchrun.exists() else "torchrun"}}}"',
         'mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
-        'head="${hosts[0]}"',
-        "port=$((20000 + SLURM_JOB_ID % 20000))",
+        'export TORCHRUN head="${hosts[0]}" port=$((20000 + SLURM_JOB_ID % 20000))',
         "",
-        f"# one torchrun per node starts its {spec.nproc} ranks; --tee 3 labels each line with its rank",
-        f'srun "$TORCHRUN" {" ".join(rendezvous[:4])} \\',
-        f"{INDENT}{' '.join(rendezvous[4:])} \\",
-        f"{INDENT}--tee 3 {shlex.quote(script)}",
+        f"# one torchrun per node starts its {spec.nproc} ranks; node 0 ($head) hosts the rendezvous store",
+        "# (torch's static rendezvous: nothing pickled); --tee 3 labels each line with its rank",
+        f'srun bash -c \'exec "$TORCHRUN" {" ".join(rendezvous[:6])} \\',
+        f"{INDENT}{' '.join(rendezvous[6:])} \\",
+        f"{INDENT}--tee 3 {_in_single_quotes(shlex.quote(script))}'",
     ]
     return "\n".join(lines) + "\n"

@@ -14,6 +14,7 @@ import sys
 from jupyter_shard.spec import LaunchSpec
 
 __all__ = [
+    "AGENT_MODULE",
     "EXPORT_RDZV_PORT",
     "agent_args",
     "agent_command",
@@ -22,28 +23,37 @@ __all__ = [
 ]
 
 EXPORT_RDZV_PORT = 29500  # the port an exported script's header suggests for a hand-started rendezvous
+AGENT_MODULE = "jupyter_shard.launchers.node_agent"  # torch.distributed.run, its store bound to one address
 
 
-def rendezvous_args(nodes: str, nproc: int, endpoint: str, rdzv_id: str) -> list[str]:
-    """torch.distributed.run's options for one agent of ``nodes`` meeting through c10d on ``endpoint``."""
+def rendezvous_args(nodes: str, nproc: int, node_rank: str, head: str, port: str, run_id: str) -> list[str]:
+    """torch.distributed.run's options for node ``node_rank`` of ``nodes`` meeting at ``head:port``.
+
+    The rendezvous is torch's static one: every node is told its index, node 0 hosts a TCPStore and the
+    others connect to it. Nothing in it is pickled (c10d's dynamic rendezvous pickles its state into
+    the store, where anyone who reaches the port can replace it with code every agent then runs)."""
     return [
         "--nnodes",
         nodes,
         "--nproc-per-node",
         str(nproc),
         "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        endpoint,
+        "static",
+        "--node-rank",
+        node_rank,
+        "--master-addr",
+        head,
+        "--master-port",
+        port,
         "--rdzv-id",
-        rdzv_id,
+        run_id,
     ]
 
 
-def agent_args(nodes: str, nproc: int, endpoint: str, rdzv_id: str) -> list[str]:
+def agent_args(nodes: str, nproc: int, node_rank: str, head: str, port: str, run_id: str) -> list[str]:
     """The options of an agent a pool starts: a lost rank is not restarted, and is seen at once."""
     return [
-        *rendezvous_args(nodes, nproc, endpoint, rdzv_id),
+        *rendezvous_args(nodes, nproc, node_rank, head, port, run_id),
         "--max-restarts",
         "0",
         "--monitor-interval",
@@ -52,8 +62,9 @@ def agent_args(nodes: str, nproc: int, endpoint: str, rdzv_id: str) -> list[str]
 
 
 def agent_command(options: list[str]) -> list[str]:
-    """The node agent a pool starts: this interpreter's torch.distributed.run, running rank runtimes."""
-    return [sys.executable, "-m", "torch.distributed.run", *options, "-m", "jupyter_shard.rank"]
+    """The node agent a pool starts: torch.distributed.run in this interpreter, running rank runtimes,
+    through :data:`AGENT_MODULE`, which binds node 0's store to the head address alone."""
+    return [sys.executable, "-m", AGENT_MODULE, *options, "-m", "jupyter_shard.rank"]
 
 
 def torchrun_line(spec: LaunchSpec, target: str, wrap: str = " ") -> str:
@@ -68,6 +79,7 @@ def torchrun_line(spec: LaunchSpec, target: str, wrap: str = " ") -> str:
 
 
 def multi_node_torchrun_line(nodes: str, nproc: int, target: str, wrap: str = " ") -> str:
-    """``torchrun --nnodes N ... target`` with the placeholders HEAD and RUN for the person to fill."""
-    args = rendezvous_args(nodes, nproc, f"HEAD:{EXPORT_RDZV_PORT}", "RUN")
+    """``torchrun --nnodes N ... target`` with the placeholders NODE (this node's index, 0 on the first
+    node), HEAD (the first node's address) and RUN (any name the nodes share) for the person to fill."""
+    args = rendezvous_args(nodes, nproc, "NODE", "HEAD", str(EXPORT_RDZV_PORT), "RUN")
     return f"torchrun {' '.join(args[:6])}{wrap}{' '.join(args[6:])} {target}"

@@ -2,9 +2,11 @@
 
 ``srun --nodes N --ntasks-per-node 1`` asks SLURM for the nodes (a new job, or a step inside the
 allocation the kernel already runs in, when ``SLURM_JOB_ID`` is set); each task runs
-``torch.distributed.run`` with c10d rendezvous on the job's first node. The job carries a unique name,
-so the launcher can show its id and queue state while it waits and cancel it (``scancel``) on shutdown,
-on an interrupt that ends in a kill, and - through the tether - when the kernel dies.
+``torch.distributed.run`` with torch's static rendezvous (the task's ``$SLURM_NODEID`` as its node's
+index) hosted by the job's first node, its store bound to that node's address, nothing pickled. The
+job carries a unique name, so the launcher can show its id and queue state while it waits and cancel
+it (``scancel``) on shutdown, on an interrupt that ends in a kill, and - through the tether - when the
+kernel dies.
 """
 
 from __future__ import annotations
@@ -97,8 +99,8 @@ class SlurmLauncher(KeptAgents):
         env = job_env(ranks[0].env)
         env.pop("GLOO_SOCKET_IFNAME", None)
         env.pop("NCCL_SOCKET_IFNAME", None)
-        endpoint = '"$head":' + str(RDZV_PORT)
-        options = agent_args('"$SLURM_JOB_NUM_NODES"', spec.nproc, endpoint, '"$SLURM_JOB_ID"')
+        nodes, node, job = '"$SLURM_JOB_NUM_NODES"', '"$SLURM_NODEID"', '"$SLURM_JOB_ID"'
+        options = agent_args(nodes, spec.nproc, node, '"$head"', str(RDZV_PORT), job)
         python, *rest = agent_command(options)
         torchrun = " ".join([shlex.quote(python), *rest])
         script = (

@@ -7,8 +7,9 @@
 - No ``--hosts``: one node is this machine; with ``--nodes N`` > 1 the pool prints the command to run
   on each node (keys read from a 0600 file) and waits for the nodes to join.
 
-The agents meet through torch's own c10d rendezvous (a TCPStore on the first node, on
-``--rdzv-endpoint``); ranks then build their process group on that store. Every rank dials back to the
+The agents meet through torch's static rendezvous: each is told its node's index, and node 0 hosts a
+TCPStore, bound to the address the other nodes reach it by (:mod:`~jupyter_shard.launchers.node_agent`);
+nothing in it is pickled. Ranks then build their process group on that store. Every rank dials back to the
 kernel at the address :meth:`TorchrunLauncher.bind_address` chose.
 """
 
@@ -124,16 +125,14 @@ class TorchrunLauncher(KeptAgents):
         here = resolve_interface(interface) if interface is not None else socket.gethostname()
         reach = ["127.0.0.1" if local else (here if is_this_machine(h) else h) for h in hosts]
         first = reach[0] if hosts else "NODE0"
-        port = free_port() if hosts and is_this_machine(hosts[0]) else RDZV_PORT
-        endpoint = f"{first}:{port}"
+        port = str(free_port() if hosts and is_this_machine(hosts[0]) else RDZV_PORT)
         rdzv_id = f"jupyter_shard-{uuid.uuid4().hex[:12]}"
         cwd, pool_dir = ranks[0].cwd, ranks[0].pool_dir
 
         def agent_cmd(node: int) -> list[str]:
             # Node 0 hosts the rendezvous store (which the ranks' process groups use too), so losing
             # another node leaves it standing; losing node 0 ends every node.
-            options = agent_args(str(spec.nodes), spec.nproc, endpoint, rdzv_id)
-            options += ["--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}"]
+            options = agent_args(str(spec.nodes), spec.nproc, str(node), first, port, rdzv_id)
             # Peers reach this node's store and ranks by the name the user gave it, not its own FQDN.
             options += ["--local-addr", reach[node]]
             return agent_command(options)
@@ -157,7 +156,7 @@ class TorchrunLauncher(KeptAgents):
             self.stop()
             raise
         if not hosts:
-            options = agent_args(str(spec.nodes), spec.nproc, endpoint, rdzv_id)
+            options = agent_args(str(spec.nodes), spec.nproc, "K", first, port, rdzv_id)
             self._manual = _manual_instructions(spec, base, options, log_dir, cwd)
         return [RemoteRank(launch.rank, self.agents, self.signal_rank) for launch in ranks]
 
@@ -206,7 +205,8 @@ def _manual_instructions(
         f"waiting for {spec.nodes} nodes to join; on each node run (the file holds the pool's keys: copy it "
         f"there if {log_dir} is not shared, and keep it private):\n"
         f"  cd {shlex.quote(str(cwd))} && . {shlex.quote(str(path))} && {run}\n"
-        "where NODE0 is the first node's host name; interrupt the cell to give up"
+        f"where K is the node's index (0 on the first node, then 1 to {spec.nodes - 1}, each once) and NODE0 "
+        "the first node's host name; interrupt the cell to give up"
     )
 
 

@@ -23,6 +23,7 @@ import pytest
 from jupyter_shard import DistributedError, Pool
 from jupyter_shard.launchers import resolve_spec
 from jupyter_shard.pool.output import ConsoleSink
+from tests.launchers._listeners import LISTENERS, proc_hex
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -101,6 +102,10 @@ def test_ranks_in_two_namespaces_all_reduce_and_dial_back_on_the_bridge(
         )
         seen = sorted(r.stdout.split() for r in result.ranks.values())
         assert seen == [["0", "None", "3.0"], ["1", "None", "3.0"]]  # the key left the environment
+        # node 0's rendezvous store listens on the address node 1 was told, not on every interface
+        on_node_0 = next(k for k, r in pool.ranks.records.items() if r.node == 0)
+        listening = pool.run(LISTENERS, ranks=[on_node_0]).ranks[on_node_0].stdout.split()
+        assert listening == ["LISTENING", proc_hex(addresses[0])], listening
         # every rank connection to the kernel comes from a namespace's own address
         peers = {
             c.raddr.ip
@@ -115,9 +120,8 @@ def test_ranks_in_two_namespaces_all_reduce_and_dial_back_on_the_bridge(
         agent = subprocess.run(
             ["ip", "netns", "pids", f"jsns{os.getpid() % 10000}-1"], capture_output=True, text=True
         ).stdout.split()
-        torchrun = [
-            int(p) for p in agent if psutil.Process(int(p)).cmdline()[1:3] == ["-m", "torch.distributed.run"]
-        ]
+        node_agent = ["-m", "jupyter_shard.launchers.node_agent"]
+        torchrun = [int(p) for p in agent if psutil.Process(int(p)).cmdline()[1:3] == node_agent]
         assert len(torchrun) == 1
         killer = threading.Timer(2.0, lambda: psutil.Process(torchrun[0]).kill())
         killer.start()

@@ -1,7 +1,7 @@
 """Two torchrun agents on this machine as node 0 and node 1: ranks dial back over TCP with CurveZMQ.
 
-Each node runs one ``torch.distributed.run`` agent (c10d rendezvous) started by the pool; the ranks
-build their process group on the agents' store, connect to the kernel at ``tcp://127.0.0.1:port``
+Each node runs one ``torch.distributed.run`` agent (static rendezvous, node 0's store on loopback alone)
+started by the pool; the ranks build their process group on the agents' store, connect to the kernel at ``tcp://127.0.0.1:port``
 through an encrypted channel that admits only the pool's client key, and keep their state between
 cells. A node whose agent is killed mid-cell is reported as that node failing, with its host.
 """
@@ -29,6 +29,7 @@ from jupyter_shard.pool.output import ConsoleSink
 from jupyter_shard.spec import LaunchSpec
 from jupyter_shard.wire.curve import CurveKeys, secure_client
 from jupyter_shard.wire.protocol import Wire, rank_identity
+from tests.launchers._listeners import LISTENERS
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -57,19 +58,22 @@ def test_ranks_on_two_agents_all_reduce_and_keep_state(pool: Pool) -> None:
     )
     lines = {k: r.stdout.split() for k, r in result.ranks.items()}
     assert {k: (v[0], v[3]) for k, v in lines.items()} == {0: ("0", "3.0"), 1: ("1", "3.0")}
-    assert sorted(v[1] for v in lines.values()) == ["0", "1"]  # one rank per node (rendezvous picks which)
+    assert [lines[k][1] for k in (0, 1)] == ["0", "1"]  # each node was told its index: rank 0 on node 0
     assert {k: str(pool.ranks[k].node) for k in lines} == {k: v[1] for k, v in lines.items()}
     assert lines[0][2] == lines[1][2] and lines[0][2].startswith("jupyter_shard-")  # one rendezvous
     # the agents are the pool's children; the ranks are theirs, not the kernel's
     agents = {
         p.pid
         for p in psutil.Process().children(recursive=True)
-        if p.cmdline()[1:3] == ["-m", "torch.distributed.run"]
+        if p.cmdline()[1:3] == ["-m", "jupyter_shard.launchers.node_agent"]
     }
     assert len(agents) == 2
     rank_pids = {s.pid for s in pool.status()}
     assert all(psutil.Process(pid).ppid() in agents for pid in rank_pids)
     assert pool.run("t.item() + 1").ranks[1].result == {"text/plain": "4.0"}  # state kept
+    # node 0's rendezvous store (on MASTER_PORT) listens on loopback alone, not on every interface
+    listening = pool.run(LISTENERS, ranks=[0]).ranks[0].stdout.split()
+    assert listening == ["LISTENING", "0100007F"], listening
 
 
 def test_a_script_and_lightning_see_two_nodes(pool: Pool) -> None:
@@ -250,9 +254,10 @@ def test_nodes_started_by_hand_join_from_the_printed_command(tmp_path: Path) -> 
         deadline = time.monotonic() + 30
         while not notices and time.monotonic() < deadline:
             time.sleep(0.1)
-        command = notices[0].splitlines()[1].strip().replace("NODE0:", "127.0.0.1:")
-        for _ in range(2):
-            nodes.append(subprocess.Popen(["bash", "-c", command], cwd=tmp_path, start_new_session=True))
+        command = notices[0].splitlines()[1].strip().replace("--master-addr NODE0", "--master-addr 127.0.0.1")
+        for k in range(2):  # each node told its index, as the notice asks
+            here = command.replace("--node-rank K", f"--node-rank {k}")
+            nodes.append(subprocess.Popen(["bash", "-c", here], cwd=tmp_path, start_new_session=True))
 
     joiner = threading.Thread(target=join_when_asked)
     joiner.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import shlex
 import sys
 from pathlib import Path
 
@@ -99,12 +100,17 @@ def test_sbatch_asks_slurm_for_the_pools_shape_and_starts_torchrun_per_node() ->
         "#SBATCH --output=train-%j.out",
     ]
     assert text.startswith("#!/bin/bash\n")
-    assert 'mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")\nhead="${hosts[0]}"' in text
-    srun = text[text.index("srun ") :].replace("\\\n", " ").split()
-    assert srun == [
-        "srun", '"$TORCHRUN"', "--nnodes", '"$SLURM_JOB_NUM_NODES"', "--nproc-per-node", "4",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", '"$head:$port"', "--rdzv-id", '"$SLURM_JOB_ID"',
-        "--tee", "3", "train.py",
+    assert (
+        'mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")\n'
+        'export TORCHRUN head="${hosts[0]}"' in text
+    )
+    srun = shlex.split(text[text.index("srun ") :].replace("\\\n", " "))
+    assert srun[:3] == ["srun", "bash", "-c"] and len(srun) == 4
+    # each task's own shell expands its node's index: static rendezvous, nothing pickled
+    assert shlex.split(srun[3]) == [
+        "exec", '$TORCHRUN', "--nnodes", '$SLURM_JOB_NUM_NODES', "--nproc-per-node", "4",
+        "--rdzv-backend", "static", "--node-rank", '$SLURM_NODEID', "--master-addr", '$head',
+        "--master-port", '$port', "--rdzv-id", '$SLURM_JOB_ID', "--tee", "3", "train.py",
     ]  # fmt: skip
     assert f'TORCHRUN="${{TORCHRUN:-{Path(sys.executable).with_name("torchrun")}}}"' in text
 
@@ -113,11 +119,13 @@ def test_sbatch_on_cpu_asks_for_no_gpus_and_leaves_out_options_the_spec_lacks() 
     text = render_sbatch(LaunchSpec(nproc=2), "sub dir/train.py", when=WHEN)
     assert "--gpus-per-node" not in text and "--partition" not in text and "--time" not in text
     assert "#SBATCH --nodes=1\n" in text and "#SBATCH --cpus-per-task=2\n" in text
-    assert text.rstrip().endswith("--tee 3 'sub dir/train.py'")
+    inner = shlex.split(shlex.split(text[text.index("srun ") :].replace("\\\n", " "))[3])
+    assert inner[-3:] == ["--tee", "3", "sub dir/train.py"]
 
 
 def test_the_header_says_how_to_run_on_several_nodes() -> None:
     text = _render(_cell("x = 1", 1), spec=LaunchSpec(nproc=4, nodes=2, launcher="torchrun"))
     doc = ast.get_docstring(ast.parse(text)) or ""
     assert "1 cell run on 2 nodes × 4 CPU ranks (none)" in doc
-    assert "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\\n" in doc
+    assert "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend static \\\n" in doc
+    assert "--node-rank NODE --master-addr HEAD --master-port 29500 --rdzv-id RUN" in doc

@@ -10,13 +10,15 @@ from jupyter_shard.spec import LaunchSpec
 
 
 def test_torchrun_args_shape() -> None:
-    args = torchrun_args("2", 3, "h:29400", "rid")
+    args = torchrun_args("2", 3, "1", "h", "29400", "rid")
     pairs = dict(zip(args[::2], args[1::2], strict=True))
     assert pairs == {
         "--nnodes": "2",
         "--nproc-per-node": "3",
-        "--rdzv-backend": "c10d",
-        "--rdzv-endpoint": "h:29400",
+        "--rdzv-backend": "static",  # c10d's dynamic rendezvous pickles its state into the store
+        "--node-rank": "1",
+        "--master-addr": "h",
+        "--master-port": "29400",
         "--rdzv-id": "rid",
         "--max-restarts": "0",
         "--monitor-interval": "0.1",

@@ -87,8 +87,8 @@ def test_slurm_start_builds_one_srun_step(tmp_path: Path, monkeypatch: pytest.Mo
     assert out[0] == "NODE=1"
     assert out[1:] == [
         "-m",
-        "torch.distributed.run",
-        *torchrun_args("2", 4, "nodeA:29400", "77"),
+        "jupyter_shard.launchers.node_agent",
+        *torchrun_args("2", 4, "1", "nodeA", "29400", "77"),  # node 1 told so: static rendezvous
         "-m",
         "jupyter_shard.rank",
     ]

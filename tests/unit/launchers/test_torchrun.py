@@ -158,9 +158,9 @@ def test_torchrun_start_sends_secrets_to_a_remote_node_only_on_stdin(
     secrets = _secret_parts(launches[0].env)
 
     # node 0 is this machine: a local torchrun whose environment carries the keys
-    assert here["command"][:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert here["command"][:3] == [sys.executable, "-m", "jupyter_shard.launchers.node_agent"]
     assert here["command"][-2:] == ["-m", "jupyter_shard.rank"]
-    assert "is_host=true" in here["command"]
+    assert _option(here["command"], "--node-rank") == "0"
     assert here["env"][KEY_ENV] == KEY and here["env"]["JUPYTER_SHARD_NODE"] == "0"
     assert here["stdin"] is None
     assert here["log"] == tmp_path / "node-0.log"
@@ -176,15 +176,20 @@ def test_torchrun_start_sends_secrets_to_a_remote_node_only_on_stdin(
     assert there["stdin"] == f"{KEY}\n{launches[0].env[CURVE_ENV]}\n".encode()
     script = there["command"][-1]
     assert f"cd {shlex.quote(str(tmp_path))} && " in script
-    assert "-m torch.distributed.run" in script and script.endswith("-m jupyter_shard.rank")
-    assert "is_host=false" in script and "JUPYTER_SHARD_NODE=1" in script
+    assert "-m jupyter_shard.launchers.node_agent" in script and script.endswith("-m jupyter_shard.rank")
+    assert _option(script, "--node-rank") == "1" and "JUPYTER_SHARD_NODE=1" in script
     assert "GLOO_SOCKET_IFNAME" not in script and "RANK=" not in script.replace("NODE", "")
     assert there["log"] == tmp_path / "node-1.log"
 
 
-def _rdzv_endpoint(argv_or_script: list[str] | str) -> str:
+def _option(argv_or_script: list[str] | str, name: str) -> str:
     words = shlex.split(argv_or_script) if isinstance(argv_or_script, str) else argv_or_script
-    return words[words.index("--rdzv-endpoint") + 1]
+    return words[words.index(name) + 1]
+
+
+def _rdzv_endpoint(argv_or_script: list[str] | str) -> str:
+    assert _option(argv_or_script, "--rdzv-backend") == "static"
+    return f"{_option(argv_or_script, '--master-addr')}:{_option(argv_or_script, '--master-port')}"
 
 
 def test_remote_nodes_are_not_sent_to_a_loopback_rendezvous(
@@ -213,10 +218,7 @@ def test_torchrun_on_this_machine_meets_on_loopback(tmp_path: Path, monkeypatch:
     ids = {c["command"][c["command"].index("--rdzv-id") + 1] for c in spawned.calls}
     assert len(ids) == 1 and next(iter(ids)).startswith("jupyter_shard-")
     assert all(c["env"]["GLOO_SOCKET_IFNAME"] == "lo" for c in spawned.calls), "kept for loopback"
-    assert [c["command"][c["command"].index("--rdzv-conf") + 1] for c in spawned.calls] == [
-        "is_host=true",
-        "is_host=false",
-    ]
+    assert [_option(c["command"], "--node-rank") for c in spawned.calls] == ["0", "1"]  # node 0 hosts
 
 
 # -- manual join: --nodes N without --hosts ------------------------------------------------------------
@@ -225,7 +227,7 @@ def test_torchrun_on_this_machine_meets_on_loopback(tmp_path: Path, monkeypatch:
 def test_manual_instructions_write_a_private_env_file_and_print_no_key(tmp_path: Path) -> None:
     spec = _spec(launcher="torchrun", nodes=2)
     env = job_env(_rank_launches(tmp_path, 1)[0].env)
-    options = torchrun_args("2", 1, "NODE0:29400", "jupyter_shard-abc")
+    options = torchrun_args("2", 1, "K", "NODE0", "29400", "jupyter_shard-abc")
     work = tmp_path / "my work"
     text = _manual_instructions(spec, env, options, tmp_path, work)
     path = tmp_path / "node.env"
@@ -237,9 +239,10 @@ def test_manual_instructions_write_a_private_env_file_and_print_no_key(tmp_path:
     words = shlex.split(command)
     assert words[:2] == ["cd", str(work)]
     assert words[3:5] == [".", str(path)]
-    assert words[6:9] == [sys.executable, "-m", "torch.distributed.run"]
+    assert words[6:9] == [sys.executable, "-m", "jupyter_shard.launchers.node_agent"]
     assert words[-2:] == ["-m", "jupyter_shard.rank"]
-    assert "NODE0:29400" in words and "NODE0" in text.splitlines()[-1]
+    assert _option(words, "--master-addr") == "NODE0" and _option(words, "--node-rank") == "K"
+    assert "NODE0" in text.splitlines()[-1] and "K is the node's index (0 on the first node" in text
     # the file, sourced by a shell, gives back exactly the pool's keys and nothing per rank or foreign
     shown = subprocess.run(
         ["sh", "-c", f". {shlex.quote(str(path))} && env"],
@@ -269,4 +272,4 @@ def test_torchrun_start_without_hosts_starts_no_agent_and_waits_for_nodes(
     note = launcher.waiting()
     assert note is not None and KEY not in note
     assert stat.S_IMODE((tmp_path / "node.env").stat().st_mode) == 0o600
-    assert "--nnodes 2" in note and "NODE0:29400" in note
+    assert "--nnodes 2" in note and "--master-addr NODE0 --master-port 29400" in note
