@@ -96,7 +96,7 @@ def _start_up(env: RankEnv, channel: Channel, shell_sock: ShellSocket, state: Ce
     state.group = group
     if env.store is not None:
         group.build_on_file(env.store)
-    else:  # started by torchrun: its store (c10d rendezvous), a prefix per process group
+    else:  # started by torchrun: node 0 agent's store (static rendezvous), a prefix per process group
         from torch.distributed.rendezvous import rendezvous
 
         timeout = timedelta(seconds=env.timeout)
