@@ -50,6 +50,7 @@ from jupyter_shard.wire.protocol import KERNEL, MAX_FRAME, Wire, new_key
 START_TIMEOUT = float(os.environ.get(START_TIMEOUT_VAR, "180"))
 
 DIR_PREFIX = "jupyter_shard-"
+SEEN_RECORD = "seen.json"  # a kept pool's: the last seq its kernel took from each rank (0600)
 _POOL_DIR_NAME = re.compile(re.escape(DIR_PREFIX) + r"[a-z0-9_]{8}")
 
 
@@ -338,11 +339,21 @@ class Lifecycle:
         ranks = [] if self.launcher.remote else [r.handle.pid for r in self.ranks]
         return ranks + self.launcher.local_pids()
 
+    def note_seen(self) -> None:
+        """For a kept pool: write down the last message taken from each rank, so that a kernel that
+        attaches later refuses those messages, replayed (written when a cell ends and on release)."""
+        wire, directory = self.conn.wire, self.directory
+        if wire is None or directory is None or not (directory / KEPT_RECORD).exists():
+            return
+        with contextlib.suppress(OSError):
+            write_private(directory / SEEN_RECORD, json.dumps(wire.seen()))
+
     def release(self) -> None:
         """Let go of the ranks without stopping them (the kernel exits, or another kernel takes the
         pool over): the socket closes and the lifeline with it, and the private directory stays."""
         with self.conn.lock:
             if self.directory is not None:
+                self.note_seen()
                 _let_go_of(self.directory / KEPT_RECORD)
             self.ranks.clear()
             self.launcher = None
@@ -387,7 +398,10 @@ class Lifecycle:
                 else str(exc)
             )
             raise PoolError(f"cannot bind the kept pool's socket {self.address}: {why}") from None
-        self.conn.attach(sock, Wire(self.key, KERNEL))
+        wire = Wire(self.key, KERNEL)
+        with contextlib.suppress(OSError, ValueError):  # none yet: the kernel before died before a cell ended
+            wire.refuse_up_to(read_private_json(directory / SEEN_RECORD))
+        self.conn.attach(sock, wire)
         _own_pool_record(directory)
         return handles
 

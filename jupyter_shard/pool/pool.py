@@ -307,6 +307,8 @@ class Pool(PoolFacts):
         if gathering.record:
             status = "ok" if gathering.result.ok else "error"
             self.transcript.add(CellEntry(gathering.code, gathering.ranks, status, gathering.exec_count))
+        if self._keep > 0:
+            self.lifecycle.note_seen()
         self._tick(final=True)
 
     def _background_step(self, run: BackgroundRun) -> None:  # in the watcher thread

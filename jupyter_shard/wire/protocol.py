@@ -248,6 +248,17 @@ class Wire:
         ]
         return [TAG, _mac(self._key, [TAG, *parts]), *parts]
 
+    def seen(self) -> dict[str, int]:
+        """The last ``seq`` taken from each sender: what a kernel attaching after this one refuses."""
+        return dict(self._last_seen)
+
+    def refuse_up_to(self, seen: Mapping[str, object]) -> None:
+        """Refuse from each sender every message up to the ``seq`` given for it (another endpoint's
+        :meth:`seen`): those were taken there, and arrive here only as replays."""
+        for sender, seq in seen.items():
+            if type(seq) is int:
+                self._last_seen[sender] = max(self._last_seen.get(sender, -1), seq)
+
     def decode(self, frames: Sequence[bytes], expect_sender: str | None = None) -> Message:
         """Authenticate, then parse. Raises :class:`ProtocolError` for anything not well-formed."""
         try:

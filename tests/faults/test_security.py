@@ -345,6 +345,34 @@ def test_replayed_and_reordered_genuine_frames_are_dropped(pool: Pool) -> None:
     assert pool.run("6 * 7", timeout=30).value == {"text/plain": "42"}
 
 
+def test_a_kernel_attaching_a_kept_pool_refuses_what_the_kernel_before_it_took(kept_runtime: Path) -> None:
+    """A genuine frame the first kernel took, replayed to the kernel that attaches after it, is
+    dropped there; a newer one from the same sender is still taken (the refusal is by ``seq``)."""
+    from jupyter_shard.pool.keep import attach
+
+    first = Pool(nproc=1, device="cpu")
+    first.start()
+    first.keep = 60
+    wire = Wire(_key(first), ALIAS)
+    taken = wire.encode("stream", {"cell_id": "c", "name": "stdout"}, [b"taken before\n"])
+    _send(first, [taken])
+    assert _wait_until(lambda: first.activity()[0].last_line == "taken before")
+    first.run("1")  # a cell's end writes down what was taken
+    first.release()
+    second = attach()
+    try:
+        dropped = second.dropped
+        _send(second, [taken])
+        assert _wait_until(lambda: second.dropped > dropped), "a replay from before the attach was taken"
+        newer = wire.encode("stream", {"cell_id": "c", "name": "stdout"}, [b"sent after\n"])
+        _send(second, [newer])
+        assert _wait_until(lambda: second.activity()[0].last_line == "sent after")
+        assert second.dropped - dropped == 1
+        assert second.run("6 * 7", timeout=30).value == {"text/plain": "42"}
+    finally:
+        second.shutdown()
+
+
 def test_genuine_frame_of_another_sender_is_dropped(pool: Pool) -> None:
     """A frame rank 0 could have signed (sender ``rank-0``), replayed from another identity."""
     dropped = pool.dropped
