@@ -6,6 +6,7 @@ rank; a failure is summarised root cause first (the first rank that failed, then
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,20 +87,69 @@ class DistributedError(ShardError):
         super().__init__(self.headline)
 
     def render(self) -> list[str]:
-        """Every failed rank's traceback, root cause first, for showing in a notebook."""
-        lines = [self.headline]
-        for note in self.result.notes:
-            lines.append(note)
-        shown: dict[tuple[str, tuple[str, ...]], list[int]] = {}  # the same error and traceback: once
+        """The failed ranks' tracebacks for showing in a notebook, grouped by where they were raised:
+        one block per traceback (the same frames and exception type), root cause first, with the
+        ranks that raised it and, where their messages differ, each message under it in rank order
+        (folded past :data:`MESSAGES_SHOWN`)."""
+        lines = [self.headline, *self.result.notes]
+        groups: dict[tuple[str, str, tuple[str, ...]], list[RankResult]] = {}  # by first failure
         for failure in self.failures:
-            shown.setdefault((_summary(failure), tuple(failure.traceback)), []).append(failure.rank)
-        for (summary, traceback), ranks in shown.items():
-            lines.append(f"──── rank {format_ranks(ranks)}: {summary} ────")
-            lines.extend(traceback)
+            groups.setdefault(_place(failure), []).append(failure)
+        for (_, ename, frames), members in groups.items():
+            members = sorted(members, key=lambda f: f.rank)
+            ranks = format_ranks([f.rank for f in members])
+            by_message: dict[str, tuple[str, list[int]]] = {}  # by its text without colours, in rank order
+            for failure in members:
+                line = _message_line(failure)
+                by_message.setdefault(_ANSI.sub("", line), (line, []))[1].append(failure.rank)
+            if len(by_message) == 1:
+                lines.append(f"──── rank {ranks}: {_summary(members[0])} ────")
+                lines.extend(members[0].traceback)
+                continue
+            lines.append(f"──── rank {ranks}: {ename or 'failed'}, {len(by_message)} different messages ────")
+            lines.extend(frames)
+            lines.extend(_messages(by_message))
         return lines
 
     def __str__(self) -> str:
         return "\n".join(self.render())
+
+
+MESSAGES_SHOWN = 5  # of a group's different messages: the first ones and the last, the rest counted
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _place(failure: RankResult) -> tuple[str, str, tuple[str, ...]]:
+    """Where a failure was raised: its status, exception type, and traceback without the closing
+    exception line (which carries the message, rank-specific in most real errors)."""
+    frames = tuple(failure.traceback)
+    if frames and _ANSI.sub("", frames[-1]).startswith(failure.ename or "\0"):
+        frames = frames[:-1]
+    else:  # not a traceback that ends in its exception line: grouped only with identical ones
+        return failure.status, failure.ename, (*frames, _summary(failure))
+    return failure.status, failure.ename, frames
+
+
+def _message_line(failure: RankResult) -> str:
+    """The exception line as the traceback shows it (colours kept), else the summary."""
+    if failure.traceback and _ANSI.sub("", failure.traceback[-1]).startswith(failure.ename or "\0"):
+        return failure.traceback[-1]
+    return _summary(failure)
+
+
+def _messages(by_message: dict[str, tuple[str, list[int]]]) -> list[str]:
+    """``[rank k] message`` per different message, in rank order; past MESSAGES_SHOWN, the first
+    ones, a line counting the middle ones with their ranks, and the last."""
+    items = [(f"[rank {format_ranks(ranks)}] {line}", ranks) for line, ranks in by_message.values()]
+    if len(items) <= MESSAGES_SHOWN:
+        return [text for text, _ in items]
+    head, middle, last = items[: MESSAGES_SHOWN - 2], items[MESSAGES_SHOWN - 2 : -1], items[-1]
+    folded = format_ranks([rank for _, ranks in middle for rank in ranks])
+    return [
+        *(text for text, _ in head),
+        f"… {len(middle)} more different messages, on rank {folded} (each rank's log has its own)",
+        last[0],
+    ]
 
 
 def _summary(failure: RankResult) -> str:

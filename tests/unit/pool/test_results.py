@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from jupyter_shard.pool.results import DistributedError, RankResult, RunResult
+import random
+import re
+
+from jupyter_shard.pool.results import MESSAGES_SHOWN, DistributedError, RankResult, RunResult
 
 
 def _tb(rank: int) -> list[str]:
@@ -134,3 +137,101 @@ def test_a_dead_rank_comes_before_the_peer_whose_collective_it_broke() -> None:
     # without a death, a closed connection is just the first failure
     alive = RunResult("c", {0: _failed(0, at=10.0, evalue=gloo), 1: _failed(1, at=10.2)})
     assert [f.rank for f in alive.failures()] == [0, 1]
+
+
+# -- tracebacks grouped by where they were raised ------------------------------------------------------
+
+_FRAMES = [
+    "---------------------------------------------------------------------------",
+    "ValueError                                Traceback (most recent call last)",
+    "Cell In[2], line 2\n----> 2 f(dist.get_rank())\n",
+    'Cell In[1], line 2, in f(r)\n----> 2     raise ValueError(f"bad {r}")\n',
+]
+
+
+def _raised(
+    rank: int, at: float, message: str, frames: list[str] = _FRAMES, ename: str = "ValueError"
+) -> RankResult:
+    colour = "\x1b[0;31m" if rank % 2 else ""  # IPython colours the exception line in a notebook
+    line = f"{colour}{ename}{chr(27) + '[0m' if colour else ''}: {message}"
+    tb = [*frames, line]
+    return RankResult(rank, status="error", ename=ename, evalue=message, traceback=tb, failed_at=at)
+
+
+def test_64_ranks_raising_one_error_with_their_own_messages_read_as_one_block() -> None:
+    order = list(range(64))
+    random.Random(7).shuffle(order)  # arrival order is not rank order
+    ranks = {rank: _raised(rank, at=1.0 + i, message=f"bad {rank}") for i, rank in enumerate(order)}
+    lines = DistributedError(RunResult("c", ranks)).render()
+    assert lines[0].startswith(
+        f"rank {order[0]} failed first: ValueError: bad {order[0]} (also failed: rank "
+    )
+    assert lines[1] == "──── rank 0-63: ValueError, 64 different messages ────"
+    assert lines[2:6] == _FRAMES  # the frames once
+    messages = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in lines[6:]]
+    assert messages == [
+        "[rank 0] ValueError: bad 0",
+        "[rank 1] ValueError: bad 1",
+        "[rank 2] ValueError: bad 2",
+        "… 60 more different messages, on rank 3-62 (each rank's log has its own)",
+        "[rank 63] ValueError: bad 63",
+    ]
+    assert len(lines) == 11  # against 64 blocks of 6 lines before
+
+
+def test_a_lone_rank_failing_elsewhere_stands_out_first() -> None:
+    elsewhere = [*_FRAMES[:2], "Cell In[2], line 9\n----> 9 load(shard)\n"]
+    ranks = {rank: _raised(rank, at=10.0 + rank, message="the same on all") for rank in range(8) if rank != 5}
+    ranks[5] = _raised(5, at=1.0, message="no such file: shard-5", frames=elsewhere, ename="OSError")
+    lines = DistributedError(RunResult("c", ranks)).render()
+    assert lines[0] == "rank 5 failed first: OSError: no such file: shard-5 (also failed: rank 0-4,6-7)"
+    assert lines[1] == "──── rank 5: OSError: no such file: shard-5 ────"
+    assert lines[2:5] == elsewhere
+    assert lines[6] == "──── rank 0-4,6-7: ValueError: the same on all ────"  # one message: as one traceback
+    assert lines[7:] == ranks[0].traceback
+
+
+def test_ranks_sharing_a_message_share_its_line() -> None:
+    ranks = {rank: _raised(rank, at=rank, message=f"bad shard {rank // 4}") for rank in range(12)}
+    lines = DistributedError(RunResult("c", ranks)).render()
+    clean = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in lines]
+    assert clean[1] == "──── rank 0-11: ValueError, 3 different messages ────"
+    assert clean[-3:] == [
+        "[rank 0-3] ValueError: bad shard 0",
+        "[rank 4-7] ValueError: bad shard 1",
+        "[rank 8-11] ValueError: bad shard 2",
+    ]
+
+
+def test_every_failed_rank_is_in_exactly_one_block_and_every_message_is_shown_or_counted() -> None:
+    """Random pools of failures: places drawn from a few, messages from a few per place."""
+    rng = random.Random(11)
+    for _ in range(200):
+        world = rng.randint(1, 80)
+        places = [[*_FRAMES[:2], f"Cell In[2], line {p}\n"] for p in range(rng.randint(1, 3))]
+        ranks = {}
+        for rank in rng.sample(range(world), rng.randint(1, world)):
+            place = rng.randrange(len(places))
+            ranks[rank] = _raised(rank, rng.random(), f"m{place}-{rng.randint(0, 6)}", places[place])
+        lines = DistributedError(RunResult("c", ranks)).render()
+        headers = [line for line in lines if line.startswith("──── rank ")]
+        covered = [r for h in headers for r in _ranks_of(h.split(": ", 1)[0].removeprefix("──── rank "))]
+        assert sorted(covered) == sorted(ranks)
+        text = "\n".join(re.sub(r"\x1b\[[0-9;]*m", "", line) for line in lines)
+        folded = [
+            r
+            for line in text.splitlines()
+            if line.startswith("… ")
+            for r in _ranks_of(line.split(" on rank ")[1].split(" (")[0])
+        ]
+        for rank, failure in ranks.items():
+            assert f"ValueError: {failure.evalue}" in text or rank in folded
+        assert len(lines) <= 1 + len(headers) * (len(_FRAMES) + 2 + MESSAGES_SHOWN)
+
+
+def _ranks_of(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
