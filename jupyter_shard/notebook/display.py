@@ -1,17 +1,25 @@
 """Rank output in the kernel: complete lines labelled ``[rank k]``, progress bars as one live line.
 
 :class:`NotebookSink` is the :class:`~jupyter_shard.pool.output.RankSink` of a pool driven from a
-Jupyter kernel (registered as the default sink when this module is imported in one). It writes
-lines to the cell's streams and shows each live line as one display that is updated in place (at
-most 10 times a second), so a progress bar is one line, not thousands.
+Jupyter kernel (registered as the default sink when this module is imported in one). What a cell's
+ranks print is shown one of two ways (:func:`set_output_mode`, ``%dist_output``):
+
+- **summary** (by default from :data:`SUMMARY_FROM` ranks up): one display, updated in place at most
+  10 times a second, where a line several ranks printed shows once with their ranks
+  (:mod:`jupyter_shard.pool.summary`);
+- **all**: every line as it comes, ``[rank k] …``, on the cell's streams.
+
 Once the JupyterLab extension announced itself (it opened the ``jupyter_shard`` comm), a cell's
-lines go instead into one display of :data:`RANK_OUTPUT_MIME` (rendered as rank tabs) with the same
-``[rank k] …`` lines as its ``text/plain`` fallback, updated in place at most 10 times a second.
+lines go instead into one display of :data:`RANK_OUTPUT_MIME`, rendered as tabs (the summary, all
+ranks, one per group of ranks with the same output, a diff), whose ``text/plain`` fallback is the
+summary or every line by the same choice. Each live line (a progress bar) is one display updated in
+place, so a progress bar is one line, not thousands.
 """
 
 from __future__ import annotations
 
 import html
+import os
 import sys
 import threading
 import time
@@ -21,9 +29,38 @@ from typing import Any
 
 from jupyter_shard.notebook.panel import frontend_attached
 from jupyter_shard.pool.output import RankSink, set_default_sink
+from jupyter_shard.pool.summary import OutputSummary
 
 LIVE_INTERVAL = 0.1
 RANK_OUTPUT_MIME = "application/vnd.jupyter-shard.rank-output+json"
+SUMMARY_FROM = 9  # ranks from which "auto" shows the summary (below, every line as it comes)
+OUTPUT_MODES = ("auto", "summary", "all")
+OUTPUT_VAR = "JUPYTER_SHARD_OUTPUT"
+
+
+def _initial_mode() -> str:
+    mode = os.environ.get(OUTPUT_VAR, "auto")
+    return mode if mode in OUTPUT_MODES else "auto"
+
+
+_mode = _initial_mode()
+
+
+def set_output_mode(mode: str) -> None:
+    """How later cells show rank lines: ``summary``, ``all`` or ``auto`` (summary from SUMMARY_FROM ranks)."""
+    global _mode
+    if mode not in OUTPUT_MODES:
+        raise ValueError(f"output mode {mode!r} is not one of {', '.join(OUTPUT_MODES)}")
+    _mode = mode
+
+
+def output_mode() -> str:
+    return _mode
+
+
+def summarises(ranks: int) -> bool:
+    """Whether a cell on ``ranks`` ranks shows the summary first, as the output mode says."""
+    return _mode == "summary" or (_mode == "auto" and ranks >= SUMMARY_FROM)
 
 
 @dataclass
@@ -35,14 +72,17 @@ class _Live:
 
 
 class RankOutputDisplay:
-    """One cell's rank lines as one display, updated in place at most every ``LIVE_INTERVAL`` s.
+    """One cell's rank lines as one display, updated in place at most every ``LIVE_INTERVAL`` s:
+    the extension's bundle (``rich``: every line, and the summary), or the summary as plain text.
 
     The first lines show at once; lines arriving sooner than that after an update are shown by a
     timer thread (display updates go by display id, so they reach the cell from any thread).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rich: bool = True, summary_first: bool = False) -> None:
+        self.rich, self.summary_first = rich, summary_first
         self.lines: list[tuple[int, str, str]] = []
+        self.summary = OutputSummary()
         self.failed: list[int] = []
         self._handle: Any = None
         self._shown_at = 0.0
@@ -51,13 +91,26 @@ class RankOutputDisplay:
         self._lock = threading.Lock()
 
     def data(self) -> dict[str, Any]:
-        text = "".join(f"[rank {rank}] {line}\n" for rank, _, line in self.lines)
-        bundle = {"version": 1, "lines": [list(entry) for entry in self.lines], "failed": self.failed}
+        if self.summary_first or not self.rich:
+            text = "".join(f"{line}\n" for line in self.summary.lines())
+        else:
+            text = "".join(f"[rank {rank}] {line}\n" for rank, _, line in self.lines)
+        if not self.rich:
+            return {"text/plain": text}
+        bundle = {
+            "version": 1,
+            "lines": [list(entry) for entry in self.lines],
+            "failed": self.failed,
+            "summary": self.summary.rows(),
+            "view": "summary" if self.summary_first else "all",
+        }
         return {RANK_OUTPUT_MIME: bundle, "text/plain": text}
 
     def add(self, rank: int, name: str, lines: list[str]) -> None:
         with self._lock:
-            self.lines.extend((rank, name, line) for line in lines)
+            if self.rich:
+                self.lines.extend((rank, name, line) for line in lines)
+            self.summary.add(rank, name, lines)
             self._dirty = True
             wait = LIVE_INTERVAL - (time.monotonic() - self._shown_at)
             if wait <= 0:
@@ -105,10 +158,14 @@ class NotebookSink(RankSink):
         self._lines: RankOutputDisplay | None = None
         self._wrote = False  # text went to the cell's streams since they were last flushed
 
-    def begin_cell(self) -> None:
-        super().begin_cell()
+    def begin_cell(self, ranks: int = 0) -> None:
+        super().begin_cell(ranks)
         self._live.clear()
-        self._lines = RankOutputDisplay() if frontend_attached() else None
+        first = summarises(ranks)
+        if frontend_attached():
+            self._lines = RankOutputDisplay(rich=True, summary_first=first)
+        else:
+            self._lines = RankOutputDisplay(rich=False) if first else None
 
     def end_cell(self, failed: Sequence[int] = ()) -> None:
         if self._lines is not None:

@@ -32,7 +32,7 @@ from jupyter_shard.notebook.args import (
 )
 from jupyter_shard.notebook.dashboard import CellDashboard, Dashboard, StatusTable
 from jupyter_shard.notebook.debug_adapter import RankDebugRouter
-from jupyter_shard.notebook.display import NotebookSink, in_kernel
+from jupyter_shard.notebook.display import SUMMARY_FROM, NotebookSink, in_kernel, output_mode, set_output_mode
 from jupyter_shard.notebook.headstart import HeadStart, Repeat, Repeats
 from jupyter_shard.notebook.keeping import KeepMagics
 from jupyter_shard.notebook.panel import PromptNotice, register_comm, unregister_comm
@@ -361,6 +361,23 @@ class DistributedMagics(Magics):
             print(export_magic(line, self.pool))
         except SpecError as exc:
             raise UsageError(str(exc)) from None
+
+    @line_magic
+    def dist_output(self, line: str) -> None:
+        """How later cells show what ranks print: ``summary``, ``all`` or ``auto``; bare, which is set."""
+        mode = line.strip()
+        if mode:
+            try:
+                set_output_mode(mode)
+            except ValueError:
+                raise UsageError(f"%dist_output {mode}: say summary, all or auto") from None
+        shown = {
+            "summary": "a line several ranks print shows once, with their ranks",
+            "all": "every line of every rank as it comes",
+            "auto": f"the summary from {SUMMARY_FROM} ranks up, every line below",
+        }
+        mode = output_mode()
+        print(f"jupyter_shard: rank output: {mode} ({shown[mode]}); the rank logs keep every line")
 
     @line_magic
     def dist_shutdown(self, line: str) -> None:

@@ -128,7 +128,7 @@ class CellGathering:
 
     def send(self, gathering: Gathering, targets: list[RankRecord]) -> Gathering:
         """Send the opened cell to ``targets``; the ranks are running it from now on."""
-        self._sink().begin_cell()
+        self._sink().begin_cell(len(targets))
         body: ExecuteBody = {
             "cell_id": gathering.result.cell_id,
             "code": gathering.code,
@@ -152,7 +152,7 @@ class CellGathering:
         self.current = Gathering(
             result, [r.rank for r in targets], time.monotonic(), None, code=head, record=False
         )
-        self._sink().begin_cell()
+        self._sink().begin_cell(len(targets))
         for r in targets:
             r.state, r.cell = RankState.RUNNING, head
         return self.current

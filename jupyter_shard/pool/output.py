@@ -169,7 +169,8 @@ class RankSink(ABC):
         self._budgets: dict[int, _Budget] = {}
         self.log_paths: dict[int, str] = {}
 
-    def begin_cell(self) -> None:
+    def begin_cell(self, ranks: int = 0) -> None:
+        """A cell starts on ``ranks`` ranks (0: not known)."""
         self._assemblers.clear()
         self._budgets.clear()
 

@@ -1,7 +1,9 @@
 /**
  * The rank-output bundle (`application/vnd.jupyter-shard.rank-output+json`) that the kernel shows
  * instead of plain `[rank k] …` streams once this extension opened the `jupyter_shard` comm, and its
- * grouping: ranks whose output is identical share one tab ("ranks 0–3"). Pure: the Jest tests run it.
+ * grouping: ranks whose output is identical share one tab ("ranks 0–3"). The kernel also sends the
+ * cell's summary (a line several ranks printed, once, with their ranks) and which view to open first;
+ * a view the reader picks is remembered for later cells. Pure: the Jest tests run it.
  */
 
 export const RANK_OUTPUT_MIME = 'application/vnd.jupyter-shard.rank-output+json';
@@ -9,10 +11,53 @@ export const RANK_OUTPUT_MIME = 'application/vnd.jupyter-shard.rank-output+json'
 /** `[rank, stream name, line]`, in the order the kernel received them. */
 export type RankLine = [number, string, string];
 
+/** `[ranks, stream name, text]`: one line of the summary (no ranks: a note, such as lines left out). */
+export type SummaryRow = [number[], string, string];
+
 export interface IRankOutput {
   version: number;
   lines: RankLine[];
   failed?: number[];
+  summary?: SummaryRow[];
+  view?: 'summary' | 'all';
+}
+
+export const SUMMARY_TAB = 'summary';
+export const ALL_TAB = 'all ranks';
+/** Where the reader's choice between the summary and every line is kept (localStorage). */
+export const VIEW_KEY = 'jupyter_shard.rankOutputView';
+
+/** "0-3,5": ranks as the kernel writes them (`jupyter_shard.spec.format_ranks`). */
+export function formatRanks(ranks: number[]): string {
+  const sorted = [...ranks].sort((a, b) => a - b);
+  const parts: string[] = [];
+  let start = 0;
+  for (let i = 1; i <= sorted.length; i++) {
+    if (i === sorted.length || sorted[i] !== sorted[i - 1] + 1) {
+      const [lo, hi] = [sorted[start], sorted[i - 1]];
+      parts.push(lo === hi ? `${lo}` : `${lo}-${hi}`);
+      start = i;
+    }
+  }
+  return parts.join(',');
+}
+
+/** The summary view's text: `[rank 0-63] epoch 1 done`, as the kernel's plain-text fallback. */
+export function summaryText(output: IRankOutput): string {
+  return (output.summary ?? [])
+    .map(([ranks, , text]) => (ranks.length ? `[rank ${formatRanks(ranks)}] ${text}\n` : `${text}\n`))
+    .join('');
+}
+
+/** The view a cell opens on: the one the reader last picked, else the kernel's choice. */
+export function firstView(output: IRankOutput, remembered: string | null): string {
+  if (output.summary === undefined) {
+    return ALL_TAB;
+  }
+  if (remembered === SUMMARY_TAB || remembered === ALL_TAB) {
+    return remembered;
+  }
+  return output.view === 'summary' ? SUMMARY_TAB : ALL_TAB;
 }
 
 export interface IRankGroup {

@@ -1,4 +1,18 @@
-import { DIFF_LIMIT, diffLines, diffText, groupRanks, labelledText, linesByRank, rankLabel } from '../src/rankoutput';
+import {
+  ALL_TAB,
+  DIFF_LIMIT,
+  diffLines,
+  diffText,
+  firstView,
+  formatRanks,
+  groupRanks,
+  IRankOutput,
+  labelledText,
+  linesByRank,
+  rankLabel,
+  SUMMARY_TAB,
+  summaryText
+} from '../src/rankoutput';
 
 describe('rank labels', () => {
   it('compresses runs of ranks', () => {
@@ -119,5 +133,38 @@ describe('diff between two ranks', () => {
       [0, [['stderr', 'a']]],
       [3, []]
     ]);
+  });
+});
+
+describe('the summary view', () => {
+  const output: IRankOutput = {
+    version: 1,
+    lines: [],
+    summary: [
+      [[0, 1, 2, 3, 5], 'stdout', 'step 1 loss 0.3 (rank 0; loss 0.29–0.31)'],
+      [[], 'stdout', '… 12 more lines not shown here'],
+      [[4], 'stderr', 'slow disk']
+    ],
+    view: 'summary'
+  };
+
+  it('writes ranks as the kernel does', () => {
+    expect(formatRanks([5, 0, 1, 2, 3])).toBe('0-3,5');
+    expect(formatRanks([7])).toBe('7');
+  });
+
+  it('labels each line with its ranks, notes without', () => {
+    expect(summaryText(output)).toBe(
+      '[rank 0-3,5] step 1 loss 0.3 (rank 0; loss 0.29–0.31)\n… 12 more lines not shown here\n[rank 4] slow disk\n'
+    );
+  });
+
+  it('opens on the view the reader last chose, else the kernel\'s', () => {
+    expect(firstView(output, null)).toBe(SUMMARY_TAB);
+    expect(firstView({ ...output, view: 'all' }, null)).toBe(ALL_TAB);
+    expect(firstView(output, ALL_TAB)).toBe(ALL_TAB);
+    expect(firstView({ ...output, view: 'all' }, SUMMARY_TAB)).toBe(SUMMARY_TAB);
+    expect(firstView(output, 'ranks 0–3')).toBe(SUMMARY_TAB); // not a choice that is remembered
+    expect(firstView({ version: 1, lines: [] }, SUMMARY_TAB)).toBe(ALL_TAB); // an older kernel's bundle
   });
 });

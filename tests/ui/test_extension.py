@@ -50,19 +50,25 @@ def test_side_panel_shows_the_pool_and_picker_inserts_a_cell(open_nb: OpenNotebo
     nb.screenshot("side-panel", show=nb.code_cell(hello))
 
     # The comm is open, so the hello cell's lines came as one rank-output display: tabs, with the
-    # `[rank k]` lines in the default "all ranks" tab and as the saved text/plain fallback.
+    # `[rank k]` lines in "all ranks" (where a 2-rank cell opens) and as the saved text/plain fallback.
     bundles = [o for o in nb.outputs(hello) if RANK_OUTPUT_MIME in o.get("data", {})]
     assert len(bundles) == 1, nb.outputs(hello)
     assert "[rank 1] rank 1 of 2 on cpu: all_reduce sum = 3" in bundles[0]["data"]["text/plain"]
     tabs = nb.code_cell(hello).locator(".jp-ShardRankOutput-tab")
-    assert tabs.all_inner_texts() == ["all ranks", "rank 0", "rank 1", "diff"]
+    assert tabs.all_inner_texts() == ["summary", "all ranks", "rank 0", "rank 1", "diff"]
     assert "[rank 0] rank 0 of 2 on cpu: all_reduce sum = 3" in nb.output_text(hello)
-    tabs.nth(2).click()
+    # the summary: the line both ranks printed, once, with the range of the number that differs
+    tabs.nth(0).click()
+    assert nb.code_cell(hello).locator(".jp-ShardRankOutput-body").inner_text().strip() == (
+        "[rank 0-1] rank 0 of 2 on cpu: all_reduce sum = 3 (rank 0; rank 0–1)"
+    )
+    tabs.nth(1).click()  # and back: the next cells open on every line, as chosen here
+    tabs.nth(3).click()
     assert nb.output_text(hello).strip().endswith("rank 1 of 2 on cpu: all_reduce sum = 3")
     nb.screenshot("rank-tabs", show=nb.code_cell(hello))
 
     # The diff tab compares rank 0 with the first rank whose output differs; either side can change.
-    tabs.nth(3).click()
+    tabs.nth(4).click()
     body = nb.code_cell(hello).locator(".jp-ShardRankOutput-body")
     assert [t.strip() for t in body.locator(".jp-ShardRankOutput-del").all_inner_texts()] == [
         "- rank 0 of 2 on cpu: all_reduce sum = 3"
@@ -86,8 +92,8 @@ def test_side_panel_shows_the_pool_and_picker_inserts_a_cell(open_nb: OpenNotebo
         nb.wait_finished(index)
     agree = nb.find_code_cell('print("weights", weights')
     agree_tabs = nb.code_cell(agree).locator(".jp-ShardRankOutput-tab")
-    assert agree_tabs.all_inner_texts() == ["all ranks", "ranks 0–1"]
-    agree_tabs.nth(1).click()
+    assert agree_tabs.all_inner_texts() == ["summary", "all ranks", "ranks 0–1"]
+    agree_tabs.nth(2).click()
     agree_body = nb.code_cell(agree).locator(".jp-ShardRankOutput-body")
     assert agree_body.inner_text().strip() == "weights [2.0, -3.0, 0.5, 1.0] bias 0.25"
     nb.screenshot("rank-tabs-collapsed", show=nb.code_cell(agree))

@@ -35,10 +35,10 @@ def test_rank_tabs_and_side_panel_in_notebook7(open_nb7: OpenNotebook) -> None:
     nb.run_cell(hello)
     nb.wait_finished(hello)
     tabs = nb.code_cell(hello).locator(".jp-ShardRankOutput-tab")
-    assert tabs.all_inner_texts() == ["all ranks", "rank 0", "rank 1", "diff"]
+    assert tabs.all_inner_texts() == ["summary", "all ranks", "rank 0", "rank 1", "diff"]
     body = nb.code_cell(hello).locator(".jp-ShardRankOutput-body")
-    assert "[rank 1] rank 1 of 2 on cpu: all_reduce sum = 3" in body.inner_text()
-    tabs.nth(1).click()
+    assert "[rank 1] rank 1 of 2 on cpu: all_reduce sum = 3" in body.inner_text()  # 2 ranks: every line
+    tabs.nth(2).click()
     assert body.inner_text().strip() == "rank 0 of 2 on cpu: all_reduce sum = 3"
 
     nb.wait_panel_ranks("idle", 2, timeout=15 * SECOND, what="the panel to show 2 idle ranks")

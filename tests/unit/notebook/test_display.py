@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from jupyter_shard.notebook import panel
+from jupyter_shard.notebook import display, panel
 from jupyter_shard.notebook.display import RANK_OUTPUT_MIME, NotebookSink, RankOutputDisplay, label_bundle
 
 
@@ -79,8 +79,68 @@ def test_with_the_extension_one_display_holds_the_cell_and_a_text_fallback(
         "version": 1,
         "lines": [[0, "stdout", "epoch 1"], [1, "stdout", "epoch 1"], [1, "stderr", "warning"]],
         "failed": [1],
+        "summary": [[[0, 1], "stdout", "epoch 1"], [[1], "stderr", "warning"]],
+        "view": "all",  # 2 ranks: every line first
     }
     assert final["text/plain"] == "[rank 0] epoch 1\n[rank 1] epoch 1\n[rank 1] warning\n"
+
+
+def _printing_loop(sink: NotebookSink, ranks: int, steps: int) -> None:
+    sink.begin_cell(ranks)
+    for step in range(steps):
+        for rank in range(ranks):
+            sink.stream(rank, "stdout", f"step {step} loss {0.5 - rank / 1000:.3f}\n")
+    sink.end_cell()
+
+
+def test_from_nine_ranks_a_plain_frontend_gets_one_summary_display(
+    handles: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No extension: 64 ranks printing 30 steps are 30 lines, in one display updated in place."""
+    sink = NotebookSink()
+    _printing_loop(sink, 64, 30)
+    assert capsys.readouterr().out == ""
+    kinds = [kind for kind, _ in handles]
+    assert kinds[0] == "display" and set(kinds[1:]) <= {"update"}
+    final = handles[-1][1]
+    assert set(final) == {"text/plain"}
+    lines = final["text/plain"].splitlines()
+    assert len(lines) == 30
+    assert lines[0] == "[rank 0-63] step 0 loss 0.500 (rank 0; loss 0.437–0.500)"
+
+
+def test_below_nine_ranks_and_with_all_chosen_every_line_streams(
+    handles: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    sink = NotebookSink()
+    _printing_loop(sink, 8, 2)
+    assert capsys.readouterr().out.count("\n") == 16 and handles == []
+    display.set_output_mode("all")
+    try:
+        _printing_loop(sink, 64, 2)
+        assert capsys.readouterr().out.count("\n") == 128 and handles == []
+        display.set_output_mode("summary")
+        _printing_loop(sink, 2, 2)
+        assert (
+            handles[-1][1]["text/plain"].splitlines()[0]
+            == "[rank 0-1] step 0 loss 0.500 (rank 0; loss 0.499–0.500)"
+        )
+    finally:
+        display.set_output_mode("auto")
+    with pytest.raises(ValueError, match="not one of auto, summary, all"):
+        display.set_output_mode("some")
+
+
+def test_with_the_extension_at_64_ranks_the_summary_is_the_first_view_and_the_fallback(
+    handles: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(panel, "_open", [object()])
+    _printing_loop(NotebookSink(), 64, 30)
+    final = handles[-1][1]
+    bundle = final[RANK_OUTPUT_MIME]
+    assert bundle["view"] == "summary" and len(bundle["summary"]) == 30
+    assert len(bundle["lines"]) == 64 * 30  # every line for the rank tabs
+    assert len(final["text/plain"].splitlines()) == 30
 
 
 def test_rank_output_display_updates_at_most_ten_times_a_second(handles: list[Any]) -> None:

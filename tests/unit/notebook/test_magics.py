@@ -193,6 +193,26 @@ def test_dist_shutdown_without_pool_says_there_was_nothing_to_do(
     assert magics.pool is None
 
 
+def test_dist_output_says_and_sets_how_rank_lines_show(
+    shell: InteractiveShell, magics: DistributedMagics, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from jupyter_shard.notebook import display
+
+    shell.run_line_magic("dist_output", "")
+    assert capsys.readouterr().out.startswith("jupyter_shard: rank output: auto (the summary from 9 ranks up")
+    try:
+        shell.run_line_magic("dist_output", "all")
+        assert display.output_mode() == "all" and not display.summarises(64)
+        assert "rank output: all (every line of every rank" in capsys.readouterr().out
+        assert (
+            _usage_error(shell, "dist_output", "most", cell=None)
+            == "%dist_output most: say summary, all or auto"
+        )
+        assert display.output_mode() == "all"  # a bad word changes nothing
+    finally:
+        display.set_output_mode("auto")
+
+
 def test_dist_push_undefined_name(shell: InteractiveShell, magics: DistributedMagics) -> None:
     shell.user_ns["defined_here"] = 1
     shell.user_ns.pop("surely_undefined", None)

@@ -1,0 +1,88 @@
+"""Sixteen CPU ranks in JupyterLab read like two: a printing loop opens on its summary (one line per
+step, with the ranks and the spread of the loss), every line stays one tab away, and a cell where
+every rank raises its own message shows one traceback with the messages under it.
+
+The notebook is written here, into the server's copy of ``notebooks/``; screenshots of the summary,
+every line, and the grouped error are kept as artifacts.
+"""
+
+from __future__ import annotations
+
+import re
+
+import nbformat
+import pytest
+
+from tests.ui.conftest import OpenNotebook
+from tests.ui.notebook import SECOND
+from tests.ui.test_extension import RANK_OUTPUT_MIME, open_panel
+
+pytestmark = pytest.mark.timeout(420)
+
+RANKS = 16
+STEPS = 30
+NOTEBOOK = "many_ranks.ipynb"
+CELLS = [
+    "%load_ext jupyter_shard",
+    f"%%distributed --nproc {RANKS}\nimport torch.distributed as dist\nrank = dist.get_rank()\n"
+    f"for step in range({STEPS}):\n    print(f'step {{step}} loss {{0.5 + rank / 1000:.3f}}')",
+    "%%distributed\nraise ValueError(f'bad {rank}')",
+    "%dist_shutdown",
+]
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _write_notebook(root: object) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in CELLS]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(root) + "/" + NOTEBOOK)
+
+
+def test_sixteen_ranks_print_a_summary_and_fail_in_one_block(open_nb: OpenNotebook, lab_server: object) -> None:
+    _write_notebook(lab_server.root_dir)  # type: ignore[attr-defined]
+    nb = open_nb(NOTEBOOK)
+    nb.run_cell(0)
+    nb.wait_finished(0)
+    open_panel(nb)  # the comm opens: rank lines come as the extension's display
+    nb.wait_panel_says("no pool", timeout=15 * SECOND, what="the panel before the first %%distributed cell")
+
+    nb.run_cell(1)
+    nb.wait_finished(1, timeout=300 * SECOND)
+    cell = nb.code_cell(1)
+    current = cell.locator(".jp-ShardRankOutput-tab.jp-mod-current")
+    assert current.inner_text() == "summary"  # 16 ranks: the summary first
+    tabs = cell.locator(".jp-ShardRankOutput-tab")  # 16 different outputs: one tab choosing among them
+    assert tabs.all_inner_texts() == ["summary", "all ranks", "by rank", "diff"]
+    body = cell.locator(".jp-ShardRankOutput-body")
+    lines = body.inner_text().strip().splitlines()
+    assert len(lines) == STEPS, lines[:5]
+    assert lines[0] == "[rank 0-15] step 0 loss 0.500 (rank 0; loss 0.500–0.515)"
+    assert lines[-1].startswith(f"[rank 0-15] step {STEPS - 1} loss 0.500")
+    bundles = [o for o in nb.outputs(1) if RANK_OUTPUT_MIME in o.get("data", {})]
+    assert len(bundles) == 1
+    assert len(bundles[0]["data"]["text/plain"].splitlines()) == STEPS  # what a saved notebook shows
+    nb.screenshot("summary", show=cell)
+    cell.locator(".jp-ShardRankOutput-tab", has_text="all ranks").click()
+    assert len(body.inner_text().strip().splitlines()) == RANKS * STEPS  # every line, one click away
+    nb.screenshot("all-lines", show=cell)
+    cell.locator(".jp-ShardRankOutput-tab", has_text="by rank").click()
+    cell.get_by_label("ranks").select_option(label="rank 5")
+    assert body.inner_text().strip().splitlines()[:2] == ["step 0 loss 0.505", "step 1 loss 0.505"]
+    nb.screenshot("by-rank", show=cell)
+    cell.locator(".jp-ShardRankOutput-tab", has_text="summary").click()  # remembered for later cells
+
+    nb.run_cell(2)
+    nb.wait_finished(2, timeout=120 * SECOND)
+    errors = [o for o in nb.outputs(2) if o["output_type"] == "error"]
+    assert len(errors) == 1
+    text = _ANSI.sub("", "\n".join(errors[0]["traceback"]))
+    assert text.count("──── rank ") == 1, text
+    assert f"──── rank 0-15: ValueError, {RANKS} different messages ────" in text
+    assert "[rank 0] ValueError: bad 0" in text and "[rank 15] ValueError: bad 15" in text
+    assert "… 12 more different messages, on rank 3-14" in text
+    assert len(text.splitlines()) < 25, len(text.splitlines())
+    nb.screenshot("grouped-error", show=nb.code_cell(2))
+
+    nb.run_cell(3)
+    nb.wait_finished(3)
