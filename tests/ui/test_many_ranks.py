@@ -39,7 +39,9 @@ def _write_notebook(root: object) -> None:
     nbformat.write(nb, str(root) + "/" + NOTEBOOK)
 
 
-def test_sixteen_ranks_print_a_summary_and_fail_in_one_block(open_nb: OpenNotebook, lab_server: object) -> None:
+def test_sixteen_ranks_print_a_summary_and_fail_in_one_block(
+    open_nb: OpenNotebook, lab_server: object
+) -> None:
     _write_notebook(lab_server.root_dir)  # type: ignore[attr-defined]
     nb = open_nb(NOTEBOOK)
     nb.run_cell(0)
