@@ -29,6 +29,7 @@ from jupyter_shard.wire.protocol import Message, io_identity, rank_identity
 __all__ = ["RankRecord", "RankSnapshot", "RankState", "RankTable", "lost_context_line", "restart_advice"]
 
 STUCK_AFTER = 5.0  # seconds without a heartbeat (or a log while others log) before a rank looks stuck
+IMPORT_GRACE = 60.0  # a rank last seen importing looks busy, not stuck, this long without a heartbeat
 
 
 class RankState(str, Enum):
@@ -92,6 +93,7 @@ class RankRecord:
         self.last_line = ""
         self.killed_by_pool = ""  # why the pool itself killed the rank, if it did
         self.collective = ""  # the torch.distributed call its running cell was in at the last heartbeat
+        self.importing = ""  # the module its main thread was importing at the last heartbeat
         self.group_ranks: list[int] = []  # that call's group; [] for the default group (every rank)
         self.waiting = ""  # the prompt its running cell waits at for an answer from the notebook
         self.node = 0  # which node it runs on (its agent's), from its ready
@@ -210,6 +212,7 @@ class RankTable:
         r.collective = str(msg.body["collective"])
         r.group_ranks = [int(k) for k in msg.body["group_ranks"]]
         r.waiting = str(msg.body.get("waiting", "")) if r.state is RankState.RUNNING else ""
+        r.importing = str(msg.body.get("importing", ""))
         self.history.add_memory(r.rank, time.time(), r.memory)
 
     def on_startup_failed(self, r: RankRecord, msg: Message) -> None:
@@ -273,6 +276,13 @@ class RankTable:
                 problem = f"dead: {r.exit or 'exited'}"
             elif r.waiting:  # a person is looking at it: not stuck, however long
                 pass
+            elif (
+                r.state is RankState.RUNNING
+                and age is not None
+                and STUCK_AFTER < age < IMPORT_GRACE
+                and r.importing
+            ):
+                pass  # a long import holds the GIL in native code: busy, not stuck (the cell says so)
             elif r.state is RankState.RUNNING and age is not None and age > STUCK_AFTER:
                 problem = f"stuck: no heartbeat for {age:.0f} s (holding the GIL in native code?)"
             elif r.state is RankState.RUNNING and last is not None and newest - last[1] > STUCK_AFTER * 3:
@@ -281,7 +291,7 @@ class RankTable:
                 self.snapshot(
                     r,
                     memory=dict(r.memory),
-                    cell=r.cell if r.state is RankState.RUNNING else "",
+                    cell=_running_cell(r, age),
                     step=last[0] if last is not None else (float(r.step) if r.step else None),
                     steps_per_s=self.history.throughput(k, wall),
                     heartbeat_age=age,
@@ -338,3 +348,13 @@ def restart_advice(broken: Sequence[RankRecord]) -> str:
         "run %dist_restart for fresh ranks (rank state is lost; values on the CPU can be copied out "
         f"first with %dist_pull NAME --rank {rank})"
     )
+
+
+def _running_cell(r: RankRecord, age: float | None) -> str:
+    """A running rank's cell, with the import that holds it up (``· importing torch, 12 s``)."""
+    if r.state is not RankState.RUNNING:
+        return ""
+    if r.importing:
+        quiet = f", no heartbeat for {age:.0f} s" if age is not None and age > STUCK_AFTER else ""
+        return f"{r.cell} · importing {r.importing}{quiet}"
+    return r.cell

@@ -209,6 +209,7 @@ class Channel:
         self.io_handlers: dict[str, Handler] = {}  # built by ``messages.handler_table("rank.io", ...)``
         self.flushers: list[Callable[[], None]] = []
         self.heartbeat: Callable[[], Outgoing] | None = None  # the periodic heartbeat message
+        self.tick: Callable[[], None] | None = None  # called on every turn of the I/O loop (~20/s)
         self._reported: set[str] = set()  # the parts whose failure has been reported
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="jupyter_shard-io", daemon=True)
@@ -290,6 +291,8 @@ class Channel:
                 if self._wake_r in events:
                     os.read(self._wake_r, 65536)
                 self.flush()
+                if self.tick is not None:
+                    self.tick()
                 if self.heartbeat is not None and time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + HEARTBEAT_INTERVAL
                     self._beat(self.heartbeat)

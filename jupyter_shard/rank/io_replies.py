@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from types import FrameType
 
 from jupyter_shard.rank.channel import Channel
@@ -50,6 +51,7 @@ def serve_io(channel: Channel, state: CellState) -> None:
         },
     )
     channel.heartbeat = lambda: HEARTBEAT(_status_body(channel, state))
+    channel.tick = _imports.sample
 
 
 def _abort_group(channel: Channel, state: CellState) -> None:
@@ -121,7 +123,52 @@ def _status_body(channel: Channel, state: CellState) -> HeartbeatBody:
         "collective": collective,
         "group_ranks": group_ranks,
         "waiting": state.waiting,
+        "importing": _imports.long(),
     }
+
+
+_IMPORTLIB = "<frozen importlib._bootstrap>"
+_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # jupyter_shard/
+
+
+class ImportWatch:
+    """Which import the main thread has been in, and since when, sampled on every turn of the I/O
+    loop: only an import that has lasted :data:`LONG_IMPORT` seconds is named in the heartbeat, so
+    the many quick imports a cell's first lines make never leave a stale name behind."""
+
+    def __init__(self, probe: Callable[[], str] | None = None) -> None:
+        self.probe = probe or current_import
+        self.name, self.since = "", 0.0
+
+    def sample(self) -> None:
+        name = self.probe()
+        if name != self.name:
+            self.name, self.since = name, time.monotonic()
+
+    def long(self) -> str:
+        self.sample()
+        return self.name if self.name and time.monotonic() - self.since >= LONG_IMPORT else ""
+
+
+LONG_IMPORT = 0.5  # seconds in one import before a heartbeat names it
+
+
+def current_import() -> str:
+    """The module the main thread is importing, as the outermost ``import`` of code other than this
+    package's names it (a cell's ``import transformers``; torch's import at start-up), else "". A
+    long import holds the GIL in native code for seconds, so heartbeats pause: the kernel reads this
+    from the last one to call that rank busy importing, not stuck. The walk stops at this package's
+    frames, whose own quick lazy imports would otherwise be named."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    name = ""
+    while frame is not None:  # innermost to outermost
+        code = frame.f_code
+        if code.co_filename == _IMPORTLIB and code.co_name == "_find_and_load":
+            name = str(frame.f_locals.get("name", "")) or name
+        elif code.co_filename.startswith(_OWN):
+            break
+        frame = frame.f_back
+    return name
 
 
 _C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
@@ -175,3 +222,6 @@ def _reply_history(channel: Channel, msg: Message) -> None:
     helper = current()
     records = [[step, ts, values] for step, ts, values in helper.sent] if helper is not None else []
     channel.enqueue(*HISTORY_REPLY({"req_id": str(msg.body["req_id"]), "records": records}), [])
+
+
+_imports = ImportWatch()

@@ -238,7 +238,11 @@ class MetricsBody(TypedDict):
     count: int
 
 
-class HeartbeatBody(TypedDict):
+class _HeartbeatExtras(TypedDict, total=False):
+    importing: str  # the module the main thread is importing (the outermost import), or ""
+
+
+class HeartbeatBody(_HeartbeatExtras):
     executing: bool
     cell: str  # the running cell's first line
     running_for: float

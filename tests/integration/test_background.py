@@ -120,6 +120,29 @@ def test_activity_calls_a_rank_stuck_when_its_heartbeat_stops(pool: Pool) -> Non
     assert pool.activity()[0].problem == ""
 
 
+def test_a_rank_holding_the_gil_in_a_long_import_is_busy_importing_not_stuck(
+    pool: Pool, tmp_path: Path
+) -> None:
+    """As torch's or transformers' import does on a busy machine: heartbeats pause, no false alarm."""
+    (tmp_path / "js_slow_outer.py").write_text("import js_slow_inner\n")
+    (tmp_path / "js_slow_inner.py").write_text(
+        "import ctypes, time\ntime.sleep(1.5)\nctypes.PyDLL(None).sleep(8)\n"  # a heartbeat, then none
+    )
+    path = str(tmp_path)
+    code = f"import sys\nif shard.rank == 0:\n    sys.path.insert(0, {path!r})\n    import js_slow_outer\n"
+    run = pool.run_background(code)
+    deadline = time.monotonic() + 12.0
+    rows = pool.activity()
+    while time.monotonic() < deadline and not (rows[0].heartbeat_age or 0) > 6.0:
+        time.sleep(0.1)
+        rows = pool.activity()
+    assert (rows[0].heartbeat_age or 0) > 6.0, rows[0]  # the heartbeats did stop
+    assert rows[0].problem == "", rows[0]
+    assert "· importing js_slow_outer, no heartbeat for " in rows[0].cell, rows[0]
+    run.wait(15)
+    assert pool.activity()[0].problem == "" and pool.activity()[0].cell == ""
+
+
 def test_heartbeats_bring_memory_and_step(pool: Pool) -> None:
     pool.run(
         "import torch\nm = torch.nn.Linear(4, 1)\n"

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -255,3 +256,61 @@ def test_the_collective_and_its_subgroup_are_read_from_the_main_threads_frames(
     assert _inside_all_reduce(monkeypatch, world, True) == ("all_reduce", [], "all_reduce")
     assert _inside_all_reduce(monkeypatch, sub, False) == ("", [], "all_reduce"), "between cells: none"
     assert current_collective() == "" and collective_and_group(True) == ("", [])
+
+
+# -- a long import is named, a quick one is not --------------------------------------------------------
+
+
+def test_the_import_the_main_thread_is_in_is_the_outermost_one_of_code_outside_this_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The main thread (this test's) imports a module that imports one that waits: the probe,
+    from another thread, names the outer one, as the code wrote it."""
+    (tmp_path / "js_probe_sync.py").write_text(
+        "import threading\nSTARTED, RELEASE = threading.Event(), threading.Event()\n"
+    )
+    (tmp_path / "js_probe_outer.py").write_text("import js_probe_inner\n")
+    (tmp_path / "js_probe_inner.py").write_text(
+        "from js_probe_sync import STARTED, RELEASE\nSTARTED.set()\nRELEASE.wait(10)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import js_probe_sync
+
+    seen: list[str] = []
+
+    def probe() -> None:
+        js_probe_sync.STARTED.wait(10)
+        seen.append(io_replies.current_import())
+        js_probe_sync.RELEASE.set()
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    try:
+        import js_probe_outer  # noqa: F401
+    finally:
+        js_probe_sync.RELEASE.set()
+        thread.join(10)
+        for name in ("js_probe_sync", "js_probe_outer", "js_probe_inner"):
+            sys.modules.pop(name, None)
+    assert seen == ["js_probe_outer"]
+    assert io_replies.current_import() == ""  # not importing now
+
+
+def test_only_an_import_that_lasts_is_named_in_the_heartbeat(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(io_replies.time, "monotonic", lambda: now[0])
+    current = ["IPython.core.application"]
+    watch = io_replies.ImportWatch(lambda: current[0])
+    watch.sample()
+    now[0] += 0.05
+    assert watch.long() == ""  # a quick lazy import, as a cell's first lines make
+    current[0] = ""
+    watch.sample()
+    current[0] = "transformers"
+    watch.sample()
+    now[0] += io_replies.LONG_IMPORT - 0.01
+    assert watch.long() == ""
+    now[0] += 0.02
+    assert watch.long() == "transformers"
+    current[0] = ""
+    assert watch.long() == ""
