@@ -151,33 +151,53 @@ def text_summary(pool: Pool) -> str:
 
 
 class StatusTable:
-    """``%dist_status`` output: an HTML table with a plain-text twin, under the pool's shape and
-    how its ranks came (forked by the zygote, or spawned and why); under the table, each rank's
-    problem in full (why a rank is broken, and what to do about it)."""
+    """``%dist_status`` output: an HTML table with a plain-text twin, under the pool's shape, how its
+    ranks came (forked by the zygote, or spawned and why) and a summary line (ranks per state, the
+    ranks in trouble); a row per rank on one line (a long cell cut), the log files in a footer, and
+    each rank's problem in full under it (why a rank is broken, and what to do about it)."""
 
-    COLUMNS = ("rank", "pid", "host", "device", "state", "memory", "cell", "log")
+    COLUMNS = ("rank", "pid", "host", "device", "state", "memory", "cell")
+    CELL_CHARS = 48  # of a running cell's first line, in the text table
 
     def __init__(self, title: str, rows: list[RankSnapshot], path: str = "") -> None:
         self.title = title
         self.rows = rows
         self.path = f"ranks: {path}" if path else ""
 
-    def _cells(self, row: RankSnapshot) -> list[str]:
+    def _cells(self, row: RankSnapshot, cut: bool = True) -> list[str]:
         rss = row.memory.get("rss")
         memory = f"{rss / 2**20:.0f} MiB" if rss else "-"
         if "cuda_allocated" in row.memory:
             memory += f" · cuda {row.memory['cuda_allocated'] / 2**20:.0f} MiB"
         state = row.state.value + (f" ({row.exit})" if row.exit else "")
-        return [
-            str(row.rank),
-            str(row.pid),
-            row.host,
-            row.device,
-            state,
-            memory,
-            row.cell or "-",
-            row.log_path,
-        ]
+        cell = row.cell or "-"
+        if cut and len(cell) > self.CELL_CHARS:  # the code is cut; what it is in (· at a prompt) kept
+            code, sep, notes = cell.partition(" · ")
+            room = max(16, self.CELL_CHARS - len(sep + notes))
+            cell = (code if len(code) <= room else code[: room - 1] + "…") + sep + notes
+        return [str(row.rank), str(row.pid), row.host, row.device, state, memory, cell]
+
+    def summary(self) -> str:
+        """``64 ranks: 62 idle, 1 running, 1 dead · needs attention: rank 5 (dead), rank 7 (stuck)``."""
+        counts: dict[str, int] = {}
+        for row in self.rows:
+            counts[row.state.value] = counts.get(row.state.value, 0) + 1
+        states = ", ".join(f"{n} {state}" for state, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+        trouble = [f"rank {r.rank} ({r.problem.split(':', 1)[0]})" for r in self.rows if r.problem]
+        shown = ", ".join(trouble[:8]) + (f" and {len(trouble) - 8} more" if len(trouble) > 8 else "")
+        ranks = "rank" if len(self.rows) == 1 else "ranks"
+        return f"{len(self.rows)} {ranks}: {states}" + (f" · needs attention: {shown}" if trouble else "")
+
+    def logs(self) -> list[str]:
+        """The log files: one line where they follow ``<dir>/rank-<k>.log``, else one per rank."""
+        paths = {r.rank: r.log_path for r in self.rows if r.log_path}
+        if not paths:
+            return []
+        first = next(iter(paths.values()))
+        folder = first.rsplit("/", 1)[0] if "/" in first else ""
+        if all(p == f"{folder}/rank-{k}.log" for k, p in paths.items()):
+            return [f"logs: {folder}/rank-<k>.log"]
+        return ["logs:", *(f"  rank {k}: {p}" for k, p in sorted(paths.items()))]
 
     def _problems(self) -> list[str]:
         return [f"rank {r.rank}: {r.problem}" for r in self.rows if r.problem]
@@ -186,18 +206,23 @@ class StatusTable:
         table = [list(self.COLUMNS), *[self._cells(r) for r in self.rows]]
         widths = [max(len(r[i]) for r in table) for i in range(len(self.COLUMNS))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
-        return "\n".join([self.title, *([self.path] if self.path else []), *lines, *self._problems()])
+        head = [self.title, *([self.path] if self.path else []), self.summary()]
+        return "\n".join([*head, *lines, *self.logs(), *self._problems()])
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{c}</th>" for c in self.COLUMNS)
+        sticky = ' style="position:sticky;top:0;background:var(--jp-layout-color1,#fff)"'
+        head = "".join(f"<th{sticky}>{c}</th>" for c in self.COLUMNS)
         body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in self._cells(r)) + "</tr>"
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in self._cells(r, cut=False)) + "</tr>"
             for r in self.rows
         )
         path = f"<br><i>{html.escape(self.path)}</i>" if self.path else ""
+        summary = f"<div>{html.escape(self.summary())}</div>"
+        logs = "".join(f"<div><small>{html.escape(line)}</small></div>" for line in self.logs())
         problems = "".join(f"<div>{html.escape(p)}</div>" for p in self._problems())
-        table = f"<table><tr>{head}</tr>{body}</table>"
-        return f"<div><b>{html.escape(self.title)}</b>{path}{table}{problems}</div>"
+        scroll = ' style="max-height:24em;overflow:auto"' if len(self.rows) > 16 else ""
+        table = f"<div{scroll}><table><thead><tr>{head}</tr></thead>{body}</table></div>"
+        return f"<div><b>{html.escape(self.title)}</b>{path}{summary}{table}{logs}{problems}</div>"
 
 
 class Dashboard:

@@ -9,6 +9,7 @@ takes up to the CUDA call itself."""
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -69,7 +70,7 @@ def test_a_lost_cuda_context_breaks_the_rank_until_a_restart(kernel: Any, nproc:
     assert "rebuilds the group" not in text  # no promise the broken rank would break
 
     status = kernel.execute("%dist_status").data("execute_result")[0]["text/plain"]
-    rows = {int(ln.split()[0]): ln for ln in status.splitlines() if ln[:1].isdigit()}
+    rows = {int(ln.split()[0]): ln for ln in status.splitlines() if re.match(r"\d+ +\d+ ", ln)}
     assert "broken" in rows[last], status
     assert all("broken" not in rows[k] for k in range(last)), status
     panel = kernel.execute(

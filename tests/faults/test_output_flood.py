@@ -62,9 +62,9 @@ def _assert_full_log(log: Path, prefixes: tuple[str, ...]) -> int:
 def _log_path(kernel: Any, rank: int) -> Path:
     """The rank's log file as ``%dist_status`` shows it."""
     table = kernel.execute("%dist_status").data("execute_result")[0]["text/plain"]
-    found = re.search(rf"^{rank} .*?(\S+rank-{rank}\.log)$", table, re.MULTILINE)
+    found = re.search(r"^logs: (\S+rank-)<k>(\.log)$", table, re.MULTILINE)  # the footer under the rows
     assert found, table
-    return Path(found.group(1))
+    return Path(f"{found.group(1)}{rank}{found.group(2)}")
 
 
 def _stream_messages(kernel: Any, since: float) -> list[dict[str, Any]]:

@@ -54,7 +54,7 @@ def test_reload_gives_a_working_extension_and_no_unreachable_pool(kernel: Any) -
     assert again.data("execute_result") == [{"text/plain": "2.0"}]
     status = kernel.execute("%dist_status").data("execute_result")[0]["text/plain"]
     assert status.startswith("2 CPU ranks · none") and "idle" in status
-    pids = {int(line.split()[1]) for line in status.splitlines()[3:]}
+    pids = {int(line.split()[1]) for line in status.splitlines()[4:6]}
     assert pids <= set(_children(kernel)), "the running ranks are the pool %dist_status sees"
     assert kernel.execute("%dist_shutdown").stream() == "jupyter_shard: pool shut down\n"
     kernel.execute("%unload_ext jupyter_shard")

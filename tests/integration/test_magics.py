@@ -278,14 +278,17 @@ def test_status_table_and_log_files(nb: Any) -> None:
     (table,) = run.data("execute_result")
     text = table["text/plain"]
     assert "2 CPU ranks" in text
-    assert re.fullmatch(r"ranks: zygote \(fork server, pid \d+\)", text.splitlines()[1])  # how they came
-    rows = [ln.split() for ln in text.splitlines()[3:]]
+    lines = text.splitlines()
+    assert re.fullmatch(r"ranks: zygote \(fork server, pid \d+\)", lines[1])  # how they came
+    assert lines[2] == "2 ranks: 2 idle"
+    rows = [ln.split() for ln in lines[4:6]]
     assert [r[0] for r in rows] == ["0", "1"]
     assert all(r[3] == "cpu" and r[4] == "idle" for r in rows)
     assert all(r[5].isdigit() and r[6] == "MiB" for r in rows)
-    for k, row in enumerate(rows):
-        log = Path(row[-1])
-        assert log.name == f"rank-{k}.log"
+    footer = lines[6]
+    assert footer.startswith("logs: ") and footer.endswith("/rank-<k>.log"), footer
+    for k in range(2):
+        log = Path(footer.removeprefix("logs: ").replace("<k>", str(k)))
         assert "to err" in log.read_text() and "to out" in log.read_text()
 
 
@@ -371,14 +374,20 @@ def test_errors_read_at_a_glance(nb: Any) -> None:
     assert "──── rank 0-1: ValueError: the same on every rank ────" in text
     assert text.count("Traceback (most recent call last)") == 1, "an identical traceback is shown once"
     differ = nb.execute("%%distributed\nraise ValueError(f'rank {shard.rank} differs')")
-    assert differ.error_text().count("Traceback (most recent call last)") == 2
+    text = differ.error_text()  # raised in one place: one traceback, each rank's message under it
+    assert text.count("Traceback (most recent call last)") == 1, text
+    assert "──── rank 0-1: ValueError, 2 different messages ────" in text
+    assert text.splitlines()[-2:] == [
+        "[rank 0] ValueError: rank 0 differs",
+        "[rank 1] ValueError: rank 1 differs",
+    ]
     timed = nb.execute("%%distributed --timeout 1\nimport time\ntime.sleep(30)")
     text = timed.error_text()
     assert text.splitlines()[0] == "timed out after 1 s: KeyboardInterrupt on rank 0-1"
     assert "----> 3 time.sleep(30)" in text
     assert "runner.py" not in text and "raise KeyboardInterrupt" not in text, "the pool's own frames"
     status = nb.execute("%dist_status").data("execute_result")[0]["text/plain"]
-    rows = [line.split() for line in status.splitlines()[3:]]
+    rows = [line.split() for line in status.splitlines()[4:6]]
     assert [row[4] for row in rows] == ["interrupted", "interrupted"], status
 
 

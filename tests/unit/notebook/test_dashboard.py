@@ -195,13 +195,43 @@ def test_status_table_text_and_html() -> None:
     table = dash.StatusTable("2 CPU ranks · none", rows)
     text = repr(table).splitlines()
     assert text[0] == "2 CPU ranks · none"
-    assert text[1].split() == ["rank", "pid", "host", "device", "state", "memory", "cell", "log"]
-    assert text[2].split() == ["0", "101", "host-a", "cpu", "idle", "200", "MiB", "-", "/logs/rank-0.log"]
-    assert "dead (exited with code 3)" in text[3]
-    assert "- · cuda 3 MiB" in text[3]
+    assert text[1] == "2 ranks: 1 idle, 1 dead"
+    assert text[2].split() == ["rank", "pid", "host", "device", "state", "memory", "cell"]
+    assert text[3].split() == ["0", "101", "host-a", "cpu", "idle", "200", "MiB", "-"]
+    assert "dead (exited with code 3)" in text[4]
+    assert "- · cuda 3 MiB" in text[4]
+    assert text[5] == "logs: /logs/rank-<k>.log"  # one footer line, not a column
     html = table._repr_html_()
-    assert "<th>rank</th>" in html and "<td>/logs/rank-0.log</td>" in html
+    assert ">rank</th>" in html and "logs: /logs/rank-&lt;k&gt;.log" in html
     assert "c&lt;1&gt;" in html and "c<1>" not in html
+
+
+def test_status_at_64_ranks_is_a_summary_and_a_line_per_rank() -> None:
+    cell = "for step in range(300): loss = train_one_step(model, batch, optimizer, scheduler)"
+    rows = [
+        RankSnapshot(
+            rank=k,
+            pid=1000 + k,
+            host="node-a",
+            device="cpu",
+            state=RankState.RUNNING if k != 5 else RankState.DEAD,
+            memory={"rss": 210 * 2**20},
+            cell=cell if k != 5 else "",
+            log_path=f"/home/me/project/logs/jupyter_shard/2026-11-29/rank-{k}.log",
+            problem="stuck: no heartbeat for 9 s"
+            if k == 7
+            else ("dead: exited with code 1" if k == 5 else ""),
+        )
+        for k in range(64)
+    ]
+    text = repr(dash.StatusTable("64 CPU ranks · ddp", rows)).splitlines()
+    assert text[1] == "64 ranks: 63 running, 1 dead · needs attention: rank 5 (dead), rank 7 (stuck)"
+    table = text[2 : 2 + 65]
+    assert len(table) == 65 and table[-1].split()[0] == "63"
+    assert max(map(len, table)) <= 110, max(table, key=len)  # a rank's row fits one line
+    assert text[67] == "logs: /home/me/project/logs/jupyter_shard/2026-11-29/rank-<k>.log"
+    assert text[68:] == ["rank 5: dead: exited with code 1", "rank 7: stuck: no heartbeat for 9 s"]
+    assert len(text) == 70  # against 3.3 screens of wrapped rows
 
 
 def test_status_shows_how_the_ranks_came_above_the_table() -> None:
@@ -211,8 +241,8 @@ def test_status_shows_how_the_ranks_came_above_the_table() -> None:
     path = "zygote (fork server, pid 4242) · CUDA_VISIBLE_DEVICES=4,6"
     table = dash.StatusTable("2 GPU ranks (GPUs 0,2) · ddp", [row], path)
     text = repr(table).splitlines()
-    assert text[:2] == ["2 GPU ranks (GPUs 0,2) · ddp", f"ranks: {path}"]
-    assert text[2].split()[0] == "rank"
+    assert text[:3] == ["2 GPU ranks (GPUs 0,2) · ddp", f"ranks: {path}", "1 rank: 1 idle"]
+    assert text[3].split()[0] == "rank"
     assert f"<i>ranks: {path}</i>" in table._repr_html_()
 
 
@@ -228,10 +258,12 @@ def test_status_names_each_ranks_problem_under_the_table() -> None:
     ]
     table = dash.StatusTable("2 GPU ranks · ddp", rows)
     text = repr(table).splitlines()
-    assert text[3].split()[:5] == ["1", "8", "h", "cuda:1", "broken"]
-    assert text[4:] == [f"rank 1: {problem}"]
-    assert f"</table><div>rank 1: {problem}</div></div>" in table._repr_html_()
-    assert "rank 0:" not in repr(table) and "rank 0:" not in table._repr_html_()
+    assert text[1] == "2 ranks: 1 idle, 1 broken · needs attention: rank 1 (broken)"
+    assert text[4].split()[:5] == ["1", "8", "h", "cuda:1", "broken"]
+    assert text[5:] == ["logs:", "  rank 0: /l0", "  rank 1: /l1", f"rank 1: {problem}"]
+    assert table._repr_html_().endswith(f"<div>rank 1: {problem}</div></div>")
+    assert not any(line.startswith("rank 0:") for line in text)  # rank 0 has no problem
+    assert "<div>rank 0:" not in table._repr_html_()
 
 
 def test_text_from_ranks_is_escaped() -> None:
