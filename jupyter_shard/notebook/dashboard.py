@@ -28,6 +28,7 @@ from IPython.display import DisplayHandle, display
 
 from jupyter_shard.notebook.charts import Trace, fmt, line_chart
 from jupyter_shard.notebook.figure import COMPACT_METRICS, ROW_COLORS, dashboard_figure, memory_text, row_kind
+from jupyter_shard.notebook.panel import frontend_attached
 from jupyter_shard.pool.figures import binned, encode, mean_across
 from jupyter_shard.pool.history import History
 from jupyter_shard.pool.ranks import RankSnapshot, RankState
@@ -281,12 +282,13 @@ class Dashboard:
 
     def live_bundle(self) -> dict[str, Any]:
         """What a redraw sends: the figure for the extension's renderer, and for other frontends the
-        status table as HTML (the SVG charts only come with the saved form) and the text twin."""
-        return {
-            LIVE_MIME: {"figure": self.figure()},
-            "text/html": render(self._pool, compact=self.compact, charts=False),
-            "text/plain": text_summary(self._pool),
-        }
+        status table as HTML (the SVG charts only come with the saved form) and the text twin. Where
+        the extension is known to draw it, the HTML is left out: at 64 ranks it is most of each
+        update, and JupyterLab re-reads every HTML output it receives."""
+        bundle = {LIVE_MIME: {"figure": self.figure()}, "text/plain": text_summary(self._pool)}
+        if not frontend_attached():
+            bundle["text/html"] = render(self._pool, compact=self.compact, charts=False)
+        return bundle
 
     def static_bundle(self) -> dict[str, Any]:
         """The saved form: the Plotly figure (drawn by the extension's renderer where it is installed,

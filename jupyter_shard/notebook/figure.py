@@ -19,6 +19,9 @@ from jupyter_shard.pool.figures import (
     Chart,
     Figure,
     RankSeries,
+    band_across,
+    band_traces,
+    bin_means,
     binned,
     color,
     grid_figure,
@@ -27,11 +30,14 @@ from jupyter_shard.pool.figures import (
 )
 from jupyter_shard.pool.history import History
 from jupyter_shard.pool.ranks import RankSnapshot
+from jupyter_shard.spec import format_ranks
 
 if TYPE_CHECKING:
     from jupyter_shard.pool.pool import Pool
 
 BINS = 1000  # points drawn per series, however long it is
+BAND_FROM = 9  # ranks from which a chart draws the mean and a min–max band, and only the strays alone
+STRAYS = 3  # ranks drawn on their own in a banded chart: a NaN, the slowest, the furthest from the mean
 SAMPLE = 4 * BINS  # records read per series for a redraw: evenly spaced, the last one always
 COMPACT_METRICS = 2
 COLUMNS = ("rank", "state", "step", "steps/s", "memory", "heartbeat", "cell", "last line")
@@ -54,6 +60,8 @@ def metric_chart(history: History, name: str, axis: int, legend: bool) -> Chart:
         return Chart(f"{name} (no data yet)", "step", [])
     lo = min(float(x.min()) for x, _, _ in raw.values())
     hi = max(float(x.max()) for x, _, _ in raw.values())
+    if len(raw) >= BAND_FROM:
+        return _banded_chart(name, raw, lo, hi, axis, legend)
     series = [RankSeries(rank, *binned(x, y, lo, hi, BINS), points=n) for rank, (x, y, n) in raw.items()]
     mean = None
     if len(raw) > 1:  # over the steps every rank has reached: a rank ahead would drag the end
@@ -65,12 +73,56 @@ def metric_chart(history: History, name: str, axis: int, legend: bool) -> Chart:
     return Chart(title, "step", line_traces(name, series, mean, axis=axis, legend=legend))
 
 
+def _banded_chart(
+    name: str, raw: dict[int, tuple[Any, Any, int]], lo: float, hi: float, axis: int, legend: bool
+) -> Chart:
+    """Many ranks: their mean, their min–max band, and only the ranks that stray as lines."""
+    common = min(float(x[-1]) for x, _, _ in raw.values())
+    pairs = [(x[x <= common], y[x <= common]) for x, y, _ in raw.values()]
+    mean = mean_across(pairs, lo, common, BINS)
+    band = band_across([(x, y) for x, y, _ in raw.values()], lo, hi, BINS)
+    why = strays({rank: (float(x[-1]), float(y[-1])) for rank, (x, y, _) in raw.items()})
+    series = [
+        RankSeries(rank, *binned(raw[rank][0], raw[rank][1], lo, hi, BINS), points=raw[rank][2])
+        for rank in why
+    ]
+    traces = band_traces(name, band, len(raw), axis=axis, legend=legend, x_label="step")
+    traces += line_traces(name, series, mean, axis=axis, legend=legend, why=why)
+    last = f"{mean[1][-1]:.4g}" if len(mean[1]) else "-"
+    return Chart(f"{name} · mean of {len(raw)} ranks {last}", "step", traces)
+
+
+def strays(last: dict[int, tuple[float, float]], at_most: int = STRAYS) -> dict[int, str]:
+    """The ranks worth a line of their own among many, by their last ``(step, value)``: those with a
+    NaN or infinite value, the slowest (furthest behind in step), then the furthest from the others'
+    mean (highest or lowest); at most ``at_most``, by rank within each kind."""
+    out: dict[int, str] = {}
+    for rank in sorted(last):
+        if not np.isfinite(last[rank][1]) and len(out) < at_most:
+            out[rank] = "nan" if np.isnan(last[rank][1]) else "inf"
+    steps = [step for step, _ in last.values()]
+    slowest = min(last, key=lambda k: (last[k][0], k))
+    if min(steps) < max(steps) and slowest not in out and len(out) < at_most:
+        out[slowest] = "slowest"
+    values = {k: v for k, (_, v) in last.items() if np.isfinite(v)}
+    if len(values) > 1:
+        centre = float(np.mean(list(values.values())))
+        for rank in sorted(values, key=lambda k: (-abs(values[k] - centre), k)):
+            if len(out) >= at_most:
+                break
+            if rank not in out and values[rank] != centre:
+                out[rank] = "highest" if values[rank] > centre else "lowest"
+    return out
+
+
 def memory_chart(history: History, axis: int, legend: bool) -> Chart:
     columns = {rank: history.memory_columns(rank) for rank in history.memory_ranks}
     cuda = any(bool(np.isfinite(c["cuda_allocated"]).any()) for _, c in columns.values())
     start = min((float(t[0]) for t, _ in columns.values() if len(t)), default=0.0)
     lines = CUDA_LINES if cuda else (("rss", "RSS", "solid"),)
     xref, yref = ("x", "y") if axis == 1 else (f"x{axis}", f"y{axis}")
+    if len(columns) >= BAND_FROM:
+        return _banded_memory(columns, cuda, start, axis, legend)
     traces = []
     for rank, (times, values) in columns.items():
         for field, label, dash in lines:
@@ -97,25 +149,42 @@ def memory_chart(history: History, axis: int, legend: bool) -> Chart:
     return Chart(f"memory per rank: {what}, MiB", "seconds", traces)
 
 
+def _banded_memory(
+    columns: dict[int, tuple[Any, dict[str, Any]]], cuda: bool, start: float, axis: int, legend: bool
+) -> Chart:
+    """Many ranks' memory: the mean and min–max band of one figure (CUDA allocated, else RSS) over
+    time, and the rank using the most drawn on its own."""
+    field, label = ("cuda_allocated", "CUDA allocated") if cuda else ("rss", "host RSS")
+    series = {
+        rank: (times - start, values[field] / 2**20)
+        for rank, (times, values) in columns.items()
+        if len(times)
+    }
+    end = max((float(t[-1]) for t, _ in series.values()), default=0.0)
+    bins = 200
+    band = band_across(list(series.values()), 0.0, end, bins, always_bin=True)
+    per_rank = [bin_means(t, v, 0.0, end, bins) for t, v in series.values()]
+    mean = bin_means(
+        np.concatenate([t for t, _ in per_rank]), np.concatenate([v for _, v in per_rank]), 0.0, end, bins
+    )
+    top = max(series, key=lambda k: (float(np.nanmax(series[k][1])) if len(series[k][1]) else -1.0, -k))
+    top_series = RankSeries(top, *binned(*series[top], 0.0, end, BINS), points=len(series[top][0]))
+    traces = band_traces("memory", band, len(series), axis=axis, legend=legend, x_label="s")
+    traces += line_traces(
+        "memory", [top_series], mean, axis=axis, x_label="s", legend=legend, why={top: "most"}
+    )
+    return Chart(f"memory of {len(series)} ranks: {label}, MiB (mean, min–max)", "seconds", traces)
+
+
 def status_trace(rows: list[RankSnapshot]) -> dict[str, Any]:
     """The per-rank status as a Plotly table; dead and broken ranks red (:data:`ROW_COLORS`), stuck
     ones yellow."""
     cells: list[list[str]] = [[] for _ in COLUMNS]
     fills = []
-    for row in rows:
-        values = (
-            str(row.rank),
-            row.problem or row.state.value,
-            fmt(row.step) if row.step is not None else "-",
-            f"{row.steps_per_s:.1f}" if row.steps_per_s is not None else "-",
-            memory_text(row.memory),
-            f"{row.heartbeat_age:.0f} s ago" if row.heartbeat_age is not None else "-",
-            _cut(row.cell or "-", 40),
-            _cut(row.last_line or "", 80),
-        )
+    for values, kind in status_rows(rows):
         for column, value in zip(cells, values, strict=True):
             column.append(_plain(value))
-        fills.append(ROW_COLORS.get(row_kind(row), "#ffffff"))
+        fills.append(ROW_COLORS.get(kind, "#ffffff"))
     return {
         "type": "table",
         "uid": "status",
@@ -135,6 +204,52 @@ def status_trace(rows: list[RankSnapshot]) -> dict[str, Any]:
             "height": ROW_HEIGHT,
         },
     }
+
+
+def _row_values(row: RankSnapshot) -> tuple[str, ...]:
+    return (
+        str(row.rank),
+        row.problem or row.state.value,
+        fmt(row.step) if row.step is not None else "-",
+        f"{row.steps_per_s:.1f}" if row.steps_per_s is not None else "-",
+        memory_text(row.memory),
+        f"{row.heartbeat_age:.0f} s ago" if row.heartbeat_age is not None else "-",
+        _cut(row.cell or "-", 40),
+        _cut(row.last_line or "", 80),
+    )
+
+
+def status_rows(rows: list[RankSnapshot]) -> list[tuple[tuple[str, ...], str]]:
+    """The status table's rows and what each is tinted by: a row per rank below BAND_FROM ranks;
+    from there the ranks that need attention, each on its own row, then one row per state for the
+    others (their ranks, count, step range, throughput, largest memory, oldest heartbeat)."""
+    if len(rows) < BAND_FROM:
+        return [(_row_values(r), row_kind(r)) for r in rows]
+    out = [(_row_values(r), row_kind(r)) for r in rows if r.problem]
+    groups: dict[str, list[RankSnapshot]] = {}
+    for r in rows:
+        if not r.problem:
+            groups.setdefault(r.state.value, []).append(r)
+    for state, members in groups.items():
+        steps = [r.step for r in members if r.step is not None]
+        rates = [r.steps_per_s for r in members if r.steps_per_s is not None]
+        ages = [r.heartbeat_age for r in members if r.heartbeat_age is not None]
+        biggest = max(members, key=lambda r: (r.memory.get("cuda_allocated", 0), r.memory.get("rss", 0)))
+        cells = {r.cell for r in members if r.cell}
+        values = (
+            format_ranks([r.rank for r in members]),
+            f"{state} ({len(members)})",
+            (f"{fmt(min(steps))}–{fmt(max(steps))}" if min(steps) != max(steps) else fmt(steps[0]))
+            if steps
+            else "-",
+            f"{sum(rates) / len(rates):.1f}" if rates else "-",
+            f"≤ {memory_text(biggest.memory)}" if biggest.memory else "-",
+            f"≤ {max(ages):.0f} s ago" if ages else "-",
+            _cut(next(iter(cells)), 40) if len(cells) == 1 else ("-" if not cells else f"{len(cells)} cells"),
+            "",
+        )
+        out.append((values, state))
+    return out
 
 
 def row_kind(row: RankSnapshot) -> str:
@@ -168,7 +283,8 @@ def dashboard_figure(pool: Pool, *, compact: bool) -> Figure:
         title += f" · {run.describe()}"
     if history.thinned:
         title += " · older points thinned 2:1 to bound memory"
-    table_height = HEADER_HEIGHT + (ROW_HEIGHT + 6) * max(1, min(len(rows), MAX_ROWS)) + 8
+    shown = len(status_rows(rows))
+    table_height = HEADER_HEIGHT + (ROW_HEIGHT + 6) * max(1, min(shown, MAX_ROWS)) + 8
     figure = grid_figure(charts, columns=2, title=title, table=status_trace(rows), table_height=table_height)
     figure["layout"]["meta"] = {"jupyter_shard": "dashboard", "metrics": names}
     return figure

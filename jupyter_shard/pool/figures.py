@@ -26,6 +26,7 @@ Floats = npt.NDArray[np.float64]
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 MEAN_COLOR = "#222222"
+BAND_COLOR, BAND_FILL = "#7fa7d1", "rgba(31, 119, 180, 0.18)"  # the min–max band of many ranks
 CHART_HEIGHT = 250  # pixels per row of charts
 GAP_X, GAP_Y = 0.08, 70  # between columns (share of the width), between rows (pixels)
 BOTTOM = 80  # pixels under the charts: the last row's axis title, then the legend
@@ -69,8 +70,10 @@ def line_traces(
     axis: int = 1,
     x_label: str = "step",
     legend: bool = True,
+    why: Mapping[int, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """One line per rank plus the dashed mean, on axes ``x{axis}``/``y{axis}``."""
+    """One line per rank plus the dashed mean, on axes ``x{axis}``/``y{axis}``; ``why`` names what
+    sets a rank apart (``rank 7 (slowest)``) where only some are drawn."""
     xref, yref = _axis_ref("x", axis), _axis_ref("y", axis)
     traces = []
     for s in series:
@@ -79,7 +82,7 @@ def line_traces(
                 "type": "scatter",
                 "mode": "lines" if len(s.x) > 1 else "markers",
                 "uid": f"{metric}:{s.rank}",
-                "name": f"rank {s.rank}",
+                "name": f"rank {s.rank}" + (f" ({why[s.rank]})" if why and s.rank in why else ""),
                 "legendgroup": f"rank {s.rank}",
                 "showlegend": legend,
                 "x": s.x,
@@ -247,6 +250,70 @@ def mean_across(
     return binned(
         np.concatenate([x for x, _ in per_rank]), np.concatenate([y for _, y in per_rank]), lo, hi, bins
     )
+
+
+def band_across(
+    series: list[tuple[Floats, Floats]], lo: float, hi: float, bins: int, *, always_bin: bool = False
+) -> tuple[Floats, Floats, Floats]:
+    """The lowest and highest value over ranks against step (per bin of steps when long, or always:
+    times, which no two ranks share): ``x``, the lows, the highs; NaN and infinite values left out
+    (a rank that has them is drawn on its own)."""
+    series = [(x, y) for x, y in series if len(x)]
+    if not series:
+        return np.empty(0), np.empty(0), np.empty(0)
+    if (always_bin or max(len(x) for x, _ in series) > bins) and hi > lo:
+        series = [bin_means(x, y, lo, hi, bins) for x, y in series]
+        keys: list[Floats] = [np.clip(np.floor((x - lo) / (hi - lo) * bins), 0, bins - 1) for x, _ in series]
+    else:
+        keys = [x for x, _ in series]
+    ks = np.concatenate(keys)
+    xs = np.concatenate([x for x, _ in series])
+    ys = np.concatenate([y for _, y in series])
+    _, index = np.unique(ks, return_inverse=True)
+    size = int(index.max()) + 1
+    low, high = np.full(size, np.inf), np.full(size, -np.inf)
+    finite = np.isfinite(ys)
+    np.minimum.at(low, index[finite], ys[finite])
+    np.maximum.at(high, index[finite], ys[finite])
+    where = np.bincount(index, weights=xs, minlength=size) / np.bincount(index, minlength=size)
+    ok = np.isfinite(low)
+    return where[ok], low[ok], high[ok]
+
+
+def band_traces(
+    metric: str, band: tuple[Floats, Floats, Floats], ranks: int, *, axis: int, legend: bool, x_label: str
+) -> list[dict[str, Any]]:
+    """The min–max band of ``ranks`` ranks as two traces (the upper edge, then the lower one filled
+    up to it), one legend entry."""
+    x, low, high = band
+    xref, yref = _axis_ref("x", axis), _axis_ref("y", axis)
+    name = f"min–max of {ranks} ranks"
+    hover = f"{x_label} %{{x}}<br>{metric} %{{y:.6~g}}<extra></extra>"
+    common = {"type": "scatter", "mode": "lines", "x": x, "xaxis": xref, "yaxis": yref, "legendgroup": "band"}
+    return [
+        {
+            **common,
+            "uid": f"{metric}:max",
+            "name": name,
+            "showlegend": False,
+            "y": high,
+            "line": {"color": BAND_COLOR, "width": 0.5},
+            "meta": {"rank": "max", "points": len(x)},
+            "hovertemplate": f"highest of {ranks} ranks · {hover}",
+        },
+        {
+            **common,
+            "uid": f"{metric}:min",
+            "name": name,
+            "showlegend": legend,
+            "y": low,
+            "fill": "tonexty",
+            "fillcolor": BAND_FILL,
+            "line": {"color": BAND_COLOR, "width": 0.5},
+            "meta": {"rank": "min", "points": len(x)},
+            "hovertemplate": f"lowest of {ranks} ranks · {hover}",
+        },
+    ]
 
 
 def bin_means(x: Floats, y: Floats, lo: float, hi: float, bins: int) -> tuple[Floats, Floats]:

@@ -380,3 +380,22 @@ def test_on_gpu_the_memory_chart_has_allocated_reserved_and_peak_per_rank() -> N
         "CUDA allocated, reserved (dashed), peak (dotted)" in a["text"]
         for a in figure["layout"]["annotations"]
     )
+
+
+def test_with_the_extension_a_64_rank_update_leaves_the_html_out_and_is_small(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The extension draws the figure; the HTML table was most of each 64-rank update before."""
+    from jupyter_shard.notebook import panel
+    from tests.unit.notebook.test_figure import _many
+
+    pool = _Pool(history=_many(), rows=[_row(k) for k in range(64)])
+    board = dash.Dashboard(pool, compact=True)  # type: ignore[arg-type]
+    plain = board.live_bundle()
+    assert "text/html" in plain  # no extension: other frontends show the HTML table
+    monkeypatch.setattr(panel, "_open", [object()])
+    bundle = board.live_bundle()
+    assert set(bundle) == {dash.LIVE_MIME, "text/plain"}
+    size = len(json.dumps(bundle))
+    assert size < 50_000, size
+    assert len(json.dumps(plain)) > size + 10_000  # what leaving the HTML out saves

@@ -3,6 +3,7 @@ memory charts, the status table and what the whole figure says."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -19,6 +20,7 @@ from jupyter_shard.notebook.figure import (
     row_kind,
     status_trace,
 )
+from jupyter_shard.pool import figures as fig_module
 from jupyter_shard.pool.history import History
 from jupyter_shard.pool.pool import Pool
 from jupyter_shard.pool.ranks import RankSnapshot, RankState
@@ -220,4 +222,95 @@ def test_the_table_grows_with_the_ranks_up_to_a_limit() -> None:
 
     assert height_for(1) == height_for(0)  # room for one row even before any rank reports
     assert height_for(1) < height_for(4) < height_for(fig.MAX_ROWS)
-    assert height_for(fig.MAX_ROWS) == height_for(fig.MAX_ROWS + 5)
+    assert fig.MAX_ROWS < fig.BAND_FROM
+    assert height_for(fig.BAND_FROM - 1) == height_for(fig.MAX_ROWS)  # a row each, up to the limit
+    assert height_for(64) == height_for(1)  # 64 ranks running alike: one summary row
+
+
+# -- many ranks: a summary, a band, the strays -----------------------------------------------------------
+
+
+def _many(ranks: int = 64, steps: int = 300) -> History:
+    rng = np.random.default_rng(1)
+    history = History()
+    for rank in range(ranks):
+        last = steps - 40 if rank == 9 else steps  # rank 9 lags behind
+        values = 2.0 / np.arange(1, last + 1) + rng.normal(0, 0.01, last)
+        if rank == 50:
+            values[-1] += 5.0  # far above the rest at the end
+        history.extend(
+            rank,
+            [{"step": s + 1, "ts": 100.0 + s, "values": {"loss": float(v)}} for s, v in enumerate(values)],
+        )
+        for t in range(20):
+            history.add_memory(rank, 100.0 + t, {"rss": (200 + rank + (400 if rank == 17 else 0)) * MIB})
+    return history
+
+
+def test_at_64_ranks_a_chart_is_a_mean_a_band_and_the_strays() -> None:
+    chart = metric_chart(_many(), "loss", 1, True)
+    names = [t["name"] for t in chart.traces if t.get("showlegend")]
+    assert names[:3] == ["min–max of 64 ranks", "rank 9 (slowest)", "rank 50 (highest)"]
+    assert names[3].endswith("(lowest)") and names[4] == "mean"
+    assert len(chart.traces) == 6  # against 65 lines over 8 colours
+    assert chart.title.startswith("loss · mean of 64 ranks ")
+    upper, lower = chart.traces[0], chart.traces[1]
+    assert lower["fill"] == "tonexty" and len(upper["x"]) == len(lower["x"]) == 300
+    assert bool(np.all(np.asarray(upper["y"]) >= np.asarray(lower["y"])))
+    assert float(np.asarray(upper["y"])[-1]) > 5.0  # rank 50's jump is inside the band's top
+
+
+def test_strays_are_a_nan_then_the_slowest_then_the_furthest_from_the_mean() -> None:
+    last = {k: (100.0, 1.0 + (k / 1000) ** 2) for k in range(20)}
+    assert fig.strays(last) == {19: "highest", 18: "highest", 17: "highest"}
+    last[4] = (60.0, 1.0)
+    last[7] = (100.0, float("inf"))
+    assert fig.strays(last) == {7: "inf", 4: "slowest", 19: "highest"}
+    assert fig.strays({k: (1.0, 0.5) for k in range(12)}) == {}  # all alike: none stands out
+
+
+def test_at_64_ranks_memory_is_a_band_and_the_rank_using_most() -> None:
+    chart = fig.memory_chart(_many(), 2, False)
+    assert [t["name"] for t in chart.traces] == [
+        "min–max of 64 ranks",
+        "min–max of 64 ranks",
+        "rank 17 (most)",
+        "mean",
+    ]
+    assert chart.title == "memory of 64 ranks: host RSS, MiB (mean, min–max)"
+
+
+def test_at_64_ranks_the_status_is_the_ranks_in_trouble_then_a_row_per_state() -> None:
+    rows = [
+        _row(
+            k,
+            step=float(100 + k % 3),
+            steps_per_s=2.0,
+            memory={"rss": (200 + k) * MIB},
+            heartbeat_age=0.5,
+            cell="train()",
+        )
+        for k in range(64)
+    ]
+    rows[5] = _row(5, state=RankState.DEAD, problem="dead: was killed by SIGKILL")
+    rows[7] = _row(7, problem="stuck: no heartbeat for 9 s", heartbeat_age=9.0)
+    trace = status_trace(rows)
+    columns = trace["cells"]["values"]
+    assert columns[0] == ["5", "7", "0-4,6,8-63"]
+    assert columns[1] == ["dead: was killed by SIGKILL", "stuck: no heartbeat for 9 s", "running (62)"]
+    assert [c[2] for c in columns] == [
+        "0-4,6,8-63",
+        "running (62)",
+        "100–102",
+        "2.0",
+        "≤ 263 MiB",
+        "≤ 0 s ago",
+        "train()",
+        "",
+    ]
+
+
+def test_a_64_rank_dashboard_update_is_small() -> None:
+    pool = _Pool(history=_many(), rows=[_row(k) for k in range(64)])
+    size = len(json.dumps(fig_module.encode(_figure(pool))))
+    assert size < 80_000, size  # 64 lines of 300 points each would be ~10 times this
