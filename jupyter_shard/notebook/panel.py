@@ -13,13 +13,16 @@ while ranks run a cell.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from jupyter_shard.pool.pool import Pool
-from jupyter_shard.pool.ranks import RankState
+from jupyter_shard.pool.ranks import RankSnapshot, RankState
+from jupyter_shard.spec import format_ranks
 
 COMM_TARGET = "jupyter_shard"
+START_EVERY = 0.5  # seconds between start statuses sent to the panel
 log = logging.getLogger(__name__)
 
 
@@ -59,11 +62,15 @@ def status_reply(pool: Pool | None) -> dict[str, Any]:
         state = "failed"
     elif RankState.INTERRUPTED in states:  # the last cell was stopped; the ranks are idle and well
         state = "interrupted"
-    elif RankState.STARTING in states:
-        state = "starting"
+    elif RankState.STARTING in states:  # how many are ready, and which are not yet
+        state = starting_text(rows)
     else:
         state = "idle"
-    ranks = [
+    return {"reply": "status", "pool": pool.spec.describe(), "state": state, "ranks": _rows(rows)}
+
+
+def _rows(rows: list[RankSnapshot]) -> list[dict[str, Any]]:
+    return [
         {
             "rank": row.rank,
             "state": row.state.value,
@@ -78,7 +85,15 @@ def status_reply(pool: Pool | None) -> dict[str, Any]:
         }
         for row in rows
     ]
-    return {"reply": "status", "pool": pool.spec.describe(), "state": state, "ranks": ranks}
+
+
+def starting_text(rows: list[RankSnapshot]) -> str:
+    """``starting: 37 of 64 ranks ready`` and, when few are left, which: ``(waiting for rank 5, 9)``."""
+    waiting = [r.rank for r in rows if r.state is RankState.STARTING]
+    text = f"starting: {len(rows) - len(waiting)} of {len(rows)} ranks ready"
+    if waiting and len(waiting) <= 8 and len(waiting) < len(rows):
+        text += f" (waiting for rank {format_ranks(waiting)})"
+    return text
 
 
 class PanelComm:
@@ -153,6 +168,21 @@ class PromptNotice:
 
     def __init__(self) -> None:
         self._waiting: tuple[int, ...] = ()
+        self._start_said = ("", 0.0)  # the last start status sent, and when
+
+    def starting(self, pool: Pool) -> None:
+        """While the ranks start (the kernel is busy in the cell): the count of ready ranks, at most
+        twice a second and only when it changed, so the panel no longer says "no pool" meanwhile."""
+        if not _open:
+            return
+        reply = status_reply(pool)
+        now = time.monotonic()
+        if reply["state"] == self._start_said[0] or now - self._start_said[1] < START_EVERY:
+            return
+        self._start_said = (str(reply["state"]), now)
+        reply["message"] = ""
+        for panel in list(_open):
+            panel.comm.send(reply)
 
     def refresh(self, pool: Pool, final: bool) -> None:
         waiting = tuple(r.rank for r in pool.ranks if r.waiting)

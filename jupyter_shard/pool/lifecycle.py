@@ -239,12 +239,14 @@ class Lifecycle:
             print(f"jupyter_shard: ranks talk over the pool socket only ({path}: {exc})", file=sys.__stderr__)
             return None
 
-    def wait_ready(self, notice: Callable[[str], None]) -> None:
-        """Receive until every rank said ``ready``; a rank that failed or took too long raises."""
+    def wait_ready(self, notice: Callable[[str], None], progress: Callable[[], None] = lambda: None) -> None:
+        """Receive until every rank said ``ready``; a rank that failed or took too long raises.
+        ``progress`` is called every 0.1 s meanwhile (the side panel shows how many are ready)."""
         deadline = time.monotonic() + START_TIMEOUT
         shown = ""
         while self.ranks.starting():
             self.conn.pump(0.1)
+            progress()
             for r in self.ranks:
                 code = r.handle.poll()
                 if code is not None and r.state is RankState.STARTING:

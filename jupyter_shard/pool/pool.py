@@ -123,7 +123,7 @@ class Pool(PoolFacts):
         _latest = self
         foreground, self._watcher.foreground = self._watcher.foreground, True
         try:
-            self.lifecycle.wait_ready(self._notice)
+            self.lifecycle.wait_ready(self._notice, self._starting)
             assert self.launcher is not None
             if note := self.launcher.started_note():
                 self._notice(note)
@@ -313,6 +313,16 @@ class Pool(PoolFacts):
 
     def _background_step(self, run: BackgroundRun) -> None:  # in the watcher thread
         run.step(self.cells, self._end)
+
+    def _starting(self) -> None:
+        """While the ranks start: observers that follow a start (the side panel) hear of it."""
+        for observer in list(self.observers):
+            starting = getattr(observer, "starting", None)
+            if starting is not None:
+                try:
+                    starting(self)
+                except Exception:  # an observer's failure never stops the pool's start
+                    self.observers.remove(observer)
 
     def _tick(self, final: bool = False) -> None:
         """Let observers (dashboards) redraw; each limits its own rate."""

@@ -81,23 +81,31 @@ export function statusBarText(status: IStatusReply | null, kernelBusy: boolean):
   return `${status.pool} · ${status.state}${kernelBusy ? ' (kernel busy)' : ''}`;
 }
 
-/** One table row of the side panel for a rank, in column order. */
+const hasCuda = (row: IRankRow) => row.memory.cuda !== null && row.memory.cuda !== undefined;
+
+/**
+ * One table row of the side panel for a rank, in column order: the columns that matter first, few
+ * enough to fit the panel's width (what a problem is: its first word; on GPU, CUDA memory); the
+ * rest is the row's hover text (`rankTitle`).
+ */
 export function rankCells(row: IRankRow): string[] {
-  const memory =
-    row.memory.cuda !== null && row.memory.cuda !== undefined
-      ? `${formatBytes(row.memory.rss)} · cuda ${formatBytes(row.memory.cuda)}`
-      : formatBytes(row.memory.rss);
-  return [
-    String(row.rank),
-    row.state,
-    formatStep(row.step),
-    memory,
-    formatAge(row.heartbeat_age),
-    row.problem || row.cell
-  ];
+  const state = row.problem ? row.problem.split(':', 1)[0] : row.state;
+  const memory = hasCuda(row) ? formatBytes(row.memory.cuda) : formatBytes(row.memory.rss);
+  return [String(row.rank), state, formatStep(row.step), memory];
 }
 
-export const RANK_COLUMNS = ['rank', 'state', 'step', 'memory', 'heartbeat', 'cell / problem'];
+/** The rest of a rank's row, shown on hover: the problem in full, heartbeat, host memory, cell. */
+export function rankTitle(row: IRankRow): string {
+  const parts = [`rank ${row.rank}: ${row.problem || row.state}`];
+  parts.push(`heartbeat ${formatAge(row.heartbeat_age)} ago`);
+  parts.push(hasCuda(row) ? `host ${formatBytes(row.memory.rss)} · cuda ${formatBytes(row.memory.cuda)}` : `host ${formatBytes(row.memory.rss)}`);
+  if (row.cell) {
+    parts.push(`cell: ${row.cell}`);
+  }
+  return parts.join('\n');
+}
+
+export const RANK_COLUMNS = ['rank', 'state', 'step', 'memory'];
 
 /** States of a rank that the panel draws red: a broken rank lost its CUDA context and needs a restart. */
 const ERROR_STATES = ['dead', 'failed', 'broken'];

@@ -6,7 +6,7 @@ import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 
 import { ShardClient } from './client';
-import { RANK_COLUMNS, rankCells, rankLevel, Request } from './format';
+import { RANK_COLUMNS, rankCells, rankLevel, rankTitle, Request } from './format';
 
 export const POLL_MS = 2000;
 const CONTROLS: Request[] = ['interrupt', 'restart', 'shutdown', 'stacks'];
@@ -114,6 +114,7 @@ export class DistributedPanel extends Widget {
       tr.dataset.rank = String(row.rank);
       tr.dataset.state = row.state;
       tr.classList.add(`jp-ShardPanel-${rankLevel(row)}`);
+      tr.title = rankTitle(row);
       for (const text of rankCells(row)) {
         tr.insertCell().textContent = text;
       }

@@ -8,6 +8,7 @@ import {
   parseReply,
   rankCells,
   rankLevel,
+  rankTitle,
   statusBarText
 } from '../src/format';
 
@@ -46,15 +47,16 @@ describe('status bar', () => {
 
 describe('rank rows', () => {
   it('formats memory, step and heartbeat', () => {
-    expect(rankCells(row({ step: 12 }))).toEqual(['0', 'idle', '12', '300 MiB', '0.4 s', '']);
+    expect(rankCells(row({ step: 12 }))).toEqual(['0', 'idle', '12', '300 MiB']);
     const gpu = row({ memory: { rss: 2 ** 30, cuda: 3.5 * 2 ** 30 }, cell: 'loss = ...' });
-    expect(rankCells(gpu)[3]).toBe('1.0 GiB · cuda 3.5 GiB');
-    expect(rankCells(gpu)[5]).toBe('loss = ...');
+    expect(rankCells(gpu)[3]).toBe('3.5 GiB'); // on GPU the column is CUDA memory
+    expect(rankTitle(gpu)).toBe('rank 0: idle\nheartbeat 0.4 s ago\nhost 1.0 GiB · cuda 3.5 GiB\ncell: loss = ...');
   });
 
   it('shows the problem rather than the cell and marks the row', () => {
     const stuck = row({ state: 'running', cell: 'x', problem: 'stuck: no heartbeat for 7 s' });
-    expect(rankCells(stuck)[5]).toBe('stuck: no heartbeat for 7 s');
+    expect(rankCells(stuck)[1]).toBe('stuck');
+    expect(rankTitle(stuck).split('\n')[0]).toBe('rank 0: stuck: no heartbeat for 7 s');
     expect(rankLevel(stuck)).toBe('warn');
     expect(rankLevel(row({ state: 'dead', problem: 'dead: exit 1' }))).toBe('error');
     const broken = row({
@@ -63,7 +65,7 @@ describe('rank rows', () => {
     });
     expect(rankLevel(broken)).toBe('error');
     expect(rankCells(broken)[1]).toBe('broken');
-    expect(rankCells(broken)[5]).toContain('CUDA context lost');
+    expect(rankTitle(broken)).toContain('CUDA context lost');
     expect(rankLevel(row())).toBe('ok');
     expect(rankLevel(row({ state: 'at a prompt', cell: 'breakpoint() · at (Pdb)' }))).toBe('warn');
   });

@@ -212,3 +212,40 @@ def test_restart_and_shutdown_wait_for_the_running_cell() -> None:
         assert "a cell is running on the ranks; interrupt it first" in reply["error"]
     assert pool.calls == []
     assert holder.pool is pool
+
+
+def _starting_pool(ready: int, total: int) -> FakePool:
+    pool = FakePool([RankState.IDLE] * ready + [RankState.STARTING] * (total - ready))
+    pool.started = total > 0  # the pool's socket is open from the launch on
+    return pool
+
+
+def test_while_the_ranks_start_the_panel_says_how_many_are_ready_not_no_pool() -> None:
+    comm, _ = _panel(_starting_pool(37, 64))
+    reply = comm.request("status")
+    assert reply["pool"] == "64 CPU ranks · ddp" and reply["state"] == "starting: 37 of 64 ranks ready"
+    assert len(reply["ranks"]) == 64 and reply["ranks"][40]["state"] == "starting"
+    comm, _ = _panel(_starting_pool(61, 64))  # few left: which
+    assert comm.request("status")["state"] == "starting: 61 of 64 ranks ready (waiting for rank 61-63)"
+    comm, _ = _panel(_starting_pool(0, 0))  # nothing launched yet
+    assert comm.request("status")["state"] == "no pool"
+
+
+def test_the_start_is_sent_to_open_panels_when_the_count_changes_at_most_twice_a_second(
+    monkeypatch: Any,
+) -> None:
+    comm = FakeComm()
+    monkeypatch.setattr(panel, "_open", [SimpleNamespace(comm=comm)])
+    clock = [100.0]
+    monkeypatch.setattr(panel.time, "monotonic", lambda: clock[0])
+    notice = panel.PromptNotice()
+    notice.starting(_starting_pool(0, 4))  # type: ignore[arg-type]
+    notice.starting(_starting_pool(0, 4))  # type: ignore[arg-type]  # the same: not sent again
+    clock[0] += 0.1
+    notice.starting(_starting_pool(1, 4))  # type: ignore[arg-type]  # changed, but too soon
+    clock[0] += 0.5
+    notice.starting(_starting_pool(2, 4))  # type: ignore[arg-type]
+    assert [m["state"] for m in comm.sent] == [
+        "starting: 0 of 4 ranks ready",
+        "starting: 2 of 4 ranks ready (waiting for rank 2-3)",
+    ]
