@@ -29,7 +29,8 @@ from typing import Any
 
 from jupyter_shard.notebook.panel import frontend_attached
 from jupyter_shard.pool.output import RankSink, set_default_sink
-from jupyter_shard.pool.summary import OutputSummary
+from jupyter_shard.pool.summary import OutputSummary, float_or_nan, split_numbers
+from jupyter_shard.spec import format_ranks
 
 LIVE_INTERVAL = 0.1
 RANK_OUTPUT_MIME = "application/vnd.jupyter-shard.rank-output+json"
@@ -69,6 +70,29 @@ class _Live:
     text: str = ""
     shown_at: float = 0.0
     shown: str = field(default="")
+
+
+@dataclass
+class _LiveGroup:
+    """The k-th live line (progress bar) of every rank on one stream, shown as one line: the lowest
+    rank's text, and how many ranks and the range of their first number (``41–48%``)."""
+
+    texts: dict[int, str] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)
+
+    def label(self) -> str:
+        ranks = sorted(self.texts)
+        first = self.texts[ranks[0]]
+        label = f"[rank {format_ranks(ranks)}] {first}"
+        if len(ranks) == 1:
+            return label
+        firsts = [nums[0] for nums in (split_numbers(t)[1] for t in self.texts.values()) if nums]
+        spread = ""
+        if len(firsts) == len(ranks):
+            lo, hi = min(firsts, key=float_or_nan), max(firsts, key=float_or_nan)
+            spread = f" from {lo} to {hi}" if lo != hi else ""
+        finished = f", {len(self.done)} done" if self.done and len(self.done) < len(ranks) else ""
+        return f"{label} ({len(ranks)} ranks{spread}{finished})"
 
 
 class RankOutputDisplay:
@@ -155,12 +179,16 @@ class NotebookSink(RankSink):
     def __init__(self) -> None:
         super().__init__()
         self._live: dict[tuple[int, str], _Live] = {}
+        self._groups: dict[tuple[str, int], tuple[_LiveGroup, _Live]] = {}  # by (stream, k-th bar)
+        self._bars: dict[tuple[int, str], int] = {}  # (rank, stream): its live lines finished so far
         self._lines: RankOutputDisplay | None = None
         self._wrote = False  # text went to the cell's streams since they were last flushed
 
     def begin_cell(self, ranks: int = 0) -> None:
         super().begin_cell(ranks)
         self._live.clear()
+        self._groups.clear()
+        self._bars.clear()
         first = summarises(ranks)
         if frontend_attached():
             self._lines = RankOutputDisplay(rich=True, summary_first=first)
@@ -199,6 +227,9 @@ class NotebookSink(RankSink):
     def live_line(self, rank: int, name: str, text: str, final: bool) -> None:
         from IPython.display import DisplayHandle
 
+        if self._lines is not None and (self._lines.summary_first or not self._lines.rich):
+            self._group_live_line(rank, name, text, final)
+            return
         key = (rank, name)
         live = self._live.get(key)
         label = f"[rank {rank}] {text}"
@@ -215,6 +246,32 @@ class NotebookSink(RankSink):
         if final:
             del self._live[key]
 
+    def _group_live_line(self, rank: int, name: str, text: str, final: bool) -> None:
+        """With the summary: every rank's k-th progress bar on a stream is one live line."""
+        from IPython.display import DisplayHandle
+
+        k = self._bars.get((rank, name), 0)
+        entry = self._groups.get((name, k))
+        if entry is None:
+            self.flush()
+            handle = DisplayHandle()
+            group = _LiveGroup()
+            group.texts[rank] = text
+            live = _Live(handle=handle, text=group.label(), shown_at=time.monotonic())
+            live.shown = live.text
+            handle.display({"text/plain": live.text}, raw=True)
+            entry = self._groups[(name, k)] = (group, live)
+        group, live = entry
+        group.texts[rank] = text
+        if final:
+            group.done.add(rank)
+            self._bars[(rank, name)] = k + 1
+        live.text = group.label()
+        now = time.monotonic()
+        if (final or now - live.shown_at >= LIVE_INTERVAL) and live.shown != live.text:
+            live.handle.update({"text/plain": live.text}, raw=True)
+            live.shown_at, live.shown = now, live.text
+
     def flush(self, streams: bool = True) -> None:
         if streams:
             sys.stdout.flush()
@@ -222,7 +279,7 @@ class NotebookSink(RankSink):
             self._wrote = False
         if self._lines is not None:
             self._lines.flush()
-        for live in self._live.values():
+        for live in [*self._live.values(), *(entry[1] for entry in self._groups.values())]:
             if live.shown != live.text:
                 live.handle.update({"text/plain": live.text}, raw=True)
                 live.shown, live.shown_at = live.text, time.monotonic()

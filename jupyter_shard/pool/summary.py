@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from jupyter_shard.spec import format_ranks
 
-__all__ = ["MAX_ENTRIES", "OutputSummary", "SummaryLine", "split_numbers"]
+__all__ = ["MAX_ENTRIES", "OutputSummary", "SummaryLine", "float_or_nan", "split_numbers"]
 
 MAX_ENTRIES = 2000  # shown per cell: the first HEAD_ENTRIES and the last ones
 HEAD_ENTRIES = 1000
@@ -107,11 +107,15 @@ def _spread(template: str, lowest: int, numbers: list[str], lines: dict[int, tup
     return f"rank {lowest}; " + ", ".join(shown_names) + tail if named else f"rank {lowest}"
 
 
-def _float(text: str) -> float:
+def float_or_nan(text: str) -> float:
+    """A number as :func:`split_numbers` found it, as a float (NaN where it is not one)."""
     try:
         return float(text)
     except ValueError:
         return math.nan
+
+
+_float = float_or_nan
 
 
 class OutputSummary:

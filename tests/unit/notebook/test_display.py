@@ -206,3 +206,31 @@ def test_label_bundle_escapes_image_data_in_the_src_attribute() -> None:
     out = label_bundle(0, {"image/png": 'x" onerror="alert(1)'})
     assert 'onerror="alert' not in out["text/html"]
     assert "&quot;" in out["text/html"]
+
+
+def test_with_the_summary_every_ranks_progress_bar_is_one_live_line(handles: list[Any]) -> None:
+    """64 ranks drawing a tqdm-like bar twice: two live displays, not 128."""
+    sink = NotebookSink()
+    sink.begin_cell(64)
+    for bar in range(2):
+        for percent in (10, 50, 100):
+            for rank in range(64):
+                done = percent + rank % 5 if percent < 100 else 100
+                end = "\n" if done == 100 else ""
+                sink.stream(rank, "stderr", f"\r{done}%|{'#' * (done // 10)}| {done}/100{end}")
+    sink.end_cell()
+    assert [kind for kind, _ in handles].count("display") == 2  # one per bar, for all 64 ranks
+    finished = [
+        data["text/plain"] for _, data in handles if data["text/plain"].startswith("[rank 0-63] 100%")
+    ]
+    assert finished[-1] == "[rank 0-63] 100%|##########| 100/100 (64 ranks)"
+
+
+def test_a_group_of_bars_shows_the_lowest_rank_and_the_range_of_the_first_number() -> None:
+    group = display._LiveGroup()
+    for rank, percent in ((3, 48), (0, 41), (1, 45)):
+        group.texts[rank] = f"{percent}%|###| {percent}/100 [00:10<00:12]"
+    group.done.add(1)
+    assert group.label() == "[rank 0-1,3] 41%|###| 41/100 [00:10<00:12] (3 ranks from 41 to 48, 1 done)"
+    group.texts = {5: "loading"}
+    assert group.label() == "[rank 5] loading"
