@@ -212,7 +212,7 @@ def test_with_the_summary_every_ranks_progress_bar_is_one_live_line(handles: lis
     """64 ranks drawing a tqdm-like bar twice: two live displays, not 128."""
     sink = NotebookSink()
     sink.begin_cell(64)
-    for bar in range(2):
+    for _ in range(2):  # two bars, one after the other
         for percent in (10, 50, 100):
             for rank in range(64):
                 done = percent + rank % 5 if percent < 100 else 100
