@@ -67,6 +67,7 @@ BENCHMARKS = (
     ),
     Benchmark("streaming", "Streaming output and metrics", optional=True),
     Benchmark("memory", "Memory per rank against torchrun", optional=True),
+    Benchmark("many_ranks", "A notebook at 16 to 64 ranks: output, error, status, no-op cost", optional=True),
     Benchmark("frameworks", "A Lightning Trainer against the same script under torchrun", quick=("--quick",)),
     Benchmark("bigmodel", "Peak memory per rank of a 1.5 GB model, sharded initialisation or not"),
     Benchmark("transfer", "Moving values: push and pull against ipyparallel and memcpy"),
