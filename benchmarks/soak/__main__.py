@@ -155,11 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(psutil.Error):
             zygotes = {
                 c.pid
-                for c in psutil.Process(kernel.pid).children()
+                for c in psutil.Process(soak.kernel.pid).children()
                 if "jupyter_shard.launchers.zygote" in " ".join(c.cmdline())
             }
         family = {soak.kernel.pid, *soak.pids_seen, *zygotes}
-        kernel.shutdown()
+        soak.kernel.shutdown()  # the kernel of the end: a fault may have replaced the first
         watch.stop()
         time.sleep(2.0)
         orphans += [f"pid {pid} outlived the kernel's shutdown" for pid in sorted(family) if alive(pid)]

@@ -30,6 +30,7 @@ FAULTS = (
     "suspend_resume",
     "resume_resized",
     "kill_mid_suspend",
+    "kernel_replaced",
 )
 STATE_LOST = "rank state is lost"  # every restart notice of the product says this
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -109,6 +110,7 @@ class Kernel:
     """A kernel subprocess of this interpreter and a blocking client, as Jupyter starts one."""
 
     def __init__(self, log_dir: str) -> None:
+        self.log_dir = log_dir
         self.km, self.kc = start_kernel({"JUPYTER_SHARD_LOG_DIR": log_dir})
 
     @property
@@ -161,6 +163,14 @@ class Kernel:
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=False)
 
+    def kill(self) -> None:
+        """SIGKILL the kernel process, as the OOM killer or a crash would, and drop the client."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        self.kc.stop_channels()
+        with contextlib.suppress(Exception):  # already dead: only its resources are cleaned up
+            self.km.shutdown_kernel(now=True)
+
 
 @dataclass
 class Soak:
@@ -179,6 +189,7 @@ class Soak:
     failures: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
     pids_seen: set[int] = field(default_factory=set)
+    replaced: set[int] = field(default_factory=set)  # processes of killed kernels: must all end
     deck: list[str] = field(default_factory=list)
     # per fault kind: seconds from the failing cell's end to the end of the next working cell
     back: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
@@ -401,6 +412,38 @@ class Soak:
             self.lost.append(f"cell {self.cells}: the earlier suspend in {self.suspend_dir} is gone")
         return cell
 
+    def _fault_kernel_replaced(self, rank: int) -> Cell:
+        """The kernel SIGKILLed while its pool is kept (``--keep``), and a new kernel attaching: every
+        rank's state goes on (the compute check after it), the kept lease is set back to 0, and
+        nothing of the killed kernel is left (checked at the end)."""
+        ranks = set(self.rank_pids())
+        cell = self.run("%%distributed --keep 5m\nprint('SOAK kept')")
+        if not cell.ok:
+            self.fail("--keep 5m failed", cell)
+            return cell
+        old = self.kernel
+        with contextlib.suppress(psutil.Error):
+            self.replaced |= {old.pid} | {
+                c.pid for c in psutil.Process(old.pid).children(recursive=True) if c.pid not in ranks
+            }
+        old.kill()
+        self.kernel, self.kcount = Kernel(old.log_dir), 0
+        self.run("%load_ext jupyter_shard")
+        cell = self.run("%dist_attach")
+        if not cell.ok:
+            self.fail("%dist_attach after the kernel was killed failed", cell)
+            return cell
+        unkept = self.run("%%distributed --keep 0\nprint('SOAK unkept')")
+        if not unkept.ok:
+            self.fail("--keep 0 on the attached pool failed", unkept)
+            return unkept
+        time.sleep(2.0)  # a rank that would end by itself after --keep 0 has done so by now
+        if not self.compute():
+            self.fail("the attached pool's first compute cell after --keep 0 failed")
+        elif self.fresh:
+            self.lost.append(f"cell {self.cells}: the attached pool's ranks started afresh")
+        return cell
+
     def recover(self) -> bool:
         """The next compute cell works, after %dist_restart if the product asks for one."""
         for _ in range(3):
@@ -435,6 +478,9 @@ class Soak:
         for pid in sorted(self.pids_seen - current):
             if alive(pid):
                 found.append(f"earlier rank pid {pid} still alive")
+        for pid in sorted(self.replaced - current):
+            if alive(pid):
+                found.append(f"pid {pid} of a killed kernel still alive")
         return found
 
 

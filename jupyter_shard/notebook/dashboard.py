@@ -27,7 +27,12 @@ import ipywidgets
 from IPython.display import DisplayHandle, display
 
 from jupyter_shard.notebook.charts import Trace, fmt, line_chart
-from jupyter_shard.notebook.figure import COMPACT_METRICS, ROW_COLORS, dashboard_figure, memory_text, row_kind
+from jupyter_shard.notebook.figure import (
+    COMPACT_METRICS,
+    ROW_COLORS,
+    dashboard_figure,
+    status_rows,
+)
 from jupyter_shard.notebook.panel import frontend_attached
 from jupyter_shard.pool.figures import binned, encode, mean_across
 from jupyter_shard.pool.history import History
@@ -90,21 +95,12 @@ def status_table(rows: list[RankSnapshot]) -> str:
         for c in ("rank", "state", "step", "steps/s", "memory", "heartbeat", "cell", "last line")
     )
     body = []
-    for row in rows:
-        kind = row_kind(row)
+    for cells, kind in status_rows(
+        rows, cut=False
+    ):  # from 9 ranks: the ranks in trouble, then a row per state
         style = f' style="background:{ROW_COLORS[kind]}"' if kind in ROW_COLORS else ""
-        cells = [
-            str(row.rank),
-            row.problem or row.state.value,
-            fmt(row.step) if row.step is not None else "-",
-            f"{row.steps_per_s:.1f}" if row.steps_per_s is not None else "-",
-            memory_text(row.memory),
-            f"{row.heartbeat_age:.0f} s ago" if row.heartbeat_age is not None else "-",
-            row.cell or "-",
-            row.last_line or "",
-        ]
         tds = "".join(f"<td{_CELL}>{html.escape(c)}</td>" for c in cells)
-        body.append(f'<tr data-rank="{row.rank}" data-state="{kind}"{style}>{tds}</tr>')
+        body.append(f'<tr data-rank="{html.escape(cells[0])}" data-state="{kind}"{style}>{tds}</tr>')
     return (
         '<table class="jshard-status" style="font-size: 12px; border-collapse: collapse">'
         f"<tr>{head}</tr>{''.join(body)}</table>"

@@ -206,7 +206,7 @@ def status_trace(rows: list[RankSnapshot]) -> dict[str, Any]:
     }
 
 
-def _row_values(row: RankSnapshot) -> tuple[str, ...]:
+def _row_values(row: RankSnapshot, cut: bool) -> tuple[str, ...]:
     return (
         str(row.rank),
         row.problem or row.state.value,
@@ -214,18 +214,18 @@ def _row_values(row: RankSnapshot) -> tuple[str, ...]:
         f"{row.steps_per_s:.1f}" if row.steps_per_s is not None else "-",
         memory_text(row.memory),
         f"{row.heartbeat_age:.0f} s ago" if row.heartbeat_age is not None else "-",
-        _cut(row.cell or "-", 40),
-        _cut(row.last_line or "", 80),
+        _cut(row.cell or "-", 40) if cut else row.cell or "-",
+        _cut(row.last_line or "", 80) if cut else row.last_line or "",
     )
 
 
-def status_rows(rows: list[RankSnapshot]) -> list[tuple[tuple[str, ...], str]]:
+def status_rows(rows: list[RankSnapshot], cut: bool = True) -> list[tuple[tuple[str, ...], str]]:
     """The status table's rows and what each is tinted by: a row per rank below BAND_FROM ranks;
     from there the ranks that need attention, each on its own row, then one row per state for the
     others (their ranks, count, step range, throughput, largest memory, oldest heartbeat)."""
     if len(rows) < BAND_FROM:
-        return [(_row_values(r), row_kind(r)) for r in rows]
-    out = [(_row_values(r), row_kind(r)) for r in rows if r.problem]
+        return [(_row_values(r, cut), row_kind(r)) for r in rows]
+    out = [(_row_values(r, cut), row_kind(r)) for r in rows if r.problem]
     groups: dict[str, list[RankSnapshot]] = {}
     for r in rows:
         if not r.problem:

@@ -27,19 +27,24 @@ export const ALL_TAB = 'all ranks';
 /** Where the reader's choice between the summary and every line is kept (localStorage). */
 export const VIEW_KEY = 'jupyter_shard.rankOutputView';
 
-/** "0-3,5": ranks as the kernel writes them (`jupyter_shard.spec.format_ranks`). */
-export function formatRanks(ranks: number[]): string {
+/** The runs of consecutive ranks, each written `lo${dash}hi` (or `k` alone), in order. */
+function rankRuns(ranks: number[], dash: string): string[] {
   const sorted = [...ranks].sort((a, b) => a - b);
   const parts: string[] = [];
   let start = 0;
   for (let i = 1; i <= sorted.length; i++) {
     if (i === sorted.length || sorted[i] !== sorted[i - 1] + 1) {
       const [lo, hi] = [sorted[start], sorted[i - 1]];
-      parts.push(lo === hi ? `${lo}` : `${lo}-${hi}`);
+      parts.push(lo === hi ? `${lo}` : `${lo}${dash}${hi}`);
       start = i;
     }
   }
-  return parts.join(',');
+  return parts;
+}
+
+/** "0-3,5": ranks as the kernel writes them (`jupyter_shard.spec.format_ranks`). */
+export function formatRanks(ranks: number[]): string {
+  return rankRuns(ranks, '-').join(',');
 }
 
 /** The summary view's text: `[rank 0-63] epoch 1 done`, as the kernel's plain-text fallback. */
@@ -69,17 +74,7 @@ export interface IRankGroup {
 
 /** "rank 2", "ranks 0–3", "ranks 0–1, 3". */
 export function rankLabel(ranks: number[]): string {
-  const sorted = [...ranks].sort((a, b) => a - b);
-  const parts: string[] = [];
-  let start = 0;
-  for (let i = 1; i <= sorted.length; i++) {
-    if (i === sorted.length || sorted[i] !== sorted[i - 1] + 1) {
-      const [lo, hi] = [sorted[start], sorted[i - 1]];
-      parts.push(lo === hi ? `${lo}` : `${lo}–${hi}`);
-      start = i;
-    }
-  }
-  return `${sorted.length === 1 ? 'rank' : 'ranks'} ${parts.join(', ')}`;
+  return `${ranks.length === 1 ? 'rank' : 'ranks'} ${rankRuns(ranks, '–').join(', ')}`;
 }
 
 /** One group per distinct output, ranks with identical lines (and outcome) together, by first rank. */
