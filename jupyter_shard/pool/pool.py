@@ -123,7 +123,7 @@ class Pool(PoolFacts):
         _latest = self
         foreground, self._watcher.foreground = self._watcher.foreground, True
         try:
-            self.lifecycle.wait_ready(self._notice, self._starting)
+            self.lifecycle.wait_ready(self._notice, partial(self._tick, starting=True))
             assert self.launcher is not None
             if note := self.launcher.started_note():
                 self._notice(note)
@@ -307,28 +307,21 @@ class Pool(PoolFacts):
         if gathering.record:
             status = "ok" if gathering.result.ok else "error"
             self.transcript.add(CellEntry(gathering.code, gathering.ranks, status, gathering.exec_count))
-        if self._keep > 0:
-            self.lifecycle.note_seen()
+        self.lifecycle.note_seen()  # a kept pool's: what a kernel attaching later refuses
         self._tick(final=True)
 
     def _background_step(self, run: BackgroundRun) -> None:  # in the watcher thread
         run.step(self.cells, self._end)
 
-    def _starting(self) -> None:
-        """While the ranks start: observers that follow a start (the side panel) hear of it."""
-        for observer in list(self.observers):
-            starting = getattr(observer, "starting", None)
-            if starting is not None:
-                try:
-                    starting(self)
-                except Exception:  # an observer's failure never stops the pool's start
-                    self.observers.remove(observer)
-
-    def _tick(self, final: bool = False) -> None:
-        """Let observers (dashboards) redraw; each limits its own rate."""
+    def _tick(self, final: bool = False, starting: bool = False) -> None:
+        """Let observers (dashboards) redraw, each limiting its own rate; while the ranks start, those
+        that follow a start (the side panel: ``starting``) hear of it."""
         for observer in list(self.observers):
             try:
-                observer.refresh(self, final)
+                if not starting:
+                    observer.refresh(self, final)
+                elif hasattr(observer, "starting"):
+                    observer.starting(self)
             except Exception as exc:  # a broken display must not break the run
                 self.observers.remove(observer)
                 print(f"jupyter_shard: a dashboard stopped updating: {exc!r}", file=sys.__stderr__)

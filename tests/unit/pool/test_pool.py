@@ -240,7 +240,7 @@ def test_a_restart_starts_new_ranks(launcher: _Launcher) -> None:
 def test_a_start_that_fails_leaves_the_pool_stopped(
     launcher: _Launcher, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def fail(self: Any, notice: Any) -> None:
+    def fail(self: Any, notice: Any, progress: Any) -> None:
         raise PoolError("rank 1 failed to start")
 
     monkeypatch.setattr(lifecycle.Lifecycle, "wait_ready", fail)
