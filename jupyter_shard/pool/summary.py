@@ -65,6 +65,7 @@ class SummaryLine:
 
 @dataclass
 class _Entry:
+    key: tuple[str, str, int]  # (stream, template, k): the k-th line of that template of each rank
     name: str
     template: str
     lines: dict[int, tuple[str, list[str]]] = field(default_factory=dict)  # rank: (line, numbers)
@@ -95,9 +96,9 @@ def _spread(template: str, lowest: int, numbers: list[str], lines: dict[int, tup
             continue
         name_match = _NAME.search(parts[i])
         name = name_match.group(1) if name_match else f"number {i + 1}"
-        numeric = [v for v in values if not math.isnan(_float(v))]
-        lo = min(numeric, key=_float) if numeric else "nan"
-        hi = max(numeric, key=_float) if numeric else "nan"
+        numeric = [v for v in values if not math.isnan(float_or_nan(v))]
+        lo = min(numeric, key=float_or_nan) if numeric else "nan"
+        hi = max(numeric, key=float_or_nan) if numeric else "nan"
         nan = len(values) - len(numeric)
         text = f"{name} {lo}–{hi}" if lo != hi else f"{name} {lo}"
         named.append(text + (f", nan on {nan}" if nan else ""))
@@ -115,8 +116,6 @@ def float_or_nan(text: str) -> float:
         return math.nan
 
 
-_float = float_or_nan
-
 
 class OutputSummary:
     """One cell's rank lines, summarised as they arrive (see the module's docstring)."""
@@ -127,12 +126,10 @@ class OutputSummary:
         self._open: dict[tuple[str, str, int], _Entry] = {}
         self._seen: dict[tuple[int, str, str], int] = {}  # (rank, stream, template): lines so far
         self.hidden = 0  # entries between the head and the tail, no longer shown
-        self.ranks: set[int] = set()
         self.lines_in = 0
 
     def add(self, rank: int, name: str, lines: list[str]) -> None:
         """Lines ``rank`` printed on stream ``name``, in order."""
-        self.ranks.add(rank)
         for line in lines:
             self.lines_in += 1
             template, numbers = split_numbers(line)
@@ -142,7 +139,7 @@ class OutputSummary:
             key = (name, template, k)
             entry = self._open.get(key)
             if entry is None or rank in entry.lines:
-                entry = self._open[key] = _Entry(name, template)
+                entry = self._open[key] = _Entry(key, name, template)
                 self._append(entry)
             entry.add(rank, line, numbers)
 
@@ -153,10 +150,8 @@ class OutputSummary:
         if len(self._tail) == self._tail.maxlen:
             gone = self._tail[0]
             self.hidden += 1
-            for key, open_entry in list(self._open.items()):
-                if open_entry is gone:
-                    del self._open[key]
-                    break
+            if self._open.get(gone.key) is gone:
+                del self._open[gone.key]
         self._tail.append(entry)
 
     def entries(self) -> Iterator[SummaryLine]:
