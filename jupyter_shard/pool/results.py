@@ -119,22 +119,23 @@ MESSAGES_SHOWN = 5  # of a group's different messages: the first ones and the la
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+def _ends_in_its_exception(failure: RankResult) -> bool:
+    """Whether the traceback's last entry is its exception line (``ValueError: bad 5``)."""
+    return bool(failure.traceback) and _ANSI.sub("", failure.traceback[-1]).startswith(failure.ename or "\0")
+
+
 def _place(failure: RankResult) -> tuple[str, str, tuple[str, ...]]:
     """Where a failure was raised: its status, exception type, and traceback without the closing
-    exception line (which carries the message, rank-specific in most real errors)."""
-    frames = tuple(failure.traceback)
-    if frames and _ANSI.sub("", frames[-1]).startswith(failure.ename or "\0"):
-        frames = frames[:-1]
-    else:  # not a traceback that ends in its exception line: grouped only with identical ones
-        return failure.status, failure.ename, (*frames, _summary(failure))
-    return failure.status, failure.ename, frames
+    exception line (which carries the message, rank-specific in most real errors); a traceback that
+    does not end in its exception line is grouped only with identical ones."""
+    if _ends_in_its_exception(failure):
+        return failure.status, failure.ename, tuple(failure.traceback[:-1])
+    return failure.status, failure.ename, (*failure.traceback, _summary(failure))
 
 
 def _message_line(failure: RankResult) -> str:
     """The exception line as the traceback shows it (colours kept), else the summary."""
-    if failure.traceback and _ANSI.sub("", failure.traceback[-1]).startswith(failure.ename or "\0"):
-        return failure.traceback[-1]
-    return _summary(failure)
+    return failure.traceback[-1] if _ends_in_its_exception(failure) else _summary(failure)
 
 
 def _messages(by_message: dict[str, tuple[str, list[int]]]) -> list[str]:

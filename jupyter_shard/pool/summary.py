@@ -116,7 +116,6 @@ def float_or_nan(text: str) -> float:
         return math.nan
 
 
-
 class OutputSummary:
     """One cell's rank lines, summarised as they arrive (see the module's docstring)."""
 
