@@ -21,7 +21,6 @@ from jupyter_shard.pool.figures import (
     RankSeries,
     band_across,
     band_traces,
-    bin_means,
     binned,
     color,
     grid_figure,
@@ -163,10 +162,7 @@ def _banded_memory(
     end = max((float(t[-1]) for t, _ in series.values()), default=0.0)
     bins = 200
     band = band_across(list(series.values()), 0.0, end, bins, always_bin=True)
-    per_rank = [bin_means(t, v, 0.0, end, bins) for t, v in series.values()]
-    mean = bin_means(
-        np.concatenate([t for t, _ in per_rank]), np.concatenate([v for _, v in per_rank]), 0.0, end, bins
-    )
+    mean = mean_across(list(series.values()), 0.0, end, bins, always_bin=True)
     top = max(series, key=lambda k: (float(np.nanmax(series[k][1])) if len(series[k][1]) else -1.0, -k))
     top_series = RankSeries(top, *binned(*series[top], 0.0, end, BINS), points=len(series[top][0]))
     traces = band_traces("memory", band, len(series), axis=axis, legend=legend, x_label="s")

@@ -235,19 +235,21 @@ def binned(x: Floats, y: Floats, lo: float, hi: float, bins: int) -> tuple[Float
 
 
 def mean_across(
-    series: list[tuple[Floats, Floats]], lo: float, hi: float, bins: int
+    series: list[tuple[Floats, Floats]], lo: float, hi: float, bins: int, *, always_bin: bool = False
 ) -> tuple[Floats, Floats]:
-    """The mean over ranks against step: exact per step when short, per bin of steps when long."""
+    """The mean over ranks against step: exact per step when short, per bin of steps when long or
+    ``always_bin`` (times, which no two ranks share)."""
     series = [(x, y) for x, y in series if len(x)]
     if not series:
         return np.empty(0), np.empty(0)
-    if max(len(x) for x, _ in series) <= bins or hi <= lo:
+    if (max(len(x) for x, _ in series) <= bins and not always_bin) or hi <= lo:
         xs = np.concatenate([x for x, _ in series])
         ys = np.concatenate([y for _, y in series])
         steps, index = np.unique(xs, return_inverse=True)
         return steps, np.bincount(index, weights=ys) / np.bincount(index)
-    per_rank = [binned(x, y, lo, hi, bins) for x, y in series]
-    return binned(
+    fit = bin_means if always_bin else binned
+    per_rank = [fit(x, y, lo, hi, bins) for x, y in series]
+    return fit(
         np.concatenate([x for x, _ in per_rank]), np.concatenate([y for _, y in per_rank]), lo, hi, bins
     )
 
