@@ -24,31 +24,9 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["bind_address", "main", "option"]
+__all__ = ["bind_address", "main", "torchrun_options"]
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-FLAGS = frozenset({"--standalone", "--no-python", "--no_python", "--run-path", "--run_path"})  # no value
-
-
-def option(argv: Sequence[str], name: str, default: str | None = None) -> str | None:
-    """The value of ``name`` among torch.distributed.run's own options (before the script or module)."""
-    i = 0
-    while i < len(argv):
-        word = argv[i]
-        if word in ("-m", "--module") or not word.startswith("-"):
-            break
-        if "=" in word:
-            key, value = word.split("=", 1)
-            if key == name:
-                return value
-            i += 1
-        elif word in FLAGS:
-            i += 1
-        else:
-            if word == name and i + 1 < len(argv):
-                return argv[i + 1]
-            i += 2
-    return default
 
 
 def bind_address(head: str, nodes: int) -> tuple[int, str] | None:
@@ -70,13 +48,19 @@ def bind_address(head: str, nodes: int) -> tuple[int, str] | None:
     return family, address
 
 
-def _host_store(argv: Sequence[str]) -> Any:
+def torchrun_options(argv: Sequence[str]) -> Any:
+    """``argv`` as ``torch.distributed.run`` reads it (its own parser: its options, not the script's)."""
+    from torch.distributed.run import parse_args
+
+    return parse_args(list(argv))
+
+
+def _host_store(options: Any) -> Any:
     """Node 0's store, listening on the head address alone; None where it is left to torch."""
     from torch._C._distributed_c10d import TCPStore
 
-    head = option(argv, "--master-addr")
-    port = option(argv, "--master-port")
-    nodes = int((option(argv, "--nnodes", "1") or "1").split(":")[-1])
+    head, port = options.master_addr, options.master_port
+    nodes = int(str(options.nnodes).split(":")[-1])
     if head is None or port is None:
         return None
     where = bind_address(head, nodes)
@@ -108,9 +92,8 @@ def _host_store(argv: Sequence[str]) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    store = None
-    if option(args, "--rdzv-backend", "static") == "static" and option(args, "--node-rank", "0") == "0":
-        store = _host_store(args)
+    options = torchrun_options(args)
+    store = _host_store(options) if options.rdzv_backend == "static" and options.node_rank == 0 else None
     from torch.distributed.run import main as run
 
     try:

@@ -15,7 +15,7 @@ import pytest
 
 from jupyter_shard._util.net import free_port
 from jupyter_shard.launchers.commands import agent_args
-from jupyter_shard.launchers.node_agent import bind_address, option
+from jupyter_shard.launchers.node_agent import bind_address, torchrun_options
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,11 +37,12 @@ print("LISTENING", ",".join(sorted(seen)))
 
 def test_options_are_read_before_the_script_only() -> None:
     argv = ["--nnodes", "2", "--master-addr=h", "--node-rank", "1", "-m", "mod", "--node-rank", "9"]
-    assert option(argv, "--nnodes") == "2"
-    assert option(argv, "--master-addr") == "h"
-    assert option(argv, "--node-rank") == "1"
-    assert option(argv, "--master-port", "29500") == "29500"
-    assert option(["script.py", "--nnodes", "4"], "--nnodes") is None  # the script's own options
+    options = torchrun_options(argv)
+    assert options.nnodes == "2"
+    assert options.master_addr == "h"
+    assert options.node_rank == 1
+    assert options.master_port is None  # not given: torch's own default applies later
+    assert torchrun_options(["script.py", "--nnodes", "4"]).nnodes == "1:1"  # the script's own options
 
 
 def test_the_bind_address_is_the_head_as_resolved_here() -> None:
