@@ -13,7 +13,12 @@ and, from a shuffled deck so that a short run meets every kind, these faults: a 
 enter a collective; ``km.interrupt_kernel()`` during a sleeping cell or while one rank sits in a
 collective; ``%dist_restart``; ``%dist_suspend`` and ``%dist_resume`` at the same world size, and at
 one rank more (then back); a rank SIGKILLed while the pool suspends (the suspend fails in one line
-and the earlier suspend in the directory stays whole, or it finished first and is resumed). Each
+and the earlier suspend in the directory stays whole, or it finished first and is resumed); a
+suspend asked for during a ``--bg`` run (refused in one line, then ``%dist_wait``, suspend, resume);
+the kernel SIGKILLed with its pool kept and a new kernel attaching; ``--take-over`` from another
+kernel during a running cell (refused and withdrawn within 5 s) and then between cells (the pool
+moves with its state, and the first kernel says so); two kernels attaching at once (one gets the
+pool, the other a one-line refusal). ``faults.py`` says what each checks. Each
 fault cell must fail the way RELIABILITY.md says (the message
 names the rank and the cause) and the pool must then recover: the next ``compute`` cell succeeds,
 after ``%dist_restart`` where the product asks for one.
@@ -122,12 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--fault-rate", type=float, default=0.25, help="share of steps that inject a fault")
+    parser.add_argument("--only", help="comma-separated fault kinds: the deck holds only these")
     parser.add_argument("--results", help="markdown section to write (for run_all); stdout only without")
     args = parser.parse_args(argv)
+    kinds = tuple(args.only.split(",")) if args.only else FAULTS
+    if unknown := set(kinds) - set(FAULTS):
+        parser.error(f"--only: no fault {', '.join(sorted(unknown))}; the deck: {', '.join(FAULTS)}")
     rng = random.Random(args.seed)
     log_dir = tempfile.mkdtemp(prefix="jupyter_shard-soak-")
-    kernel = Kernel(log_dir)
-    soak = Soak(kernel, rng, args.nproc, suspend_dir=f"{log_dir}/suspended", base_nproc=args.nproc)
+    soak = Soak(Kernel(log_dir), rng, args.nproc, f"{log_dir}/suspended", base_nproc=args.nproc, kinds=kinds)
     started = time.monotonic()
     watch = LoadWatch().start()
     orphans: list[str] = []

@@ -30,7 +30,10 @@ FAULTS = (
     "suspend_resume",
     "resume_resized",
     "kill_mid_suspend",
+    "suspend_background",
     "kernel_replaced",
+    "take_over",
+    "attach_race",
 )
 STATE_LOST = "rank state is lost"  # every restart notice of the product says this
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -65,28 +68,6 @@ PIDS = (
     "from jupyter_shard.pool.pool import latest_pool\n"
     "print('SOAK pids', *[s.pid for s in latest_pool().status()])"
 )
-EXIT = """%%distributed
-import os, time, torch, torch.distributed as dist
-if shard.rank == {rank}:
-    time.sleep(0.3)
-    os._exit(3)
-dist.all_reduce(torch.ones(1))
-time.sleep(30)
-"""
-SLEEP = "%%distributed\nimport time\nfor _ in range(300):\n    time.sleep(0.1)\n"
-RAISE = """%%distributed
-import torch, torch.distributed as dist
-if shard.rank == {rank}:
-    raise ValueError("soak: injected on rank {rank}")
-dist.all_reduce(torch.ones(1))
-"""
-STUCK_IN_COLLECTIVE = """%%distributed
-import time, torch, torch.distributed as dist
-if shard.rank == 0:
-    dist.all_reduce(torch.ones(1))
-else:
-    time.sleep(60)
-"""
 
 
 @dataclass
@@ -183,6 +164,7 @@ class Soak:
     counter: int | None = None  # rank 0's counter as it should be; None before the first compute
     may_lose: bool = True  # a restart was announced since the last compute check
     fresh: bool = False  # the last compute cell found no counter (new ranks)
+    adopted: bool = False  # the ranks were attached to, not started, by this kernel (not its children)
     kcount: int = 0
     injected: collections.Counter[str] = field(default_factory=collections.Counter)
     survived: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -190,16 +172,33 @@ class Soak:
     lost: list[str] = field(default_factory=list)
     pids_seen: set[int] = field(default_factory=set)
     replaced: set[int] = field(default_factory=set)  # processes of killed kernels: must all end
+    kinds: tuple[str, ...] = FAULTS  # what the deck is dealt from
     deck: list[str] = field(default_factory=list)
+    last: Cell = field(default_factory=lambda: Cell(False, "", "", "", 0.0))  # the last cell run
     # per fault kind: seconds from the failing cell's end to the end of the next working cell
     back: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
 
     def run(self, code: str, action: Callable[[], None] | None = None, at: float = 1.0) -> Cell:
         self.cells += 1
-        cell = self.kernel.execute(code, action, at)
+        cell = self.last = self.kernel.execute(code, action, at)
         if STATE_LOST in cell.text:
             self.may_lose = True
         return cell
+
+    def adopt(self, kernel: Kernel, loaded: bool = False) -> None:
+        """From now on cells run in ``kernel`` (a new one: its own counter starts at 0)."""
+        self.kernel, self.kcount = kernel, 0
+        if not loaded:
+            self.run("%load_ext jupyter_shard")
+
+    def retire(self, kernel: Kernel, ranks: set[int]) -> None:
+        """Shut ``kernel`` down (not the current one); its processes, the kept ``ranks`` aside, must
+        all end (checked at the end)."""
+        with contextlib.suppress(psutil.Error):
+            self.replaced |= {kernel.pid} | {
+                c.pid for c in psutil.Process(kernel.pid).children(recursive=True) if c.pid not in ranks
+            }
+        kernel.shutdown()
 
     def fail(self, what: str, cell: Cell | None = None) -> None:
         lines = (cell.error or cell.stderr or cell.stdout).strip().splitlines() if cell else []
@@ -217,6 +216,7 @@ class Soak:
             for k, c, t in re.findall(r"\[rank (\d+)\] SOAK counter (\d+) (\S+)", cell.stdout)
         }
         fresh = self.fresh = "SOAK fresh" in cell.stdout
+        self.adopted = self.adopted and not fresh
         if sorted(seen) != list(range(self.nproc)) or len({c for c, _ in seen.values()}) != 1:
             self.lost.append(f"cell {self.cells}: ranks disagree on the counter: {seen}")
         value, total = seen.get(0, (0, 0.0))
@@ -296,13 +296,15 @@ class Soak:
 
     def fault(self) -> None:
         if not self.deck:
-            self.deck = list(FAULTS)
+            self.deck = list(self.kinds)
             self.rng.shuffle(self.deck)
         kind = self.deck.pop()
         self.injected[kind] += 1
         rank = self.rng.randrange(self.nproc)
         started = time.monotonic()
-        cell: Cell = getattr(self, f"_fault_{kind}")(rank)
+        from benchmarks.soak.faults import INJECT  # (faults.py builds on this module)
+
+        cell = INJECT[kind](self, rank)
         ended = time.monotonic()
         recovered = self.recover()
         back = time.monotonic() - ended
@@ -320,7 +322,8 @@ class Soak:
             flush=True,
         )
 
-    def _expect_failure(self, cell: Cell, kind: str, needles: list[str], within: float) -> None:
+    def expect_failure(self, cell: Cell, kind: str, needles: list[str], within: float) -> None:
+        """A fault's cell failed, within ``within`` seconds, saying each of ``needles``."""
         if cell.ok:
             self.fail(f"{kind}: the cell succeeded")
         missing = [n for n in needles if n not in cell.text]
@@ -328,121 +331,6 @@ class Soak:
             self.fail(f"{kind}: the message lacks {missing!r}", cell)
         if cell.elapsed > within:
             self.fail(f"{kind}: the cell took {cell.elapsed:.1f} s (limit {within:g} s)")
-
-    def _fault_exit(self, rank: int) -> Cell:
-        self.rank_pids()
-        cell = self.run(EXIT.format(rank=rank))
-        self._expect_failure(cell, "exit", [f"rank {rank} exited with code 3"], 10.0)
-        return cell
-
-    def _fault_sigkill(self, rank: int) -> Cell:
-        pid = self.rank_pids()[rank]
-        if self.rng.random() < 0.5:
-            cell = self.run(SLEEP, lambda: _kill_if_alive(pid), at=self.rng.uniform(0.5, 2.0))
-        else:
-            os.kill(pid, signal.SIGKILL)
-            time.sleep(0.5)
-            cell = self.run(COMPUTE)  # between cells: the next cell is refused, naming the dead rank
-        self._expect_failure(cell, "sigkill", [f"rank {rank}", "SIGKILL"], 15.0)
-        return cell
-
-    def _fault_raise(self, rank: int) -> Cell:
-        self.rank_pids()
-        cell = self.run(RAISE.format(rank=rank))
-        self._expect_failure(cell, "raise", [f"rank {rank} failed first", "ValueError: soak: injected"], 30.0)
-        return cell
-
-    def _fault_interrupt(self, rank: int) -> Cell:
-        cell = self.run(SLEEP, self.kernel.km.interrupt_kernel, at=self.rng.uniform(0.5, 2.0))
-        self._expect_failure(cell, "interrupt", ["KeyboardInterrupt"], 15.0)
-        return cell
-
-    def _fault_interrupt_collective(self, rank: int) -> Cell:
-        self.rank_pids()
-        cell = self.run(STUCK_IN_COLLECTIVE, self.kernel.km.interrupt_kernel, at=self.rng.uniform(0.5, 2.0))
-        self._expect_failure(cell, "interrupt_collective", ["KeyboardInterrupt"], 20.0)
-        return cell
-
-    def _fault_restart(self, rank: int) -> Cell:
-        cell = self.run("%dist_restart")
-        if not cell.ok or STATE_LOST not in cell.text:
-            self.fail("%dist_restart did not say that rank state is lost", cell)
-        return cell
-
-    def _fault_suspend_resume(self, rank: int) -> Cell:
-        """Suspend and resume at the same world size: the counter goes on (the compute check)."""
-        return self._suspend_and_resume(self.nproc)
-
-    def _fault_resume_resized(self, rank: int) -> Cell:
-        """Resume at another world size: every rank goes on from rank 0's counter."""
-        new = self.base_nproc + 1 if self.nproc == self.base_nproc else self.base_nproc
-        return self._suspend_and_resume(new)
-
-    def _suspend_and_resume(self, nproc: int) -> Cell:
-        self.rank_pids()
-        cell = self.run(f"%dist_suspend {self.suspend_dir}")
-        if not cell.ok or "suspended" not in cell.stdout:
-            self.fail("%dist_suspend failed", cell)
-            return cell
-        cell = self.run(f"%dist_resume {self.suspend_dir} --nproc {nproc}")
-        if not cell.ok or f"on {nproc} ranks" not in cell.stdout:
-            self.fail("%dist_resume failed", cell)
-            return cell
-        self.nproc = nproc
-        return cell
-
-    def _fault_kill_mid_suspend(self, rank: int) -> Cell:
-        """A rank SIGKILLed while the pool suspends: either the suspend finished first (then it is
-        resumed) or it fails in one line naming the dead rank, and an earlier suspend in the
-        directory is still whole."""
-        pid = self.rank_pids()[rank]
-        earlier = os.path.isfile(os.path.join(self.suspend_dir, "manifest.json"))
-        cell = self.run(
-            f"%dist_suspend {self.suspend_dir}",
-            lambda: _kill_if_alive(pid),
-            at=self.rng.uniform(0, 0.3),
-        )
-        if cell.ok:
-            resumed = self.run(f"%dist_resume {self.suspend_dir}")
-            if not resumed.ok:
-                self.fail("%dist_resume after a suspend that beat the kill failed", resumed)
-            return cell
-        self._expect_failure(cell, "kill_mid_suspend", ["the suspend failed", f"rank {rank}"], 30.0)
-        if earlier and not os.path.isfile(os.path.join(self.suspend_dir, "manifest.json")):
-            self.lost.append(f"cell {self.cells}: the earlier suspend in {self.suspend_dir} is gone")
-        return cell
-
-    def _fault_kernel_replaced(self, rank: int) -> Cell:
-        """The kernel SIGKILLed while its pool is kept (``--keep``), and a new kernel attaching: every
-        rank's state goes on (the compute check after it), the kept lease is set back to 0, and
-        nothing of the killed kernel is left (checked at the end)."""
-        ranks = set(self.rank_pids())
-        cell = self.run("%%distributed --keep 5m\nprint('SOAK kept')")
-        if not cell.ok:
-            self.fail("--keep 5m failed", cell)
-            return cell
-        old = self.kernel
-        with contextlib.suppress(psutil.Error):
-            self.replaced |= {old.pid} | {
-                c.pid for c in psutil.Process(old.pid).children(recursive=True) if c.pid not in ranks
-            }
-        old.kill()
-        self.kernel, self.kcount = Kernel(old.log_dir), 0
-        self.run("%load_ext jupyter_shard")
-        cell = self.run("%dist_attach")
-        if not cell.ok:
-            self.fail("%dist_attach after the kernel was killed failed", cell)
-            return cell
-        unkept = self.run("%%distributed --keep 0\nprint('SOAK unkept')")
-        if not unkept.ok:
-            self.fail("--keep 0 on the attached pool failed", unkept)
-            return unkept
-        time.sleep(2.0)  # a rank that would end by itself after --keep 0 has done so by now
-        if not self.compute():
-            self.fail("the attached pool's first compute cell after --keep 0 failed")
-        elif self.fresh:
-            self.lost.append(f"cell {self.cells}: the attached pool's ranks started afresh")
-        return cell
 
     def recover(self) -> bool:
         """The next compute cell works, after %dist_restart if the product asks for one."""
@@ -482,12 +370,6 @@ class Soak:
             if alive(pid):
                 found.append(f"pid {pid} of a killed kernel still alive")
         return found
-
-
-def _kill_if_alive(pid: int) -> None:
-    """SIGKILL ``pid``, unless it already ended (a suspend that finished first ends its ranks)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
 
 
 def alive(pid: int) -> bool:

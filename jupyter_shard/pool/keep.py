@@ -32,6 +32,7 @@ from jupyter_shard.errors import PoolError, SpecError
 from jupyter_shard.launchers import get_launcher
 from jupyter_shard.launchers.base import KEPT_RECORD, started_at
 from jupyter_shard.launchers.spec_record import from_record
+from jupyter_shard.pool.launches import warm_zygote
 from jupyter_shard.pool.lifecycle import DIR_PREFIX, runtime_root
 from jupyter_shard.pool.pool import Pool
 from jupyter_shard.pool.ranks import RankRecord, RankState
@@ -258,6 +259,7 @@ def _adopt(kept: KeptPool, pool: Pool | None, say: Callable[[str], None]) -> Poo
     except BaseException:
         pool.release()
         raise
+    warm_zygote(spec)  # for a restart of the pool this kernel now holds
     return pool
 
 

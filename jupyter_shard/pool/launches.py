@@ -14,7 +14,7 @@ from types import MappingProxyType
 
 from jupyter_shard._util.net import loopback_interface
 from jupyter_shard.env import CHECK_PROTOCOL_VAR, RankEnv, without_pool_variables
-from jupyter_shard.launchers import RankLaunch
+from jupyter_shard.launchers import RankLaunch, zygote
 from jupyter_shard.spec import LaunchSpec
 from jupyter_shard.wire.curve import CurveKeys
 from jupyter_shard.wire.protocol import MAX_FRAME
@@ -69,7 +69,6 @@ def rank_launch(
     """Everything the launcher needs to start ``rank``: its environment, log file and directory."""
     nproc = spec.world_size
     log_path = log_dir / f"rank-{rank}.log"
-    package_root = str(Path(__file__).resolve().parent.parent.parent)
     agent_started = curve is not None  # no lifeline fd, no FileStore, its own log file
     orders = RankEnv(
         rank=rank,
@@ -95,6 +94,14 @@ def rank_launch(
         error_file=str(log_dir / f"rank-{rank}-error.json"),
         direct=direct,
     )
+    env = shared_env(spec.nproc, orders.to_env())
+    return RankLaunch(rank=rank, env=env, log_path=log_path, cwd=Path.cwd(), pool_dir=pool_dir)
+
+
+def shared_env(per_host: int, orders: dict[str, str] | None = None) -> dict[str, str]:
+    """A rank's environment: this process's, less its pool variables, with what every rank of a pool
+    of ``per_host`` ranks on a machine shares, and its ``orders`` (a rank's own)."""
+    package_root = str(Path(__file__).resolve().parent.parent.parent)
     env = without_pool_variables(os.environ)
     env.update(
         {
@@ -104,8 +111,7 @@ def rank_launch(
             "PYTHONPATH": os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p),
         }
     )
-    env.update(orders.to_env())
-    per_host = spec.nproc  # ranks sharing this rank's machine
+    env.update(orders or {})
     for name, value in NCCL_KEEP_RANKS_ALIVE.items():
         env.setdefault(name, value)
     # Rich (Lightning's default progress bar) redraws live only on a terminal; a cell shows its
@@ -113,4 +119,12 @@ def rank_launch(
     env.setdefault("TTY_COMPATIBLE", "1")
     env.setdefault("TTY_INTERACTIVE", "1")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_host)))
-    return RankLaunch(rank=rank, env=env, log_path=log_path, cwd=Path.cwd(), pool_dir=pool_dir)
+    return env
+
+
+def warm_zygote(spec: LaunchSpec) -> None:
+    """Start now the zygote that the next start of this local pool forks its ranks from. A kernel
+    that attached to a kept pool has none, and its first restart would otherwise wait (about 2 s on
+    CPU) for one to import torch."""
+    if spec.launcher == "local" and zygote.enabled():
+        zygote.zygote_for(shared_env(spec.nproc))

@@ -210,6 +210,32 @@ def test_f21_an_attached_pool_set_to_keep_0_is_not_taken_for_a_dead_kernels(runt
     wait_gone(pids, within=5.0)
 
 
+def test_f21_a_restart_after_attaching_forks_from_a_zygote_started_at_the_attach(runtime: Path) -> None:
+    """A kernel that attached has no zygote of its own: the attach starts one, so that a restart
+    (after a rank of the adopted pool died) forks its ranks from it instead of waiting for a new one
+    to import torch."""
+    import signal
+
+    from jupyter_shard.launchers import zygote
+
+    zygote.close_all()  # (an earlier test's pool in this process leaves its own)
+    pids, _ = _killed_driver(2, keep=60.0)
+    pool = attach()
+    try:
+        warmed = [c.pid for c in zygote.client._zygotes.values() if c.alive()]
+        assert len(warmed) == 1
+        os.kill(pids[1], signal.SIGKILL)
+        wait_gone([pids[1]], within=5.0)
+        pool.restart()
+        assert f"pid {warmed[0]}" in pool.launcher.launch_path()
+        assert pool.run("x = shard.rank").ok
+    finally:
+        pool.keep = 0
+        pool.shutdown()
+        zygote.close_all()
+    wait_gone(pids, within=5.0)
+
+
 def test_f21_a_stopped_rank_still_ends_with_the_lease(runtime: Path) -> None:
     """A rank stopped (SIGSTOP, as a SLURM suspend does) cannot end itself at lease end: rank 0 ends
     it before it removes the record, so no process is left that nothing can find."""
