@@ -181,8 +181,8 @@ class Soak:
     def run(self, code: str, action: Callable[[], None] | None = None, at: float = 1.0) -> Cell:
         self.cells += 1
         cell = self.last = self.kernel.execute(code, action, at)
-        if STATE_LOST in cell.text:
-            self.may_lose = True
+        if STATE_LOST in cell.text:  # new ranks: this kernel's children
+            self.may_lose, self.adopted = True, False
         return cell
 
     def adopt(self, kernel: Kernel, loaded: bool = False) -> None:
@@ -216,7 +216,6 @@ class Soak:
             for k, c, t in re.findall(r"\[rank (\d+)\] SOAK counter (\d+) (\S+)", cell.stdout)
         }
         fresh = self.fresh = "SOAK fresh" in cell.stdout
-        self.adopted = self.adopted and not fresh
         if sorted(seen) != list(range(self.nproc)) or len({c for c, _ in seen.values()}) != 1:
             self.lost.append(f"cell {self.cells}: ranks disagree on the counter: {seen}")
         value, total = seen.get(0, (0, 0.0))
