@@ -89,9 +89,14 @@ def _strategy_name(name: str) -> str:
     return name
 
 
+RUNTIME_LAUNCHERS: set[str] = set()
+"""Launchers registered in this process only (``--launcher simulated`` in tests and benchmarks)."""
+
+
 def launcher_names() -> list[str]:
-    """The built-in launchers and those installed through entry points (read, not imported)."""
-    return sorted({*BUILTIN_LAUNCHERS, *entry_point_map(LAUNCHER_GROUP)})
+    """The built-in launchers, those installed through entry points (read, not imported), and those
+    registered in this process."""
+    return sorted({*BUILTIN_LAUNCHERS, *entry_point_map(LAUNCHER_GROUP), *RUNTIME_LAUNCHERS})
 
 
 def _launcher_name(name: str) -> str:

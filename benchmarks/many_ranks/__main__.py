@@ -14,7 +14,9 @@ A real kernel (as Jupyter starts one) loads the extension and starts ``%%distrib
 * **status**: ``%dist_status``: its lines and its longest line.
 
 A plain frontend (no JupyterLab extension): what nbclient, VS Code and a saved notebook see.
-Writes ``benchmarks/results/many_ranks.md``.
+Then the same in a kernel of simulated ranks for each N of ``--simulated`` (128 to 1,024), with the
+kernel's own CPU time per no-op cell and the size of the live dashboard's updates while every rank
+logs. Writes ``benchmarks/results/many_ranks.md``.
 Run: ``.venv/bin/python -m benchmarks.many_ranks [--ranks 16 32 64 --steps 30 --repeats 20]``.
 """
 
@@ -32,6 +34,7 @@ from typing import Any
 from benchmarks.common.kernel import start_kernel
 from benchmarks.common.machine import RESULTS, cpu, load_average
 from benchmarks.common.report import target_table, write_section
+from jupyter_shard.notebook.dashboard import LIVE_MIME
 
 PRINTING = (
     "%%distributed\nimport torch.distributed as dist\nrank = dist.get_rank()\n"
@@ -134,6 +137,95 @@ def measure(ranks: int, steps: int, repeats: int, log_dir: Path) -> Size:
         km.shutdown_kernel(now=True)
 
 
+SIM_START = (
+    "from jupyter_shard.launchers.simulated import register\nregister()\n"
+    "%%distributed --nproc {ranks} --launcher simulated --strategy none --device cpu\nx = shard.rank"
+)
+SIM_PRINTING = (
+    "%%distributed\nfor step in range({steps}):\n"
+    "    print(f'step {{step}} loss {{0.5 + shard.rank / 1000 - step / 100:.3f}}')"
+)
+SIM_FAILING = "%%distributed\nraise ValueError(f'bad {shard.rank}')"
+SIM_LOGGING = (
+    "%%distributed\nimport time\nfor step in range(40):\n"
+    "    shard.log(loss=1.0 / (step + 1) + shard.rank / 1e4, lr=0.1, step=step)\n    time.sleep(0.05)"
+)
+
+
+@dataclass
+class Simulated:
+    ranks: int
+    start_s: float
+    noop_ms: float
+    kernel_cpu_ms: float  # the kernel process's CPU time per no-op cell
+    summary: Cell
+    error: Cell
+    status: Cell
+    update_bytes: int  # the largest live dashboard update, as a frontend without the extension gets it
+    update_bytes_extension: int  # the same, where the extension draws it (no HTML table)
+    updates: int
+
+
+def measure_simulated(ranks: int, steps: int, repeats: int, log_dir: Path) -> Simulated:
+    """Simulated ranks (``--launcher simulated``: 128 per process, no torch) in a real kernel: the
+    kernel's own CPU time per no-op cell, what a printing cell shows and stores, the error, the
+    status, and the live dashboard's updates while every rank logs."""
+    import psutil
+
+    km, kc = start_kernel({"JUPYTER_SHARD_LOG_DIR": str(log_dir), "JUPYTER_SHARD_OUTPUT": "auto"})
+    kernel = psutil.Process(int(km.provisioner.process.pid))  # type: ignore[union-attr]
+    try:
+        assert run(kc, "%load_ext jupyter_shard").ok
+        started = run(kc, SIM_START.format(ranks=ranks))
+        assert started.ok, started.text()[-2000:]
+        for _ in range(3):
+            run(kc, "%%distributed\npass")
+        before = kernel.cpu_times()
+        walls = [run(kc, "%%distributed\npass").seconds for _ in range(repeats)]
+        after = kernel.cpu_times()
+        cpu = (after.user + after.system - before.user - before.system) / repeats
+        summary = run(kc, SIM_PRINTING.format(steps=steps))
+        error = run(kc, SIM_FAILING)
+        status = run(kc, "%dist_status")
+        updates = _updates(kc, SIM_LOGGING)
+        run(kc, "%dist_shutdown")
+        plain = max((len(json.dumps(u)) for u in updates), default=0)
+        bare = max(
+            (len(json.dumps({k: v for k, v in u.items() if k != "text/html"})) for u in updates), default=0
+        )
+        return Simulated(
+            ranks,
+            started.seconds,
+            statistics.median(walls) * 1000,
+            cpu * 1000,
+            summary,
+            error,
+            status,
+            plain,
+            bare,
+            len(updates),
+        )
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def _updates(kc: Any, code: str) -> list[dict[str, Any]]:
+    """The data of every live dashboard update while ``code`` runs (``update_display_data``)."""
+    msg_id = kc.execute(code, allow_stdin=False)
+    found = []
+    while True:
+        msg = kc.get_iopub_msg(timeout=600)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+        if msg["msg_type"] == "update_display_data" and LIVE_MIME in msg["content"]["data"]:
+            found.append(msg["content"]["data"])
+    kc.get_shell_msg(timeout=600)
+    return found
+
+
 def _lines(cell: Cell) -> int:
     return len(cell.text().splitlines())
 
@@ -190,11 +282,56 @@ def report(sizes: list[Size], steps: int, repeats: int) -> str:
         *sample,
         "```",
         "",
-        "Not measured here: the kernel at 128 to 1,024 ranks (that needs simulated ranks, which do not",
-        "exist yet), and the JupyterLab extension's bundle, which still carries every line for its tabs.",
+        "Not measured here: the JupyterLab extension's bundle, which still carries every line for its tabs.",
         "",
     ]
     return "\n".join([*head, *rows, "", *target_table(targets), *tail])
+
+
+def report_simulated(sizes: list[Simulated], steps: int, repeats: int) -> str:
+    head = [
+        "### The kernel at 128 to 1,024 ranks (simulated ranks)",
+        "",
+        "Simulated ranks (`--launcher simulated`: 128 per process, the wire protocol without torch, each",
+        "cell on a thread of its own) in a real kernel, a plain frontend. The kernel's CPU is its own",
+        f"process's user + system time over {repeats} no-op cells (the ranks' processes are not in it).",
+        "A dashboard update is the largest `update_display_data` while every rank logs 40 steps of two",
+        "scalars: as a frontend without the extension gets it (figure, HTML status, text) and where the",
+        "extension draws it (no HTML).",
+        "",
+        "| ranks | start, s | no-op cell, ms | kernel CPU per cell, ms | per rank, ms "
+        "| printing cell, lines / saved bytes | error, lines | `%dist_status`, lines / longest "
+        "| dashboard update, bytes (plain / extension) | updates |",
+        "|---:|---:|---:|---:|---:|---|---:|---|---|---:|",
+    ]
+    rows = []
+    for s in sizes:
+        status_lines = s.status.text().splitlines()
+        rows.append(
+            f"| {s.ranks} | {s.start_s:.1f} | {s.noop_ms:.1f} | {s.kernel_cpu_ms:.1f} "
+            f"| {s.kernel_cpu_ms / s.ranks:.3f} | {_lines(s.summary)} / {s.summary.saved_bytes():,} "
+            f"| {_lines(s.error)} | {len(status_lines)} / {max(map(len, status_lines))} "
+            f"| {s.update_bytes:,} / {s.update_bytes_extension:,} | {s.updates} |"
+        )
+    big = max(sizes, key=lambda s: s.ranks)
+    targets = [
+        (
+            f"the kernel's own cost per rank and cell ≤ 0.1 ms at {big.ranks} ranks",
+            f"{big.kernel_cpu_ms / big.ranks:.3f} ms",
+            big.kernel_cpu_ms / big.ranks <= 0.1,
+        ),
+        (
+            f"what the notebook stores for a {steps}-step printing cell at {big.ranks} ranks ≤ 200 KB",
+            f"{big.summary.saved_bytes() / 1000:.1f} KB",
+            big.summary.saved_bytes() <= 200_000,
+        ),
+        (
+            f"a dashboard update at {big.ranks} ranks ≤ 50 KB (a frontend without the extension)",
+            f"{big.update_bytes / 1000:.1f} KB",
+            0 < big.update_bytes <= 50_000,
+        ),
+    ]
+    return "\n".join([*head, *rows, "", *target_table(targets), ""])
 
 
 def main() -> None:
@@ -203,14 +340,21 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--simulated", type=int, nargs="*", default=[128, 256, 512, 1024])
     parser.add_argument("--results", default=str(RESULTS / "many_ranks.md"))
     args = parser.parse_args()
-    sizes = []
+    sizes, simulated = [], []
     with tempfile.TemporaryDirectory(prefix="js-many-") as logs:
         for ranks in args.ranks:
             print(f"measuring {ranks} ranks …", flush=True)
             sizes.append(measure(ranks, args.steps, args.repeats, Path(logs) / str(ranks)))
-    write_section(report(sizes, args.steps, args.repeats), args.results)
+        for ranks in args.simulated:
+            print(f"measuring {ranks} simulated ranks …", flush=True)
+            simulated.append(measure_simulated(ranks, args.steps, args.repeats, Path(logs) / f"sim{ranks}"))
+    text = report(sizes, args.steps, args.repeats) if sizes else ""
+    if simulated:
+        text += "\n" + report_simulated(simulated, args.steps, args.repeats)
+    write_section(text, args.results)
 
 
 if __name__ == "__main__":

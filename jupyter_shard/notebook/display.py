@@ -12,12 +12,16 @@ ranks print is shown one of two ways (:func:`set_output_mode`, ``%dist_output``)
 Once the JupyterLab extension announced itself (it opened the ``jupyter_shard`` comm), a cell's
 lines go instead into one display of :data:`RANK_OUTPUT_MIME`, rendered as tabs (the summary, all
 ranks, one per group of ranks with the same output, a diff), whose ``text/plain`` fallback is the
-summary or every line by the same choice. Each live line (a progress bar) is one display updated in
+summary or every line by the same choice. The display carries the first and the last
+:data:`BUNDLE_LINES` // 2 lines and the count of those between, so that a cell at 1,024 ranks is
+neither a megabyte in the saved notebook nor a megabyte sent ten times a second; the summary counts
+every line, and each rank's log holds them all. Each live line (a progress bar) is one display updated in
 place, so a progress bar is one line, not thousands.
 """
 
 from __future__ import annotations
 
+import collections
 import html
 import os
 import sys
@@ -37,6 +41,12 @@ RANK_OUTPUT_MIME = "application/vnd.jupyter-shard.rank-output+json"
 SUMMARY_FROM = 9  # ranks from which "auto" shows the summary (below, every line as it comes)
 OUTPUT_MODES = ("auto", "summary", "all")
 OUTPUT_VAR = "JUPYTER_SHARD_OUTPUT"
+BUNDLE_LINES = 2000  # rank lines one cell's display carries at most: the first and the last half
+
+
+def omitted_note(count: int) -> str:
+    """The line that stands for the rank lines a cell's display leaves out."""
+    return f"… {count:,} lines left out here; each rank's log has every line (%dist_status lists the logs)"
 
 
 def _initial_mode() -> str:
@@ -105,7 +115,11 @@ class RankOutputDisplay:
 
     def __init__(self, rich: bool = True, summary_first: bool = False) -> None:
         self.rich, self.summary_first = rich, summary_first
-        self.lines: list[tuple[int, str, str]] = []
+        self.lines: list[tuple[int, str, str]] = []  # the first BUNDLE_LINES // 2
+        self.tail: collections.deque[tuple[int, str, str]] = collections.deque(
+            maxlen=BUNDLE_LINES - BUNDLE_LINES // 2
+        )
+        self.omitted = 0  # lines between the two that the bundle leaves out (the rank logs have them)
         self.summary = OutputSummary()
         self.failed: list[int] = []
         self._handle: Any = None
@@ -119,21 +133,37 @@ class RankOutputDisplay:
             text = "".join(f"{line}\n" for line in self.summary.lines())
         else:
             text = "".join(f"[rank {rank}] {line}\n" for rank, _, line in self.lines)
+            if self.omitted:
+                text += omitted_note(self.omitted) + "\n"
+            text += "".join(f"[rank {rank}] {line}\n" for rank, _, line in self.tail)
         if not self.rich:
             return {"text/plain": text}
-        bundle = {
+        bundle: dict[str, Any] = {
             "version": 1,
-            "lines": [list(entry) for entry in self.lines],
+            "lines": [list(entry) for entry in (*self.lines, *self.tail)],
             "failed": self.failed,
             "summary": self.summary.rows(),
             "view": "summary" if self.summary_first else "all",
         }
+        if self.omitted:
+            bundle["omitted"] = [len(self.lines), self.omitted]
         return {RANK_OUTPUT_MIME: bundle, "text/plain": text}
+
+    def _keep(self, rank: int, name: str, lines: list[str]) -> None:
+        """The first and the last lines, up to BUNDLE_LINES in all; those between are counted."""
+        room = BUNDLE_LINES // 2 - len(self.lines)
+        if room > 0:
+            self.lines.extend((rank, name, line) for line in lines[:room])
+            lines = lines[room:]
+        for line in lines:
+            if len(self.tail) == self.tail.maxlen:
+                self.omitted += 1
+            self.tail.append((rank, name, line))
 
     def add(self, rank: int, name: str, lines: list[str]) -> None:
         with self._lock:
             if self.rich:
-                self.lines.extend((rank, name, line) for line in lines)
+                self._keep(rank, name, lines)
             self.summary.add(rank, name, lines)
             self._dirty = True
             wait = LIVE_INTERVAL - (time.monotonic() - self._shown_at)

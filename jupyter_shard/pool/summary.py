@@ -167,9 +167,11 @@ class OutputSummary:
             head.append(f"… {self.hidden:,} more lines not shown here ({where} have every line)")
         return head + tail
 
-    def rows(self) -> list[list[object]]:
-        """The summary for the JupyterLab extension: ``[ranks, stream name, text]`` per line."""
-        rows: list[list[object]] = [[list(s.ranks), s.name, s.text] for s in self.entries()]
+    def rows(self) -> list[list[str]]:
+        """The summary for the JupyterLab extension: ``[ranks, stream name, text]`` per line, the
+        ranks written as ``format_ranks`` writes them ("0-1023": at 1,024 ranks a list of numbers
+        would be 5 KB a line); "" for a note."""
+        rows = [[format_ranks(list(s.ranks)), s.name, s.text] for s in self.entries()]
         if self.hidden:
-            rows.insert(len(self._head), [[], "stdout", f"… {self.hidden:,} more lines not shown here"])
+            rows.insert(len(self._head), ["", "stdout", f"… {self.hidden:,} more lines not shown here"])
         return rows

@@ -11,8 +11,11 @@ export const RANK_OUTPUT_MIME = 'application/vnd.jupyter-shard.rank-output+json'
 /** `[rank, stream name, line]`, in the order the kernel received them. */
 export type RankLine = [number, string, string];
 
-/** `[ranks, stream name, text]`: one line of the summary (no ranks: a note, such as lines left out). */
-export type SummaryRow = [number[], string, string];
+/**
+ * `[ranks, stream name, text]`: one line of the summary; the ranks as the kernel writes them
+ * ("0-1023"; a list of numbers in bundles saved before), none for a note such as lines left out.
+ */
+export type SummaryRow = [string | number[], string, string];
 
 export interface IRankOutput {
   version: number;
@@ -20,6 +23,13 @@ export interface IRankOutput {
   failed?: number[];
   summary?: SummaryRow[];
   view?: 'summary' | 'all';
+  /** `[index, count]`: `count` lines left out of `lines` before `index` (every rank's log has them). */
+  omitted?: [number, number];
+}
+
+/** The note that stands where lines were left out of the bundle, as the kernel's fallback words it. */
+export function omittedNote(count: number): string {
+  return `… ${count.toLocaleString('en-US')} lines left out here; each rank's log has every line (%dist_status lists the logs)`;
 }
 
 export const SUMMARY_TAB = 'summary';
@@ -50,7 +60,10 @@ export function formatRanks(ranks: number[]): string {
 /** The summary view's text: `[rank 0-63] epoch 1 done`, as the kernel's plain-text fallback. */
 export function summaryText(output: IRankOutput): string {
   return (output.summary ?? [])
-    .map(([ranks, , text]) => (ranks.length ? `[rank ${formatRanks(ranks)}] ${text}\n` : `${text}\n`))
+    .map(([ranks, , text]) => {
+      const written = typeof ranks === 'string' ? ranks : formatRanks(ranks);
+      return written ? `[rank ${written}] ${text}\n` : `${text}\n`;
+    })
     .join('');
 }
 
@@ -101,7 +114,12 @@ export function groupRanks(output: IRankOutput): IRankGroup[] {
 
 /** The "all ranks" view: every line labelled, as the plain-text fallback shows it. */
 export function labelledText(output: IRankOutput): string {
-  return output.lines.map(([rank, , text]) => `[rank ${rank}] ${text}\n`).join('');
+  const lines = output.lines.map(([rank, , text]) => `[rank ${rank}] ${text}\n`);
+  if (output.omitted) {
+    const [index, count] = output.omitted;
+    lines.splice(index, 0, `${omittedNote(count)}\n`);
+  }
+  return lines.join('');
 }
 
 /** One line of a diff between two ranks: in both (`same`), only the first (`del`), only the second (`add`). */

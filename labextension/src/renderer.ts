@@ -16,6 +16,7 @@ import {
   groupRanks,
   IRankOutput,
   labelledText,
+  omittedNote,
   linesByRank,
   RANK_OUTPUT_MIME,
   rankLabel,
@@ -69,7 +70,9 @@ export class RankOutputRenderer extends Widget implements IRenderMime.IRenderer 
     tabs.push({ label: ALL_TAB, failed: false, show: body => text(body, labelledText(output)) });
     const controls = document.createElement('div');
     controls.className = 'jp-ShardRankOutput-diffControls';
-    const groupText = (index: number) => groups[index].lines.map(([, line]) => `${line}\n`).join('');
+    // Where the bundle left lines out, a rank's own tab shows what it kept, and says so first.
+    const partial = output.omitted ? `${omittedNote(output.omitted[1])}\n` : '';
+    const groupText = (index: number) => partial + groups[index].lines.map(([, line]) => `${line}\n`).join('');
     if (groups.length <= GROUP_TABS) {
       groups.forEach((group, index) => {
         tabs.push({ label: group.label, failed: group.failed, show: body => text(body, groupText(index)) });

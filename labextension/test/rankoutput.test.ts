@@ -9,6 +9,7 @@ import {
   IRankOutput,
   labelledText,
   linesByRank,
+  omittedNote,
   rankLabel,
   SUMMARY_TAB,
   summaryText
@@ -166,5 +167,38 @@ describe('the summary view', () => {
     expect(firstView({ ...output, view: 'all' }, SUMMARY_TAB)).toBe(SUMMARY_TAB);
     expect(firstView(output, 'ranks 0–3')).toBe(SUMMARY_TAB); // not a choice that is remembered
     expect(firstView({ version: 1, lines: [] }, SUMMARY_TAB)).toBe(ALL_TAB); // an older kernel's bundle
+  });
+});
+
+describe('a bundle that left lines out (1,024 ranks)', () => {
+  const output: IRankOutput = {
+    version: 1,
+    lines: [
+      [0, 'stdout', 'step 0'],
+      [1, 'stdout', 'step 0'],
+      [1022, 'stdout', 'step 29'],
+      [1023, 'stdout', 'step 29']
+    ],
+    summary: [['0-1023', 'stdout', 'step 0 (1024 ranks)']],
+    omitted: [2, 30716]
+  };
+
+  it('says in the every-line view where and how many lines were left out', () => {
+    expect(labelledText(output).split('\n')).toEqual([
+      '[rank 0] step 0',
+      '[rank 1] step 0',
+      omittedNote(30716),
+      '[rank 1022] step 29',
+      '[rank 1023] step 29',
+      ''
+    ]);
+    expect(omittedNote(30716)).toContain('30,716 lines left out');
+  });
+
+  it('writes the summary from ranks the kernel already wrote, and from a list in older bundles', () => {
+    expect(summaryText(output)).toBe('[rank 0-1023] step 0 (1024 ranks)\n');
+    expect(summaryText({ version: 1, lines: [], summary: [[[0, 1, 2, 5], 'stdout', 'x'], [[], 'stdout', 'note']] })).toBe(
+      '[rank 0-2,5] x\nnote\n'
+    );
   });
 });

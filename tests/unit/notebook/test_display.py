@@ -79,7 +79,7 @@ def test_with_the_extension_one_display_holds_the_cell_and_a_text_fallback(
         "version": 1,
         "lines": [[0, "stdout", "epoch 1"], [1, "stdout", "epoch 1"], [1, "stderr", "warning"]],
         "failed": [1],
-        "summary": [[[0, 1], "stdout", "epoch 1"], [[1], "stderr", "warning"]],
+        "summary": [["0-1", "stdout", "epoch 1"], ["1", "stderr", "warning"]],
         "view": "all",  # 2 ranks: every line first
     }
     assert final["text/plain"] == "[rank 0] epoch 1\n[rank 1] epoch 1\n[rank 1] warning\n"
@@ -234,3 +234,35 @@ def test_a_group_of_bars_shows_the_lowest_rank_and_the_range_of_the_first_number
     assert group.label() == "[rank 0-1,3] 41%|###| 41/100 [00:10<00:12] (3 ranks from 41 to 48, 1 done)"
     group.texts = {5: "loading"}
     assert group.label() == "[rank 5] loading"
+
+
+def test_a_cell_of_1024_ranks_carries_its_first_and_last_lines_and_counts_those_between() -> None:
+    """30 lines from each of 1,024 ranks: the extension's bundle holds BUNDLE_LINES of them (the
+    first half and the last), says how many it left out and where, and its every-line fallback says
+    so in their place; the summary still counts every line."""
+    shown = RankOutputDisplay(rich=True, summary_first=False)
+    for step in range(30):
+        for rank in range(1024):
+            shown.add(rank, "stdout", [f"step {step} loss {rank}"])
+    shown._cancel_timer()
+    data = shown.data()
+    bundle = data[RANK_OUTPUT_MIME]
+    half = display.BUNDLE_LINES // 2
+    assert len(bundle["lines"]) == display.BUNDLE_LINES
+    assert bundle["omitted"] == [half, 30 * 1024 - display.BUNDLE_LINES]
+    assert bundle["lines"][0] == [0, "stdout", "step 0 loss 0"]
+    assert bundle["lines"][-1] == [1023, "stdout", "step 29 loss 1023"]
+    text = data["text/plain"].splitlines()
+    assert text[half] == display.omitted_note(30 * 1024 - display.BUNDLE_LINES)
+    assert len(text) == display.BUNDLE_LINES + 1
+    size = len(json.dumps(data))
+    assert size < 200_000, size  # against 2.2 MB with every line
+    assert bundle["summary"][0][0] == "0-1023"  # every rank counted, in a few bytes
+
+
+def test_a_cell_under_the_bound_carries_every_line_and_no_note() -> None:
+    shown = RankOutputDisplay(rich=True, summary_first=False)
+    shown.add(0, "stdout", [f"line {i}" for i in range(display.BUNDLE_LINES)])
+    shown._cancel_timer()
+    bundle = shown.data()[RANK_OUTPUT_MIME]
+    assert len(bundle["lines"]) == display.BUNDLE_LINES and "omitted" not in bundle

@@ -1,0 +1,404 @@
+"""Simulated ranks: many in one process, speaking the wire protocol as real ranks do, without torch.
+
+They exist so that the kernel's side (the pool, the output summary, the dashboard, the status and
+the panel) can be tested and measured at 128 to 1,024 ranks on a machine that holds only a few real
+ones (a real CPU rank is about 110 MiB). ``python -m jupyter_shard.rank.simulated PLAN`` serves the
+ranks its plan names (``--launcher simulated`` starts one such process per 128 ranks): each has its
+two sockets to the kernel (``rank-k`` and ``rank-k.io``), says ``ready``, sends a heartbeat every
+second, and runs each cell it is sent as plain Python in a namespace of its own, on a thread of its
+own (so ranks that sleep, sleep together), with a ``shard`` that knows its ``rank`` and
+``world_size`` and whose ``log(**scalars)`` feeds the dashboard. What it prints goes to the kernel
+as a real rank's output does (sent every 50 ms, and before the cell's ``done``), and to its log file;
+an interrupt raises ``KeyboardInterrupt`` in every cell running.
+
+What they do not do: collectives (there is no process group), IPython syntax (magics, ``!cmd``),
+output other than ``print`` (``sys.stdout`` is the process's), pushes and pulls (refused in one
+line), debugging, and ``--keep``. The process's main thread alone touches the sockets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import queue
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from array import array
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import CodeType
+from typing import Any, TextIO
+
+import zmq
+
+from jupyter_shard.env import RankEnv, pop_secrets
+from jupyter_shard.wire.messages import (
+    DEBUG_RESPONSE,
+    DONE,
+    HEARTBEAT,
+    HISTORY_REPLY,
+    METRICS,
+    PULL_REPLY,
+    PUSH_REPLY,
+    READY,
+    REGROUP_REPLY,
+    RELEASE_REPLY,
+    STACKS_REPLY,
+    STATUS_REPLY,
+    STREAM,
+    DebugResponseBody,
+    DoneBody,
+    HeartbeatBody,
+    MetricsBody,
+    Outgoing,
+    ReadyBody,
+    RegroupReply,
+    StatusReply,
+    StreamBody,
+)
+from jupyter_shard.wire.protocol import (
+    KERNEL,
+    TEXT_ERRORS,
+    Message,
+    ProtocolError,
+    Wire,
+    io_identity,
+    rank_identity,
+)
+
+__all__ = ["SimShard", "main"]
+
+HEARTBEAT_INTERVAL = 1.0
+FLUSH_INTERVAL = 0.05  # a running cell's output and logged scalars go out this often, as a real rank's
+REFUSED = "simulated ranks (--launcher simulated) take no pushes or pulls"
+
+
+class SimShard:
+    """The ``shard`` of a simulated rank: its place in the world, and ``log`` for the dashboard."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.local_rank, self.world_size = rank, rank, world_size
+        self.is_main = rank == 0
+        self.global_step = 0
+        self.pending: list[tuple[float, float, dict[str, float]]] = []  # logged, not yet sent
+        self.sent: list[list[Any]] = []  # [step, wall time, values]: what history() asks for
+
+    def log(self, step: int | None = None, **scalars: float) -> None:
+        self.global_step = int(step) if step is not None else self.global_step + 1
+        self.pending.append((float(self.global_step), time.time(), {k: float(v) for k, v in scalars.items()}))
+
+    def print0(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_main:
+            print(*args, **kwargs)
+
+
+class SimRank:
+    """One simulated rank: its sockets, its namespace and its log."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        env: RankEnv,
+        rank: int,
+        log: str,
+        outbox: queue.SimpleQueue[tuple[zmq.Socket[bytes], list[bytes]]],
+        wake: Callable[[], None],
+    ) -> None:
+        key = bytes.fromhex(env.key)
+        self.outbox, self.wake = outbox, wake
+        self.lock = threading.Lock()
+        self.flushing = threading.RLock()  # a flush's taking and sending, and the count done reports
+        self.printed: list[str] = []
+        self.thread: threading.Thread | None = None  # the running cell's
+        self.rank = rank
+        self.shell_wire = Wire(key, rank_identity(rank))
+        self.io_wire = Wire(key, io_identity(rank))
+        self.shell = _dealer(ctx, env.address, rank_identity(rank))
+        self.io = _dealer(ctx, env.address, io_identity(rank))
+        self.io_count = 0
+        self.shard = SimShard(rank, env.world_size)
+        self.namespace: dict[str, Any] = {"shard": self.shard, "__name__": "__main__", "print": self.print}
+        self.log_path = log
+        self.log: TextIO = open(log, "a", encoding="utf-8", errors="replace")  # noqa: SIM115 (its life)
+        self.cell_id = self.cell_head = ""
+        self.started = 0.0
+        self.done = False
+
+    def send_shell(self, message: Outgoing, buffers: list[bytes] | None = None) -> None:
+        self.outbox.put((self.shell, self.shell_wire.to_socket(message[0], message[1], buffers or [])))
+        self.wake()
+
+    def send_io(self, message: Outgoing, buffers: list[bytes] | None = None) -> int:
+        """Queue ``message`` on the I/O socket; how many it has been given (``done``'s ``io_count``)."""
+        with self.lock:
+            self.io_count += 1
+            self.outbox.put((self.io, self.io_wire.to_socket(message[0], message[1], buffers or [])))
+            count = self.io_count
+        self.wake()
+        return count
+
+    def print(
+        self, *args: Any, sep: str | None = " ", end: str | None = "\n", file: Any = None, flush: bool = False
+    ) -> None:
+        """The cell's ``print``: to this rank's output (another ``file`` is written as asked)."""
+        if file is not None:
+            print(*args, sep=sep, end=end, file=file, flush=flush)
+            return
+        text = (" " if sep is None else sep).join(map(str, args)) + ("\n" if end is None else end)
+        with self.lock:
+            self.printed.append(text)
+
+    def flush(self) -> None:
+        """Send what the cell printed since the last flush, then what it logged."""
+        with self.flushing:
+            self._flush()
+
+    def _flush(self) -> None:
+        with self.lock:
+            text, self.printed = "".join(self.printed), []
+            pending, self.shard.pending = self.shard.pending, []
+        if text:
+            self.log.write(text)
+            self.log.flush()
+            stream = StreamBody(cell_id=self.cell_id, name="stdout")
+            self.send_io(STREAM(stream), [text.encode("utf-8", TEXT_ERRORS)])
+        if pending:
+            self.flush_metrics(pending)
+
+    def heartbeat(self) -> HeartbeatBody:
+        executing = bool(self.cell_id)
+        return {
+            "executing": executing,
+            "cell": self.cell_head,
+            "running_for": time.time() - self.started if executing else 0.0,
+            "memory": {"rss": 0},
+            "step": self.shard.global_step,
+            "collective": "",
+            "group_ranks": [],
+            "waiting": "",
+        }
+
+    def flush_metrics(self, pending: list[tuple[float, float, dict[str, float]]]) -> None:
+        """What ``shard.log`` recorded, one message per set of names (float64 columns)."""
+        batches: dict[tuple[str, ...], list[tuple[float, float, dict[str, float]]]] = {}
+        for record in pending:
+            batches.setdefault(tuple(record[2]), []).append(record)
+        for names, records in batches.items():
+            columns = [array("d", [r[0] for r in records]), array("d", [r[1] for r in records])]
+            columns += [array("d", [r[2][n] for r in records]) for n in names]
+            body = MetricsBody(rank=self.rank, names=list(names), count=len(records))
+            self.send_io(METRICS(body), [c.tobytes() for c in columns])
+        self.shard.sent += [[int(s), t, values] for s, t, values in pending]
+
+
+class Host:
+    """The process: its ranks, one poller over their sockets (the main thread alone uses them), and a
+    thread per running cell."""
+
+    def __init__(self, env: RankEnv, plan: list[Mapping[str, Any]]) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.outbox: queue.SimpleQueue[tuple[zmq.Socket[bytes], list[bytes]]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self.ranks = [
+            SimRank(self.ctx, env, int(p["rank"]), str(p["log"]), self.outbox, self._wake) for p in plan
+        ]
+        self.by_socket: dict[zmq.Socket[bytes], tuple[SimRank, bool]] = {}
+        self.poller = zmq.Poller()
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        for r in self.ranks:
+            for sock, is_io in ((r.shell, False), (r.io, True)):
+                self.by_socket[sock] = (r, is_io)
+                self.poller.register(sock, zmq.POLLIN)
+        self._compiled: tuple[str, CodeType | SyntaxError] | None = None
+        self._compile_lock = threading.Lock()
+        signal.signal(signal.SIGINT, lambda signum, frame: self.interrupt())
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"x")
+
+    def interrupt(self) -> None:
+        """``KeyboardInterrupt`` in every cell running in this process (as SIGINT does to a real rank)."""
+        for r in self.ranks:
+            thread = r.thread
+            if thread is not None and thread.ident is not None:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt)
+                )
+
+    def serve(self) -> None:
+        here = socket.gethostname()
+        for r in self.ranks:
+            ready = ReadyBody(
+                rank=r.rank, pid=os.getpid(), host=here, device="cpu", log_path=r.log_path, node=0, job=""
+            )
+            r.send_shell(READY(ready))
+        next_beat = next_flush = time.monotonic()
+        while not all(r.done for r in self.ranks) or not self.outbox.empty():
+            now = time.monotonic()
+            if now >= next_beat:
+                for r in self.ranks:
+                    r.send_io(HEARTBEAT(r.heartbeat()))
+                next_beat = now + HEARTBEAT_INTERVAL
+            if now >= next_flush:
+                for r in self.ranks:
+                    if r.thread is not None:
+                        r.flush()
+                next_flush = now + FLUSH_INTERVAL
+            self._send_queued()
+            wait = max(1, int((min(next_beat, next_flush) - now) * 1000))
+            for sock, _ in self.poller.poll(wait):
+                if sock == self._wake_r:
+                    os.read(self._wake_r, 65536)
+                    continue
+                rank, is_io = self.by_socket[sock]
+                wire = rank.io_wire if is_io else rank.shell_wire
+                try:
+                    msg = wire.from_socket(sock.recv_multipart(), expect_sender=KERNEL)
+                except ProtocolError as exc:
+                    print(f"jupyter_shard: rank {rank.rank} dropped a message: {exc}", file=sys.__stderr__)
+                    continue
+                (self._io if is_io else self._shell)(rank, msg)
+            self._send_queued()
+
+    def _send_queued(self) -> None:
+        while True:
+            try:
+                sock, frames = self.outbox.get_nowait()
+            except queue.Empty:
+                return
+            sock.send_multipart(frames, copy=False)
+
+    def _io(self, rank: SimRank, msg: Message) -> None:
+        req_id = str(msg.body.get("req_id", ""))
+        if msg.type == "status":
+            with rank.lock:  # its place among the I/O socket's messages: the next
+                count = rank.io_count + 1
+            status = StatusReply(req_id=req_id, **rank.heartbeat(), io_count=count, cell_id=rank.cell_id)
+            rank.send_io(STATUS_REPLY(status))
+        elif msg.type == "stacks":
+            rank.send_io(STACKS_REPLY({"req_id": req_id, "stacks": []}))
+        elif msg.type == "history":
+            rank.send_io(HISTORY_REPLY({"req_id": req_id, "records": rank.shard.sent}))
+        elif msg.type == "signal" and int(msg.body["signal"]) == signal.SIGINT:
+            self.interrupt()
+        # "abort" has nothing to act on: there is no process group
+
+    def _shell(self, rank: SimRank, msg: Message) -> None:
+        req_id = str(msg.body.get("req_id", ""))
+        if msg.type == "execute":
+            rank.thread = threading.Thread(target=self._execute, args=(rank, dict(msg.body)), daemon=True)
+            rank.thread.start()
+        elif msg.type == "push":
+            rank.send_shell(PUSH_REPLY({"req_id": req_id, "ok": False, "error": REFUSED}))
+        elif msg.type == "pull":
+            if not msg.body.get("release"):
+                rank.send_shell(PULL_REPLY({"req_id": req_id, "ok": False, "error": REFUSED}))
+        elif msg.type == "release":
+            rank.send_shell(RELEASE_REPLY({"req_id": req_id, "ok": True, "error": "", "closed": 0}))
+        elif msg.type == "regroup":
+            regroup = RegroupReply(req_id=req_id, ok=True, error="", prepared=False, seconds=0.0)
+            rank.send_shell(REGROUP_REPLY(regroup))
+        elif msg.type == "debug_request":
+            debug = DebugResponseBody(seq=int(msg.body["seq"]), success=False, message=REFUSED, body={})
+            rank.send_shell(DEBUG_RESPONSE(debug))
+        elif msg.type == "shutdown":
+            rank.done = True
+
+    def _execute(self, rank: SimRank, body: Mapping[str, Any]) -> None:
+        """A cell on ``rank``'s own thread: its output, what it logged, then ``done``."""
+        code, cell_id = str(body["code"]), str(body["cell_id"])
+        started = time.perf_counter()
+        rank.cell_id, rank.cell_head, rank.started = cell_id, code.split("\n", 1)[0][:80], time.time()
+        error: tuple[str, str, list[str]] | None = None
+        try:
+            try:
+                exec(self._compile(code), rank.namespace)
+            except BaseException as exc:  # the cell's own failure, KeyboardInterrupt included
+                if isinstance(exc, SystemExit):
+                    raise
+                tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # the cell's frames
+                error = (type(exc).__name__, str(exc), traceback.format_exception(type(exc), exc, tb))
+        except KeyboardInterrupt:  # an interrupt that came as the cell ended
+            error = ("KeyboardInterrupt", "", ["KeyboardInterrupt"])
+        with rank.flushing:  # no other flush between this one and the count done reports
+            rank.flush()
+            with rank.lock:
+                rank.cell_id = rank.cell_head = ""
+                rank.thread = None
+                io_count = rank.io_count
+        name, value, tb_lines = error or ("", "", [])
+        done = DoneBody(
+            io_count=io_count,
+            cell_id=cell_id,
+            status="error" if error else "ok",
+            ename=name,
+            evalue=value,
+            traceback=tb_lines,
+            duration=time.perf_counter() - started,
+            grouped=True,
+            ungrouped="",
+            lost_context="",
+        )
+        rank.send_shell(DONE(done))
+
+    def _compile(self, code: str) -> CodeType:
+        """A cell's code, compiled once for every rank of this process that runs it."""
+        with self._compile_lock:
+            if self._compiled is None or self._compiled[0] != code:
+                try:
+                    found: CodeType | SyntaxError = compile(code, "<cell>", "exec")
+                except SyntaxError as exc:
+                    found = exc
+                self._compiled = (code, found)
+            found = self._compiled[1]
+        if isinstance(found, SyntaxError):
+            raise found
+        return found
+
+
+def _dealer(ctx: zmq.Context[zmq.Socket[bytes]], address: str, identity: str) -> zmq.Socket[bytes]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity.encode())
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(address)
+    return sock
+
+
+def _watch_lifeline(fd: int) -> None:
+    """End the process when the kernel's lifeline pipe closes (the kernel is gone)."""
+
+    def run() -> None:
+        while True:
+            select.select([fd], [], [])
+            try:
+                if os.read(fd, 1) == b"":
+                    os._exit(0)
+            except OSError:
+                os._exit(0)
+
+    threading.Thread(target=run, name="jupyter_shard-lifeline", daemon=True).start()
+
+
+def main() -> None:
+    env = RankEnv.from_env(os.environ)
+    pop_secrets(os.environ)
+    plan = json.loads(Path(sys.argv[1]).read_text())
+    if env.lifeline_fd is not None:
+        _watch_lifeline(env.lifeline_fd)
+    host = Host(env, plan)
+    host.serve()
+    time.sleep(0.2)  # the last replies leave before the sockets close
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
