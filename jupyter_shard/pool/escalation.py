@@ -14,6 +14,7 @@ said to the user as it happens. What happened is returned as :class:`Stopped` fo
 
 from __future__ import annotations
 
+import secrets
 import signal
 import time
 from collections.abc import Callable
@@ -260,10 +261,13 @@ class Escalation:
         self._groups += 1
         live = self.ranks.live()
         # A local pool meets on a fresh FileStore; ranks started by agents on a prefix of their store.
+        # The name is this kernel's own: a kept pool's earlier kernel rebuilt groups on store-1, 2...
+        # too, and a store holding their keys makes the new rendezvous wait for peers long gone.
+        name = f"{self._groups}-{secrets.token_hex(4)}"
         where: RegroupBody = (
-            {"prefix": f"jupyter_shard/group-{self._groups}/"}
+            {"prefix": f"jupyter_shard/group-{name}/"}
             if on_agent_store
-            else {"store": str(pool_dir / f"store-{self._groups}")}
+            else {"store": str(pool_dir / f"store-{name}")}
         )
         replies = self.conn.request(*REGROUP(where), live, timeout=timeout)
         errors = [

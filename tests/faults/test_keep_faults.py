@@ -236,6 +236,42 @@ def test_f21_a_restart_after_attaching_forks_from_a_zygote_started_at_the_attach
     wait_gone(pids, within=5.0)
 
 
+# A driving process whose pool rebuilds its process group once (a cell destroys it), then is killed.
+DRIVER_REGROUPED = """
+import json, os, signal, sys
+from jupyter_shard import Pool
+pool = Pool(nproc=2, device="cpu", strategy="ddp", keep=60.0, timeout=15.0)
+pool.start()
+pool.run("import torch, torch.distributed as dist\\nkept = 41\\ndist.destroy_process_group()")
+pool.run("dist.all_reduce(torch.ones(1))")  # on the group rebuilt before this cell
+print(json.dumps({"pids": [r.handle.pid for r in pool.ranks]}), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_f21_an_attached_pool_rebuilds_its_group_on_a_store_no_earlier_kernel_used(runtime: Path) -> None:
+    """The kernel that started the pool rebuilt its process group once (on a store in the pool's
+    directory); the kernel that attached rebuilds it again: on a store of its own, not the first
+    one's (whose stale keys made the new group's rendezvous hang until the collective timeout)."""
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER_REGROUPED], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == -9, done.stderr[-2000:]
+    pids = json.loads(done.stdout.strip().splitlines()[-1])["pids"]
+    pool = attach()
+    try:
+        began = time.monotonic()
+        pool.run("dist.destroy_process_group()")
+        result = pool.run("t = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item(), kept)")
+        assert result.ok
+        assert time.monotonic() - began < 10, "the rebuilt group's rendezvous waited"
+        assert [r.handle.pid for r in pool.ranks] == pids  # the same ranks: rebuilt, not restarted
+    finally:
+        pool.keep = 0
+        pool.shutdown()
+    wait_gone(pids, within=5.0)
+
+
 def test_f21_a_stopped_rank_still_ends_with_the_lease(runtime: Path) -> None:
     """A rank stopped (SIGSTOP, as a SLURM suspend does) cannot end itself at lease end: rank 0 ends
     it before it removes the record, so no process is left that nothing can find."""
