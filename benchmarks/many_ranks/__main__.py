@@ -145,6 +145,11 @@ SIM_PRINTING = (
     "%%distributed\nfor step in range({steps}):\n"
     "    print(f'step {{step}} loss {{0.5 + shard.rank / 1000 - step / 100:.3f}}')"
 )
+PANEL_SIZE = (
+    "import json\nfrom jupyter_shard.notebook.panel import status_reply\n"
+    "from jupyter_shard.pool.pool import latest_pool\n"
+    "print('PANEL', len(json.dumps(status_reply(latest_pool()))))"
+)
 SIM_FAILING = "%%distributed\nraise ValueError(f'bad {shard.rank}')"
 SIM_LOGGING = (
     "%%distributed\nimport time\nfor step in range(40):\n"
@@ -164,6 +169,7 @@ class Simulated:
     update_bytes: int  # the largest live dashboard update, as a frontend without the extension gets it
     update_bytes_extension: int  # the same, where the extension draws it (no HTML table)
     updates: int
+    panel_bytes: int  # the side panel's status reply (one row per rank)
 
 
 def measure_simulated(ranks: int, steps: int, repeats: int, log_dir: Path) -> Simulated:
@@ -188,6 +194,7 @@ def measure_simulated(ranks: int, steps: int, repeats: int, log_dir: Path) -> Si
         error = run(kc, SIM_FAILING)
         status = run(kc, "%dist_status")
         updates = _updates(kc, SIM_LOGGING)
+        panel = run(kc, PANEL_SIZE).text()
         run(kc, "%dist_shutdown")
         plain = max((len(json.dumps(u)) for u in updates), default=0)
         bare = max(
@@ -204,6 +211,7 @@ def measure_simulated(ranks: int, steps: int, repeats: int, log_dir: Path) -> Si
             plain,
             bare,
             len(updates),
+            int(panel.split("PANEL")[-1].split()[0]),
         )
     finally:
         kc.stop_channels()
@@ -301,8 +309,8 @@ def report_simulated(sizes: list[Simulated], steps: int, repeats: int) -> str:
         "",
         "| ranks | start, s | no-op cell, ms | kernel CPU per cell, ms | per rank, ms "
         "| printing cell, lines / saved bytes | error, lines | `%dist_status`, lines / longest "
-        "| dashboard update, bytes (plain / extension) | updates |",
-        "|---:|---:|---:|---:|---:|---|---:|---|---|---:|",
+        "| dashboard update, bytes (plain / extension) | updates | panel status, bytes |",
+        "|---:|---:|---:|---:|---:|---|---:|---|---|---:|---:|",
     ]
     rows = []
     for s in sizes:
@@ -311,7 +319,7 @@ def report_simulated(sizes: list[Simulated], steps: int, repeats: int) -> str:
             f"| {s.ranks} | {s.start_s:.1f} | {s.noop_ms:.1f} | {s.kernel_cpu_ms:.1f} "
             f"| {s.kernel_cpu_ms / s.ranks:.3f} | {_lines(s.summary)} / {s.summary.saved_bytes():,} "
             f"| {_lines(s.error)} | {len(status_lines)} / {max(map(len, status_lines))} "
-            f"| {s.update_bytes:,} / {s.update_bytes_extension:,} | {s.updates} |"
+            f"| {s.update_bytes:,} / {s.update_bytes_extension:,} | {s.updates} | {s.panel_bytes:,} |"
         )
     big = max(sizes, key=lambda s: s.ranks)
     targets = [
