@@ -233,9 +233,12 @@ def attach_race(soak: Soak, rank: int) -> Cell:
     if len(won) != 1:
         for kernel in kernels:
             soak.retire(kernel, set())
+        for pid in ranks:  # the kept pool nobody holds: ended, and a new kernel starts its own
+            kill_if_alive(pid)
         soak.adopt(Kernel(soak.kernel.log_dir))
+        soak.run(f"%%distributed --nproc {soak.nproc} --device cpu\nimport torch")
         soak.fail(f"attach_race: {len(won)} of 2 kernels attaching at once got the pool")
-        soak.may_lose = True
+        soak.may_lose, soak.adopted = True, False
         return cells[0] or soak.last
     winner, loser = kernels[won[0]], kernels[1 - won[0]]
     refused = cells[1 - won[0]]

@@ -107,7 +107,8 @@ class _LiveGroup:
 
 class RankOutputDisplay:
     """One cell's rank lines as one display, updated in place at most every ``LIVE_INTERVAL`` s:
-    the extension's bundle (``rich``: every line, and the summary), or the summary as plain text.
+    the extension's bundle (``rich``: the first and last lines, up to :data:`BUNDLE_LINES`, and the
+    summary), or the summary as plain text.
 
     The first lines show at once; lines arriving sooner than that after an update are shown by a
     timer thread (display updates go by display id, so they reach the cell from any thread).
@@ -139,7 +140,7 @@ class RankOutputDisplay:
         if not self.rich:
             return {"text/plain": text}
         bundle: dict[str, Any] = {
-            "version": 1,
+            "version": 2,  # 2: the summary's ranks written "0-1023", and ``omitted``
             "lines": [list(entry) for entry in (*self.lines, *self.tail)],
             "failed": self.failed,
             "summary": self.summary.rows(),

@@ -15,6 +15,7 @@ one lets go (its watcher thread reads the record) before the new one binds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -259,7 +260,8 @@ def _adopt(kept: KeptPool, pool: Pool | None, say: Callable[[str], None]) -> Poo
     except BaseException:
         pool.release()
         raise
-    warm_zygote(spec)  # for a restart of the pool this kernel now holds
+    with contextlib.suppress(Exception):  # only a head start: a restart starts one anyway
+        warm_zygote(spec)  # for a restart of the pool this kernel now holds
     return pool
 
 

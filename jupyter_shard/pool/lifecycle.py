@@ -31,6 +31,7 @@ import zmq
 
 from jupyter_shard._util.atomic import write_private
 from jupyter_shard._util.net import free_port
+from jupyter_shard._util.open_files import make_room
 from jupyter_shard._util.private_files import read_private_json
 from jupyter_shard._util.record_lock import record_lock
 from jupyter_shard.env import LOG_DIR_VAR, RUNTIME_DIR_VAR, START_TIMEOUT_VAR
@@ -166,6 +167,8 @@ class Lifecycle:
 
     def start(self, spec: LaunchSpec, signal_sender: Callable[[int, int], None]) -> list[RankRecord]:
         """Spawn every rank (not waiting for them); the records of the ranks started."""
+        if short := make_room(spec.world_size):
+            raise PoolError(short)
         clean_stale_pools()
         launcher = self.launcher = get_launcher(spec.launcher)
         launcher.set_signal_sender(signal_sender)

@@ -13,11 +13,15 @@ an interrupt raises ``KeyboardInterrupt`` in every cell running.
 
 What they do not do: collectives (there is no process group), IPython syntax (magics, ``!cmd``),
 output other than ``print`` (``sys.stdout`` is the process's), pushes and pulls (refused in one
-line), debugging, and ``--keep``. The process's main thread alone touches the sockets.
+line), debugging, and ``--keep``. The process's main thread alone touches the sockets. What one
+rank's process undergoes, its 127 neighbours do too: a SIGINT meant for one interrupts every cell
+the process runs, a kill ends them all, and cells that keep the CPU busy slow the heartbeats and
+output of all of them.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import json
@@ -76,6 +80,7 @@ from jupyter_shard.wire.protocol import (
 __all__ = ["SimShard", "main"]
 
 HEARTBEAT_INTERVAL = 1.0
+KEPT_RECORDS = 50_000  # shard.log records a rank keeps for history(), as a real rank does
 FLUSH_INTERVAL = 0.05  # a running cell's output and logged scalars go out this often, as a real rank's
 REFUSED = "simulated ranks (--launcher simulated) take no pushes or pulls"
 
@@ -83,16 +88,20 @@ REFUSED = "simulated ranks (--launcher simulated) take no pushes or pulls"
 class SimShard:
     """The ``shard`` of a simulated rank: its place in the world, and ``log`` for the dashboard."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, lock: threading.Lock) -> None:
         self.rank, self.local_rank, self.world_size = rank, rank, world_size
         self.is_main = rank == 0
         self.global_step = 0
+        self.lock = lock  # the rank's: the main thread takes what was logged under it
         self.pending: list[tuple[float, float, dict[str, float]]] = []  # logged, not yet sent
-        self.sent: list[list[Any]] = []  # [step, wall time, values]: what history() asks for
+        # [step, wall time, values]: what history() asks for, the last KEPT_RECORDS as a real rank's
+        self.sent: collections.deque[list[Any]] = collections.deque(maxlen=KEPT_RECORDS)
 
     def log(self, step: int | None = None, **scalars: float) -> None:
-        self.global_step = int(step) if step is not None else self.global_step + 1
-        self.pending.append((float(self.global_step), time.time(), {k: float(v) for k, v in scalars.items()}))
+        record = {k: float(v) for k, v in scalars.items()}
+        with self.lock:
+            self.global_step = int(step) if step is not None else self.global_step + 1
+            self.pending.append((float(self.global_step), time.time(), record))
 
     def print0(self, *args: Any, **kwargs: Any) -> None:
         if self.is_main:
@@ -123,16 +132,20 @@ class SimRank:
         self.shell = _dealer(ctx, env.address, rank_identity(rank))
         self.io = _dealer(ctx, env.address, io_identity(rank))
         self.io_count = 0
-        self.shard = SimShard(rank, env.world_size)
+        self.shard = SimShard(rank, env.world_size, self.lock)
         self.namespace: dict[str, Any] = {"shard": self.shard, "__name__": "__main__", "print": self.print}
         self.log_path = log
         self.log: TextIO = open(log, "a", encoding="utf-8", errors="replace")  # noqa: SIM115 (its life)
         self.cell_id = self.cell_head = ""
         self.started = 0.0
         self.done = False
+        self.in_cell = False  # the cell thread runs the user's code now: an interrupt may be raised in it
+        self.interrupted = False  # this cell was interrupted already (one SIGINT per rank handle comes)
+        self.sleeping = threading.Event()  # set to end the cell's time.sleep early (an interrupt)
 
     def send_shell(self, message: Outgoing, buffers: list[bytes] | None = None) -> None:
-        self.outbox.put((self.shell, self.shell_wire.to_socket(message[0], message[1], buffers or [])))
+        with self.lock:  # signed and queued in one step: the kernel refuses a seq that goes back
+            self.outbox.put((self.shell, self.shell_wire.to_socket(message[0], message[1], buffers or [])))
         self.wake()
 
     def send_io(self, message: Outgoing, buffers: list[bytes] | None = None) -> int:
@@ -143,6 +156,14 @@ class SimRank:
             count = self.io_count
         self.wake()
         return count
+
+    def send_io_numbered(self, build: Callable[[int], Outgoing]) -> None:
+        """Queue the message ``build(n)`` makes, where it is the n-th the I/O socket is given."""
+        with self.lock:
+            self.io_count += 1
+            message = build(self.io_count)
+            self.outbox.put((self.io, self.io_wire.to_socket(message[0], message[1], [])))
+        self.wake()
 
     def print(
         self, *args: Any, sep: str | None = " ", end: str | None = "\n", file: Any = None, flush: bool = False
@@ -226,13 +247,19 @@ class Host:
             os.write(self._wake_w, b"x")
 
     def interrupt(self) -> None:
-        """``KeyboardInterrupt`` in every cell running in this process (as SIGINT does to a real rank)."""
+        """``KeyboardInterrupt`` in every cell running in this process, once per cell (the kernel
+        signals each rank's handle, and they all name this process), and an end to its
+        ``time.sleep``."""
         for r in self.ranks:
-            thread = r.thread
-            if thread is not None and thread.ident is not None:
+            with r.lock:
+                thread = r.thread
+                if not r.in_cell or r.interrupted or thread is None or thread.ident is None:
+                    continue
+                r.interrupted = True
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(
                     ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt)
                 )
+            r.sleeping.set()
 
     def serve(self) -> None:
         here = socket.gethostname()
@@ -280,14 +307,16 @@ class Host:
     def _io(self, rank: SimRank, msg: Message) -> None:
         req_id = str(msg.body.get("req_id", ""))
         if msg.type == "status":
-            with rank.lock:  # its place among the I/O socket's messages: the next
-                count = rank.io_count + 1
-            status = StatusReply(req_id=req_id, **rank.heartbeat(), io_count=count, cell_id=rank.cell_id)
-            rank.send_io(STATUS_REPLY(status))
+            beat, cell_id = rank.heartbeat(), rank.cell_id
+            rank.send_io_numbered(
+                lambda count: STATUS_REPLY(
+                    StatusReply(req_id=req_id, **beat, io_count=count, cell_id=cell_id)
+                )
+            )
         elif msg.type == "stacks":
             rank.send_io(STACKS_REPLY({"req_id": req_id, "stacks": []}))
         elif msg.type == "history":
-            rank.send_io(HISTORY_REPLY({"req_id": req_id, "records": rank.shard.sent}))
+            rank.send_io(HISTORY_REPLY({"req_id": req_id, "records": list(rank.shard.sent)}))
         elif msg.type == "signal" and int(msg.body["signal"]) == signal.SIGINT:
             self.interrupt()
         # "abort" has nothing to act on: there is no process group
@@ -318,23 +347,18 @@ class Host:
         code, cell_id = str(body["code"]), str(body["cell_id"])
         started = time.perf_counter()
         rank.cell_id, rank.cell_head, rank.started = cell_id, code.split("\n", 1)[0][:80], time.time()
-        error: tuple[str, str, list[str]] | None = None
-        try:
+        error = self._run(rank, code)
+        while True:  # an interrupt pending as the cell ended must not lose its done
             try:
-                exec(self._compile(code), rank.namespace)
-            except BaseException as exc:  # the cell's own failure, KeyboardInterrupt included
-                if isinstance(exc, SystemExit):
-                    raise
-                tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # the cell's frames
-                error = (type(exc).__name__, str(exc), traceback.format_exception(type(exc), exc, tb))
-        except KeyboardInterrupt:  # an interrupt that came as the cell ended
-            error = ("KeyboardInterrupt", "", ["KeyboardInterrupt"])
-        with rank.flushing:  # no other flush between this one and the count done reports
-            rank.flush()
-            with rank.lock:
-                rank.cell_id = rank.cell_head = ""
-                rank.thread = None
-                io_count = rank.io_count
+                with rank.flushing:  # no other flush between this one and the count done reports
+                    rank.flush()
+                    with rank.lock:
+                        rank.cell_id = rank.cell_head = ""
+                        rank.thread = None
+                        io_count = rank.io_count
+                break
+            except KeyboardInterrupt:
+                error = error or ("KeyboardInterrupt", "", ["KeyboardInterrupt"])
         name, value, tb_lines = error or ("", "", [])
         done = DoneBody(
             io_count=io_count,
@@ -350,6 +374,26 @@ class Host:
         )
         rank.send_shell(DONE(done))
 
+    def _run(self, rank: SimRank, code: str) -> tuple[str, str, list[str]] | None:
+        """The cell's code; its error as ``done`` reports one (``SystemExit`` too, as IPython does).
+        An interrupt is raised in the cell only while ``rank.in_cell`` (:meth:`interrupt`), and
+        one still pending when the code ends is withdrawn."""
+        _current.rank = rank
+        rank.sleeping.clear()
+        with rank.lock:
+            rank.in_cell, rank.interrupted = True, False
+        try:
+            try:
+                exec(self._compile(code), rank.namespace)
+            finally:
+                rank.in_cell = False
+                with rank.lock:  # an interrupt that decided to raise in this cell has done so
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), None)
+        except BaseException as exc:  # the cell's own failure, KeyboardInterrupt and SystemExit included
+            tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # the cell's frames
+            return type(exc).__name__, str(exc), traceback.format_exception(type(exc), exc, tb)
+        return None
+
     def _compile(self, code: str) -> CodeType:
         """A cell's code, compiled once for every rank of this process that runs it."""
         with self._compile_lock:
@@ -363,6 +407,20 @@ class Host:
         if isinstance(found, SyntaxError):
             raise found
         return found
+
+
+_current = threading.local()  # .rank: the simulated rank whose cell this thread runs
+_real_sleep = time.sleep
+
+
+def _sleep(seconds: float) -> None:
+    """``time.sleep`` in this process: in a cell, a wait that an interrupt ends (a real rank's
+    sleep ends on SIGINT; an exception raised in a thread waits for it to run Python again)."""
+    rank: SimRank | None = getattr(_current, "rank", None)
+    if rank is None:
+        _real_sleep(seconds)
+    else:
+        rank.sleeping.wait(max(0.0, float(seconds)))
 
 
 def _dealer(ctx: zmq.Context[zmq.Socket[bytes]], address: str, identity: str) -> zmq.Socket[bytes]:
@@ -394,6 +452,7 @@ def main() -> None:
     plan = json.loads(Path(sys.argv[1]).read_text())
     if env.lifeline_fd is not None:
         _watch_lifeline(env.lifeline_fd)
+    time.sleep = _sleep  # type: ignore[assignment]  # (this process runs only simulated ranks)
     host = Host(env, plan)
     host.serve()
     time.sleep(0.2)  # the last replies leave before the sockets close

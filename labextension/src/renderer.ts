@@ -2,7 +2,8 @@
  * Renders a rank-output bundle as tabs: "summary" (a line several ranks printed, once, with their
  * ranks), "all ranks" (every line labelled `[rank k]`), one tab per group of ranks with identical
  * output (failed ranks' tabs marked; past GROUP_TABS groups, one "by rank" tab choosing the group)
- * and, when ranks differ, a "diff" tab comparing two chosen ranks line by line. A cell opens on the summary or on every line as the reader last chose (kept in
+ * and, when ranks differ, a "diff" tab comparing two chosen ranks line by line (neither where the
+ * kernel left lines out of the bundle). A cell opens on the summary or on every line as the reader last chose (kept in
  * localStorage), else as the kernel says (the summary from 9 ranks up).
  */
 import { IRenderMime } from '@jupyterlab/rendermime-interfaces';
@@ -16,7 +17,6 @@ import {
   groupRanks,
   IRankOutput,
   labelledText,
-  omittedNote,
   linesByRank,
   RANK_OUTPUT_MIME,
   rankLabel,
@@ -70,18 +70,19 @@ export class RankOutputRenderer extends Widget implements IRenderMime.IRenderer 
     tabs.push({ label: ALL_TAB, failed: false, show: body => text(body, labelledText(output)) });
     const controls = document.createElement('div');
     controls.className = 'jp-ShardRankOutput-diffControls';
-    // Where the bundle left lines out, a rank's own tab shows what it kept, and says so first.
-    const partial = output.omitted ? `${omittedNote(output.omitted[1])}\n` : '';
-    const groupText = (index: number) => partial + groups[index].lines.map(([, line]) => `${line}\n`).join('');
-    if (groups.length <= GROUP_TABS) {
+    const groupText = (index: number) => groups[index].lines.map(([, line]) => `${line}\n`).join('');
+    // Where the bundle left lines out, ranks cannot be grouped or compared by what it kept: the
+    // summary (which counted every line) and every kept line, with the note, are what is shown.
+    const whole = !output.omitted;
+    if (whole && groups.length <= GROUP_TABS) {
       groups.forEach((group, index) => {
         tabs.push({ label: group.label, failed: group.failed, show: body => text(body, groupText(index)) });
       });
-    } else {
+    } else if (whole) {
       const failed = groups.some(group => group.failed);
       tabs.push({ label: BY_RANK, failed, show: body => this._showGroup(groups, groupText, controls, body) });
     }
-    if (groups.length > 1) {
+    if (whole && groups.length > 1) {
       tabs.push({ label: 'diff', failed: false, show: body => this._showDiff(output, groups[1].ranks[0], controls, body) });
     }
     const node = this.node;

@@ -172,7 +172,7 @@ describe('the summary view', () => {
 
 describe('a bundle that left lines out (1,024 ranks)', () => {
   const output: IRankOutput = {
-    version: 1,
+    version: 2,
     lines: [
       [0, 'stdout', 'step 0'],
       [1, 'stdout', 'step 0'],

@@ -76,7 +76,7 @@ def test_with_the_extension_one_display_holds_the_cell_and_a_text_fallback(
     assert kinds[0] == "display" and set(kinds[1:]) <= {"update"} and len(kinds) <= 3
     final = handles[-1][1]
     assert final[RANK_OUTPUT_MIME] == {
-        "version": 1,
+        "version": 2,
         "lines": [[0, "stdout", "epoch 1"], [1, "stdout", "epoch 1"], [1, "stderr", "warning"]],
         "failed": [1],
         "summary": [["0-1", "stdout", "epoch 1"], ["1", "stderr", "warning"]],
