@@ -38,9 +38,10 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from jupyter_shard._util.atomic import write_private
-from jupyter_shard._util.digests import check_digest, check_file, digest_bytes, digest_file
+from jupyter_shard._util.digests import check_digest, check_file, digest_bytes
 from jupyter_shard.rank import live_objects, training_state
 from jupyter_shard.rank import shard as shard_module
+from jupyter_shard.rank.dcp_digests import HashingWriter, digests_of
 from jupyter_shard.rank.fingerprint import fingerprints
 from jupyter_shard.rank.loader_state import (
     LoaderIterator,
@@ -81,10 +82,11 @@ def save(directory: str) -> dict[str, Any]:
         # an optimizer without state is kept as its hyperparameters (training_state says why)
         stateless = optimizer is not None and not optimizer.state and helper.impl.dcp_format == "torch"
         state = helper.impl.dcp_state(model, None if stateless else optimizer)
-        dcp_save(state, checkpoint_id=root / STATE_DIR)
+        writer = HashingWriter(root / STATE_DIR)  # each file hashed as it is written, not read again
+        dcp_save(state, storage_writer=writer, checkpoint_id=root / STATE_DIR)
         written = [*(root / STATE_DIR).glob(f"__{helper.rank}_*")]
         written += [root / STATE_DIR / ".metadata"] if helper.rank == 0 else []
-        digests |= {f"{STATE_DIR}/{p.name}": digest_file(p) for p in written}
+        digests |= {f"{STATE_DIR}/{name}": d for name, d in digests_of(writer, written).items()}
     ns, hidden = _namespace()
     values, modules, lost = pickle_namespace(ns, hidden, _references(helper))
     payload = {

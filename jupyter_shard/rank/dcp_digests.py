@@ -1,0 +1,84 @@
+"""A ``torch.distributed.checkpoint`` writer that hashes each file as it writes it.
+
+A suspend's manifest lists the SHA-256 of every file (:mod:`jupyter_shard._util.digests`). Hashing
+the checkpoint's files after DCP wrote them reads every byte a second time; this writer's file
+system hands DCP a stream that hashes what passes through it, so the digest comes with the write.
+A file it did not see written (a DCP that writes another way) is hashed after, as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Generator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+
+from jupyter_shard._util.digests import digest_file
+
+__all__ = ["HashingWriter", "digests_of"]
+
+
+class _HashingStream(io.IOBase):
+    """A binary file being written: every byte also goes into a SHA-256."""
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__()
+        self.raw = raw
+        self.sha = hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.sha.update(data)
+        return int(self.raw.write(data))
+
+    def tell(self) -> int:
+        return int(self.raw.tell())
+
+    def fileno(self) -> int:
+        return int(self.raw.fileno())
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            super().close()  # (flushes first)
+            self.raw.close()
+
+
+class _HashingFileSystem(FileSystem):
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: dict[str, str] = {}  # file name (its final one) -> SHA-256
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Generator[io.IOBase, None, None]:
+        with super().create_stream(path, mode) as raw:
+            if mode != "wb":
+                yield raw
+                return
+            hashing = _HashingStream(raw)
+            yield hashing
+            name = Path(path).name
+            self.digests[name.removesuffix(".tmp")] = hashing.sha.hexdigest()  # .metadata is renamed
+
+
+class HashingWriter(FileSystemWriter):
+    """DCP's file system writer, hashing each file it writes (:func:`digests_of` reads them)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.fs = _HashingFileSystem()
+
+
+def digests_of(writer: HashingWriter, paths: list[Path]) -> dict[str, str]:
+    """SHA-256 of each of ``paths`` (files the writer wrote) by name: as written, where the writer
+    saw the bytes go by, else read back."""
+    seen = writer.fs.digests if isinstance(writer.fs, _HashingFileSystem) else {}
+    return {p.name: seen.get(p.name) or digest_file(p) for p in paths}
