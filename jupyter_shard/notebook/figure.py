@@ -10,6 +10,7 @@ cell ends, the saved ``application/vnd.plotly.v1+json`` output.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 BINS = 1000  # points drawn per series, however long it is
 BAND_FROM = 9  # ranks from which a chart draws the mean and a min–max band, and only the strays alone
+TROUBLE_ROWS = 8  # ranks in trouble shown a row each; past that, a row per kind of trouble
 STRAYS = 3  # ranks drawn on their own in a banded chart: a NaN, the slowest, the furthest from the mean
 SAMPLE = 4 * BINS  # records read per series for a redraw: evenly spaced, the last one always
 COMPACT_METRICS = 2
@@ -217,15 +219,33 @@ def _row_values(row: RankSnapshot, cut: bool) -> tuple[str, ...]:
 
 def status_rows(rows: list[RankSnapshot], cut: bool = True) -> list[tuple[tuple[str, ...], str]]:
     """The status table's rows and what each is tinted by: a row per rank below BAND_FROM ranks;
-    from there the ranks that need attention, each on its own row, then one row per state for the
-    others (their ranks, count, step range, throughput, largest memory, oldest heartbeat)."""
+    from there the ranks that need attention, each on its own row (past TROUBLE_ROWS of them, a row
+    per kind of trouble), then one row per state for the others (their ranks, count, step range,
+    throughput, largest memory, oldest heartbeat)."""
     if len(rows) < BAND_FROM:
         return [(_row_values(r, cut), row_kind(r)) for r in rows]
-    out = [(_row_values(r, cut), row_kind(r)) for r in rows if r.problem]
+    troubled = [r for r in rows if r.problem]
+    if len(troubled) <= TROUBLE_ROWS:
+        out = [(_row_values(r, cut), row_kind(r)) for r in troubled]
+    else:  # (every rank of 1,024 failed: a row per kind of trouble, not 1,024 rows)
+        out = _grouped(
+            troubled, row_kind, lambda r, n: f"{r.problem} (and {n - 1} more)" if n > 1 else r.problem
+        )
+    out += _grouped(
+        [r for r in rows if not r.problem], lambda r: r.state.value, lambda r, n: f"{r.state.value} ({n})"
+    )
+    return out
+
+
+def _grouped(
+    rows: list[RankSnapshot], kind: Callable[[RankSnapshot], str], label: Callable[[RankSnapshot, int], str]
+) -> list[tuple[tuple[str, ...], str]]:
+    """One status row per ``kind`` of rank: their ranks, ``label`` (of the first, and how many),
+    the range of their steps, mean throughput, the largest memory, the oldest heartbeat."""
     groups: dict[str, list[RankSnapshot]] = {}
     for r in rows:
-        if not r.problem:
-            groups.setdefault(r.state.value, []).append(r)
+        groups.setdefault(kind(r), []).append(r)
+    out: list[tuple[tuple[str, ...], str]] = []
     for state, members in groups.items():
         steps = [r.step for r in members if r.step is not None]
         rates = [r.steps_per_s for r in members if r.steps_per_s is not None]
@@ -234,7 +254,7 @@ def status_rows(rows: list[RankSnapshot], cut: bool = True) -> list[tuple[tuple[
         cells = {r.cell for r in members if r.cell}
         values = (
             format_ranks([r.rank for r in members]),
-            f"{state} ({len(members)})",
+            label(members[0], len(members)),
             (f"{fmt(min(steps))}–{fmt(max(steps))}" if min(steps) != max(steps) else fmt(steps[0]))
             if steps
             else "-",

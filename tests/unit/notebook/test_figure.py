@@ -314,3 +314,24 @@ def test_a_64_rank_dashboard_update_is_small() -> None:
     pool = _Pool(history=_many(), rows=[_row(k) for k in range(64)])
     size = len(json.dumps(fig_module.encode(_figure(pool))))
     assert size < 80_000, size  # 64 lines of 300 points each would be ~10 times this
+
+
+def test_at_1024_ranks_that_all_failed_the_status_is_a_row_per_kind_of_trouble() -> None:
+    """Past TROUBLE_ROWS ranks in trouble, the table has a row per kind of trouble (1,024 failed
+    ranks once made a 2.2 MB live update of 1,024 rows)."""
+    rows = [_row(k, state=RankState.FAILED, problem=f"failed: ValueError: bad {k}") for k in range(1020)]
+    rows += [_row(k, state=RankState.DEAD, problem="dead: was killed by SIGKILL") for k in range(1020, 1023)]
+    rows.append(_row(1023))
+    columns = status_trace(rows)["cells"]["values"]
+    assert columns[0] == ["0-1019", "1020-1022", "1023"]
+    assert columns[1] == [
+        "failed: ValueError: bad 0 (and 1019 more)",
+        "dead: was killed by SIGKILL (and 2 more)",
+        "running (1)",
+    ]
+    from jupyter_shard.notebook.figure import TROUBLE_ROWS
+
+    few = [_row(k, problem="stuck: no heartbeat for 9 s") for k in range(TROUBLE_ROWS)] + [
+        _row(k) for k in range(TROUBLE_ROWS, 64)
+    ]
+    assert len(status_trace(few)["cells"]["values"][0]) == TROUBLE_ROWS + 1  # each on its own
