@@ -217,7 +217,8 @@ def measure_simulated(ranks: int, steps: int, repeats: int, log_dir: Path) -> Si
 
 
 def _updates(kc: Any, code: str) -> list[dict[str, Any]]:
-    """The data of every live dashboard update while ``code`` runs (``update_display_data``)."""
+    """The data of every live dashboard redraw while ``code`` runs (``update_display_data``), not
+    the saved form the display becomes when the cell ends."""
     msg_id = kc.execute(code, allow_stdin=False)
     found = []
     while True:
@@ -226,8 +227,12 @@ def _updates(kc: Any, code: str) -> list[dict[str, Any]]:
             continue
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             break
-        if msg["msg_type"] == "update_display_data" and LIVE_MIME in msg["content"]["data"]:
-            found.append(msg["content"]["data"])
+        data = msg["content"].get("data", {})
+        # a live redraw carries the figure itself; the saved form at the cell's end points to Plotly's
+        if msg["msg_type"] == "update_display_data" and isinstance(
+            data.get(LIVE_MIME, {}).get("figure"), dict
+        ):
+            found.append(data)
     kc.get_shell_msg(timeout=600)
     return found
 

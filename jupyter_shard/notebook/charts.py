@@ -21,6 +21,9 @@ MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 54, 12, 36, 30
 PAD = 0.05  # share of the value range left free above and below the lines
 
 
+BAND_EDGE_COLOR = "#9aa5b1"
+
+
 @dataclass
 class Trace:
     label: str  # a rank number or "mean"
@@ -30,7 +33,11 @@ class Trace:
 
     @property
     def color(self) -> str:
-        return MEAN_COLOR if self.label == "mean" else PALETTE[int(self.label) % len(PALETTE)]
+        if self.label == "mean":
+            return MEAN_COLOR
+        if not self.label.isdigit():  # "min", "max": the edges of the band of all ranks
+            return BAND_EDGE_COLOR
+        return PALETTE[int(self.label) % len(PALETTE)]
 
 
 def nice_ticks(lo: float, hi: float, count: int = 4) -> list[float]:

@@ -28,13 +28,14 @@ from IPython.display import DisplayHandle, display
 
 from jupyter_shard.notebook.charts import Trace, fmt, line_chart
 from jupyter_shard.notebook.figure import (
+    BAND_FROM,
     COMPACT_METRICS,
     ROW_COLORS,
     dashboard_figure,
     status_rows,
 )
 from jupyter_shard.notebook.panel import frontend_attached
-from jupyter_shard.pool.figures import binned, encode, mean_across
+from jupyter_shard.pool.figures import band_across, binned, encode, mean_across
 from jupyter_shard.pool.history import History
 from jupyter_shard.pool.ranks import RankSnapshot, RankState
 
@@ -61,9 +62,13 @@ def svg_metric_chart(history: History, name: str, width: int, height: int) -> st
         return line_chart(name, [], title=name, x_label="step", width=width, height=height)
     lo = min(float(x.min()) for x, _ in raw.values())
     hi = max(float(x.max()) for x, _ in raw.values())
-    traces = [
-        Trace(str(k), *binned(x, y, lo, hi, SVG_BINS), points=sampled[k][2]) for k, (x, y) in raw.items()
-    ]
+    if len(raw) >= BAND_FROM:  # the lowest and highest of all ranks, not a line per rank
+        bx, low, high = band_across(list(raw.values()), lo, hi, SVG_BINS)
+        traces = [Trace("min", bx, low, points=len(bx)), Trace("max", bx, high, points=len(bx))]
+    else:
+        traces = [
+            Trace(str(k), *binned(x, y, lo, hi, SVG_BINS), points=sampled[k][2]) for k, (x, y) in raw.items()
+        ]
     title = name
     if len(raw) > 1:
         mx, my = mean_across(list(raw.values()), lo, hi, SVG_BINS)
@@ -84,6 +89,13 @@ def svg_memory_chart(history: History, width: int, height: int) -> str:
         y = (alloc if cuda else rss) / 2**20
         x, y = binned(t - start, y, 0.0, float(t[-1] - start) if len(t) else 0.0, SVG_BINS)
         traces.append(Trace(str(rank), x, y, points=len(t)))
+    if len(traces) >= BAND_FROM:  # the lowest and highest of all ranks, and their mean
+        kept = [(t.x, t.y) for t in traces if len(t.x)]
+        end = max((float(x[-1]) for x, _ in kept), default=0.0)
+        bx, low, high = band_across(kept, 0.0, end, SVG_BINS, always_bin=True)
+        mx, my = mean_across(kept, 0.0, end, SVG_BINS, always_bin=True)
+        traces = [Trace("min", bx, low, points=len(bx)), Trace("max", bx, high, points=len(bx))]
+        traces.append(Trace("mean", mx, my, points=len(mx)))
     return line_chart(
         "memory", traces, title=f"memory per rank: {what}, MiB", x_label="seconds", width=width, height=height
     )

@@ -400,3 +400,15 @@ def test_with_the_extension_a_64_rank_update_leaves_the_html_out_and_is_small(
     assert size < 50_000, size
     assert plain["text/html"].count("<tr data-rank=") == 1  # 64 ranks alike: one row (33 KB before)
     assert len(plain["text/html"]) < 2_000
+
+
+def test_the_saved_html_of_1024_ranks_draws_their_band_not_a_line_each() -> None:
+    """The HTML/SVG fallback a saved notebook keeps: from 9 ranks each chart is the lowest, highest
+    and mean of all ranks (1,024 lines each once made it 2 MB)."""
+    pool = _big_pool(ranks=1024, points=40)
+    page = dash.render(pool, compact=True)  # type: ignore[arg-type]
+    assert page.count('class="jshard-trace"') == 2 * 3  # loss and memory: min, max, mean
+    assert 'data-rank="min"' in page and 'data-rank="max"' in page and 'data-rank="17"' not in page
+    assert len(page) < 60_000, len(page)
+    few = dash.render(_big_pool(ranks=4, points=40), compact=True)  # type: ignore[arg-type]
+    assert few.count('class="jshard-trace"') == 2 * 4 + 1  # below 9 ranks: a line each, the loss's mean
