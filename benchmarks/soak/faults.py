@@ -246,10 +246,7 @@ def attach_race(soak: Soak, rank: int) -> Cell:
     named = ("attached by kernel pid", "attached to kernel pid", "being attached by another kernel")
     if not any(said in refused.text for said in named):
         soak.fail("attach_race: the refused kernel was not told who holds the pool", refused)
-    soak.adopt(winner, loaded=True)
-    soak.adopted = True
-    soak.retire(loser, ranks)
-    _unkeep(soak)
+    _hand_over(soak, winner, loser, ranks)
     return refused
 
 
@@ -287,11 +284,17 @@ def take_over(soak: Soak, rank: int) -> Cell:
     soak.cells += 1
     if "took the kept pool over" not in said.text:
         soak.fail("take_over: the first kernel's next cell did not say its pool was taken over", said)
-    soak.adopt(other, loaded=True)
-    soak.adopted = True
-    soak.retire(first, ranks)
-    _unkeep(soak)
+    _hand_over(soak, other, first, ranks)
     return refused
+
+
+def _hand_over(soak: Soak, new: Kernel, old: Kernel, ranks: set[int]) -> None:
+    """Cells run in ``new``, which attached to the pool's ``ranks``; ``old`` is shut down (its
+    processes must end), and the pool is set back to end with its kernel."""
+    soak.adopt(new, loaded=True)
+    soak.adopted = True
+    soak.retire(old, ranks)
+    _unkeep(soak)
 
 
 def _keep_and_kill(soak: Soak) -> set[int] | None:
