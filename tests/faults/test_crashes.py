@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from jupyter_shard.pool.escalation import INTERRUPT_GRACE
+
 pytestmark = pytest.mark.timeout(120)
 
 CASES = [
@@ -46,7 +48,10 @@ def test_crash_fails_cell_fast_and_restart_recovers(
     text = run.error_text()
     assert text.splitlines()[0].startswith(f"rank {last} failed first: rank {last} {message}")
     assert f"rank {last} died: run %dist_restart for fresh ranks (rank state is lost)" in text, text[:1500]
-    assert run.elapsed < 2.5 + 0.3, f"cell took {run.elapsed:.1f} s"
+    # Released by the idle ranks within the first grace, not killed after the second one, and
+    # nowhere near the collective's own timeout (the survivors would sleep 30 s after it).
+    assert "killed rank" not in text, text[:1500]
+    assert run.elapsed < 0.3 + 2 * INTERRUPT_GRACE, f"cell took {run.elapsed:.1f} s"
 
     status = kernel.execute("%dist_status").data("execute_result")[0]["text/plain"]
     row = next(ln for ln in status.splitlines() if ln.startswith(f"{last} "))
