@@ -34,6 +34,8 @@ POST_MORTEM = "%debug"  # the cell that opens pdb where the rank's last failed c
 
 CAPTURE_LIMIT = 4 * 1024 * 1024  # of each rank's stdout and stderr kept in the result
 DESYNC_GRACE = 3.0
+EXIT_CHECK = 0.02  # seconds between polls of the running ranks' processes during a cell
+IDLE_EXIT_CHECK = 0.25  # the same between cells (a status or the next cell polls at once)
 OUTPUT_WAIT = 2.0
 
 
@@ -47,6 +49,7 @@ class Gathering:
     timeout: float | None
     pending: set[int] = field(default_factory=set)
     first_done: float = 0.0  # when the first rank finished the cell (monotonic), 0 before
+    exits_checked: float = 0.0  # when the ranks' processes were last polled (monotonic)
     code: str = ""
     ranks: tuple[int, ...] | None = None  # as asked for (None: all ranks)
     exec_count: int = 0
@@ -84,6 +87,7 @@ class CellGathering:
         self.tick = tick  # after each receive: observers (dashboards) redraw at their own rate
         self.ranks = ranks
         self.escalation = escalation
+        self._exits_checked = 0.0  # between cells (monotonic)
         self._sink = sink
         self.current: Gathering | None = None
         self.stdin = stdin
@@ -140,9 +144,10 @@ class CellGathering:
         elif (setup := self.debug.setup()) is not None:
             body["debug"] = setup
         self.conn.send(targets, *EXECUTE(body))
-        head = cell_head(gathering.code)
+        head, now = cell_head(gathering.code), time.monotonic()
         for r in targets:
             r.state, r.cell, r.collective, r.group_ranks, r.waiting = RankState.RUNNING, head, "", [], ""
+            r.sent = now
         return gathering
 
     def follow(self, cell_id: str, targets: list[RankRecord], head: str) -> Gathering:
@@ -153,8 +158,9 @@ class CellGathering:
             result, [r.rank for r in targets], time.monotonic(), None, code=head, record=False
         )
         self._sink().begin_cell(len(targets))
+        now = time.monotonic()
         for r in targets:
-            r.state, r.cell = RankState.RUNNING, head
+            r.state, r.cell, r.sent = RankState.RUNNING, head, now
         return self.current
 
     def end(self, gathering: Gathering, notes: Sequence[str]) -> None:
@@ -217,11 +223,15 @@ class CellGathering:
         result, pending = gathering.result, gathering.pending
         self.conn.pump(wait)
         self.tick()
+        now = time.monotonic()
+        exits = now - gathering.exits_checked >= EXIT_CHECK  # at 1,024 ranks, not a poll each per message
+        if exits:
+            gathering.exits_checked = now
         for k in list(pending):
             r = self.ranks[k]
-            if self.check_exit(r, result):
+            if exits and self.check_exit(r, result):
                 pending.discard(k)
-            if r.pending_done is not None and time.monotonic() - r.pending_since > OUTPUT_WAIT:
+            if r.pending_done is not None and now - r.pending_since > OUTPUT_WAIT:
                 self._finish(r, r.pending_done)  # output lost in transit must not hang the cell
         pending.intersection_update(k for k in pending if result.ranks[k].status == "pending")
         if not pending:
@@ -264,6 +274,8 @@ class CellGathering:
         idle and can never join it. Stop the cell and release the collective as after an interrupt;
         the next cell rebuilds the group, rank state kept. True once stopped. A collective on a
         subgroup of the cell's own ranks is left alone."""
+        if not waiting:
+            return False
         live = [r.rank for r in self.ranks.live()]
         needs = {k: self.ranks[k].group_ranks or live for k in waiting}
         outside = sorted({o for k in waiting for o in needs[k] if o not in gathering.targets})
@@ -286,7 +298,9 @@ class CellGathering:
     def idle_step(self) -> None:
         """Between cells (the watcher thread): receive what came, notice exits, let observers redraw."""
         self.conn.pump(0)
-        self.check_exits()
+        if time.monotonic() - self._exits_checked >= IDLE_EXIT_CHECK:
+            self._exits_checked = time.monotonic()
+            self.check_exits()
         self.tick()
 
     def check_exit(self, r: RankRecord, result: RunResult | None) -> bool:

@@ -86,8 +86,9 @@ class RankRecord:
         self.cell = ""
         self.exit = ""
         self.broken = ""  # the CUDA error that lost its CUDA context for good ("" while it works)
-        # from the rank's heartbeat (every second, sent by its I/O thread)
+        # from the rank's heartbeat (sent by its I/O thread every second during a cell, else every 5 s)
         self.heartbeat = 0.0
+        self.sent = 0.0  # when the kernel last sent it a cell (monotonic): it beats within a second after
         self.memory: dict[str, int] = {}
         self.step = 0
         self.last_line = ""
@@ -270,7 +271,8 @@ class RankTable:
         rows = []
         for k, r in sorted(self.records.items()):
             last = last_logs[k]
-            age = now - r.heartbeat if r.heartbeat else None
+            # between cells a rank beats every 5 s: a cell's quiet time counts from when it was sent
+            age = now - max(r.heartbeat, r.sent) if r.heartbeat else None
             problem = ""
             if r.dead:
                 problem = f"dead: {r.exit or 'exited'}"

@@ -52,7 +52,8 @@ from jupyter_shard.wire.protocol import (
 
 FLUSH_INTERVAL = 0.05
 READ_SIZE = 1 << 18  # one read from the direct link at most
-HEARTBEAT_INTERVAL = 1.0
+HEARTBEAT_INTERVAL = 1.0  # while a cell runs (the kernel calls a rank stuck after 5 s without one)
+IDLE_HEARTBEAT_INTERVAL = 5.0  # between cells: at 1,024 ranks a beat a second each was 7% of a core
 
 Handler = Callable[[Message], None]
 
@@ -209,6 +210,7 @@ class Channel:
         self.io_handlers: dict[str, Handler] = {}  # built by ``messages.handler_table("rank.io", ...)``
         self.flushers: list[Callable[[], None]] = []
         self.heartbeat: Callable[[], Outgoing] | None = None  # the periodic heartbeat message
+        self.busy: Callable[[], bool] = lambda: False  # a cell runs: beat every second
         self.tick: Callable[[], None] | None = None  # called on every turn of the I/O loop (~20/s)
         self._reported: set[str] = set()  # the parts whose failure has been reported
         self._stopped = threading.Event()
@@ -284,7 +286,7 @@ class Channel:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        next_beat = 0.0
+        next_beat, beat_busy = 0.0, False
         while True:
             try:
                 events = dict(poller.poll(int(FLUSH_INTERVAL * 1000)))
@@ -293,8 +295,12 @@ class Channel:
                 self.flush()
                 if self.tick is not None:
                     self.tick()
-                if self.heartbeat is not None and time.monotonic() >= next_beat:
-                    next_beat = time.monotonic() + HEARTBEAT_INTERVAL
+                busy, now = self.busy(), time.monotonic()
+                if busy and not beat_busy:  # a cell began: beat within a second, as while it runs
+                    next_beat = min(next_beat, now + HEARTBEAT_INTERVAL)
+                beat_busy = busy
+                if self.heartbeat is not None and now >= next_beat:
+                    next_beat = now + (HEARTBEAT_INTERVAL if busy else IDLE_HEARTBEAT_INTERVAL)
                     self._beat(self.heartbeat)
                 self._drain_outbox()
                 if self._sock in events:

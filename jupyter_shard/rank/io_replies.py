@@ -51,6 +51,7 @@ def serve_io(channel: Channel, state: CellState) -> None:
         },
     )
     channel.heartbeat = lambda: HEARTBEAT(_status_body(channel, state))
+    channel.busy = lambda: state.executing
     channel.tick = _imports.sample
 
 

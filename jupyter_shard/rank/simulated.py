@@ -79,7 +79,8 @@ from jupyter_shard.wire.protocol import (
 
 __all__ = ["SimShard", "main"]
 
-HEARTBEAT_INTERVAL = 1.0
+HEARTBEAT_INTERVAL = 1.0  # while a cell runs; between cells every IDLE_HEARTBEAT_INTERVAL (as a real rank)
+IDLE_HEARTBEAT_INTERVAL = 5.0
 KEPT_RECORDS = 50_000  # shard.log records a rank keeps for history(), as a real rank does
 FLUSH_INTERVAL = 0.05  # a running cell's output and logged scalars go out this often, as a real rank's
 REFUSED = "simulated ranks (--launcher simulated) take no pushes or pulls"
@@ -138,6 +139,7 @@ class SimRank:
         self.log: TextIO = open(log, "a", encoding="utf-8", errors="replace")  # noqa: SIM115 (its life)
         self.cell_id = self.cell_head = ""
         self.started = 0.0
+        self.next_beat = 0.0  # between cells, the next heartbeat (monotonic)
         self.done = False
         self.in_cell = False  # the cell thread runs the user's code now: an interrupt may be raised in it
         self.interrupted = False  # this cell was interrupted already (one SIGINT per rank handle comes)
@@ -273,7 +275,9 @@ class Host:
             now = time.monotonic()
             if now >= next_beat:
                 for r in self.ranks:
-                    r.send_io(HEARTBEAT(r.heartbeat()))
+                    if r.cell_id or now >= r.next_beat:
+                        r.send_io(HEARTBEAT(r.heartbeat()))
+                        r.next_beat = now + IDLE_HEARTBEAT_INTERVAL
                 next_beat = now + HEARTBEAT_INTERVAL
             if now >= next_flush:
                 for r in self.ranks:

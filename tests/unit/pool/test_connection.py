@@ -214,3 +214,24 @@ def test_a_reply_to_another_request_is_not_taken_as_this_ones(pair: _Pair) -> No
     pair.say_hello()
     pair.io.send_multipart(pair.io_wire.to_socket("status_reply", {"req_id": "stale"}))
     assert pair.conn.request("status", {}, [pair.record], timeout=0.2) == {}
+
+
+def test_one_pump_takes_a_burst_larger_than_a_drain_in_order(pair: _Pair) -> None:
+    """At 1,024 ranks a cell ends with 1,024 messages at once: a pump takes them all, in the order
+    sent, a batch of ``DRAIN`` at a time with a poll (the links' turn) between batches."""
+    from jupyter_shard.pool.connection import DRAIN
+
+    pair.say_hello()
+    pair.seen.clear()
+    count = 2 * DRAIN + 37
+    steps: list[int] = []
+    pair.conn.table["metrics"] = lambda r, m: steps.append(int(m.body["count"]))
+    for k in range(count):
+        pair.io.send_multipart(pair.io_wire.to_socket("metrics", {"names": [], "count": k}))
+    for _ in range(100):
+        pair.conn.pump(0.05)
+        if len(steps) == count:
+            break
+    assert steps == list(range(count))
+    assert pair.record.io_received == count + 1  # and the hello heartbeat
+    assert pair.conn.dropped == 0

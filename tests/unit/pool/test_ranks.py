@@ -70,3 +70,17 @@ def test_a_broken_rank_shows_as_broken_with_the_error(tmp_path: Path) -> None:
         assert [r.state for r in rows] == [RankState.IDLE, RankState.BROKEN]
         assert rows[0].problem == ""
         assert rows[1].problem == f"broken: CUDA context lost ({LOST}); %dist_restart for fresh ranks"
+
+
+def test_a_rank_sent_a_cell_just_after_a_quiet_idle_spell_is_not_called_stuck(tmp_path: Path) -> None:
+    """Between cells a rank beats every 5 s, so its last beat may be 4.9 s old when a cell is sent;
+    its quiet time counts from the cell's sending. Silent 6 s into the cell, it is stuck."""
+    table = _table(tmp_path, nproc=2)
+    now = time.monotonic()
+    for r in table:
+        r.state, r.cell, r.heartbeat, r.sent = RankState.RUNNING, "train()", now - 4.9, now - 0.5
+    table.records[1].sent = now - 6.0  # sent 6 s ago, and not heard from since 4.9 s before now
+    table.records[1].heartbeat = now - 6.5
+    rows = {row.rank: row for row in table.activity()}
+    assert rows[0].problem == ""
+    assert rows[1].problem.startswith("stuck: no heartbeat for 6 s"), rows[1]

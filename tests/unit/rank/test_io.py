@@ -60,6 +60,7 @@ class Kernel:
 @pytest.fixture
 def wired(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Kernel, Channel]]:
     monkeypatch.setattr(channel_module, "HEARTBEAT_INTERVAL", 0.05)
+    monkeypatch.setattr(channel_module, "IDLE_HEARTBEAT_INTERVAL", 0.05)
     key = new_key()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -176,3 +177,41 @@ def test_a_heartbeat_whose_memory_probe_fails_still_goes_out(
         assert check_body(msg.type, msg.body) == []
     (report,) = kernel.stderr()
     assert report.startswith("jupyter_shard: the heartbeat's memory probe failed on this rank")
+
+
+def test_a_rank_beats_every_second_in_a_cell_and_every_five_between_cells(
+    wired: tuple[Kernel, Channel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scaled down 10 times: between cells a beat each 0.5 s, in a cell each 0.1 s, and the first one
+    within 0.1 s of the cell's start, whenever the last idle beat was (the kernel calls a running rank
+    stuck after five intervals without one). At 1,024 ranks a beat a second each between cells cost
+    the kernel 7% of a core."""
+    monkeypatch.setattr(channel_module, "HEARTBEAT_INTERVAL", 0.1)
+    monkeypatch.setattr(channel_module, "IDLE_HEARTBEAT_INTERVAL", 0.5)
+    kernel, channel = wired
+    busy = threading.Event()
+    channel.busy = busy.is_set
+    beats: list[tuple[float, bool]] = []
+
+    def heartbeat() -> Outgoing:
+        beats.append((time.monotonic(), busy.is_set()))
+        body = {"executing": busy.is_set(), "cell": "", "running_for": 0.0, "memory": {}, "step": 0}
+        return HEARTBEAT({**body, "collective": "", "group_ranks": [], "waiting": ""})  # type: ignore[typeddict-item]
+
+    channel.heartbeat = heartbeat
+    channel.start()
+    time.sleep(0.15)  # just past the first (idle) beat: the next one is 0.5 s away
+    began = time.monotonic()
+    busy.set()
+    time.sleep(1.0)
+    busy.clear()
+    ended = time.monotonic()
+    time.sleep(1.6)
+    first = min(t for t, b in beats if t >= began)
+    assert first - began < 0.1 + 0.08, beats  # not at the idle beat 0.35 s later
+    in_cell = [t for t, _ in beats if began <= t < ended]
+    assert len(in_cell) >= 7, beats
+    after = [t for t, _ in beats if t > ended + 0.2]  # the first beat after the cell may be a busy one
+    assert 2 <= len(after) <= 4, beats
+    kernel.receive_until(lambda got: len(got) >= len(beats) - 1, seconds=5.0)
+    assert len(kernel.of_type("heartbeat")) >= len(beats) - 1
