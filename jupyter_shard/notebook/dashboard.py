@@ -146,9 +146,14 @@ def render(pool: Pool, *, compact: bool, charts: bool = True) -> str:
 
 
 def text_summary(pool: Pool) -> str:
-    """Plain-text twin of the dashboard (saved notebooks viewed as text, consoles)."""
+    """Plain-text twin of the dashboard (saved notebooks viewed as text, consoles): a line per rank
+    below ``BAND_FROM`` ranks; from there the status table's rows (ranks in trouble, then a line per
+    state) and each metric's spread, so that every live update stays small at 1,024 ranks."""
     lines = [f"jupyter_shard dashboard · {pool.spec.describe()}"]
-    for row in pool.activity():
+    rows = pool.activity()
+    if len(rows) >= BAND_FROM:
+        return "\n".join(lines + _text_many(pool, rows))
+    for row in rows:
         values = []
         for name in pool.history.metrics:
             last = pool.history.last_value(row.rank, name)
@@ -157,6 +162,23 @@ def text_summary(pool: Pool) -> str:
         step = fmt(row.step) if row.step is not None else "-"
         lines.append(f"rank {row.rank}: {row.problem or row.state.value}, step {step}, " + ", ".join(values))
     return "\n".join(lines)
+
+
+def _text_many(pool: Pool, rows: list[RankSnapshot]) -> list[str]:
+    lines = [
+        f"{'rank' if values[0].isdigit() else 'ranks'} {values[0]}: {values[1]}, step {values[2]}"
+        for values, _ in status_rows(rows)
+    ]
+    for name in pool.history.metrics:
+        last = {r.rank: v for r in rows if (v := pool.history.last_value(r.rank, name)) is not None}
+        if last:
+            low, high = min(last, key=last.__getitem__), max(last, key=last.__getitem__)
+            mean = sum(last.values()) / len(last)
+            lines.append(
+                f"{name}: mean {mean:.4g}, lowest {last[low]:.4g} (rank {low}), "
+                f"highest {last[high]:.4g} (rank {high})"
+            )
+    return lines
 
 
 class StatusTable:

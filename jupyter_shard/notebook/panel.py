@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from jupyter_shard.notebook.figure import BAND_FROM, TROUBLE_ROWS
 from jupyter_shard.pool.pool import Pool
 from jupyter_shard.pool.ranks import RankSnapshot, RankState
 from jupyter_shard.spec import format_ranks
@@ -70,21 +71,60 @@ def status_reply(pool: Pool | None) -> dict[str, Any]:
 
 
 def _rows(rows: list[RankSnapshot]) -> list[dict[str, Any]]:
-    return [
-        {
-            "rank": row.rank,
-            "state": row.state.value,
-            "step": row.step,
-            "memory": {
-                "rss": row.memory.get("rss"),
-                "cuda": row.memory.get("cuda_allocated"),
-            },
-            "heartbeat_age": row.heartbeat_age,
-            "cell": row.cell,
-            "problem": row.problem,
-        }
-        for row in rows
-    ]
+    """A row per rank below ``BAND_FROM`` ranks; from there the status table's rows: each rank in
+    trouble (past ``TROUBLE_ROWS`` of them, a row per kind of trouble), then a row per state, each
+    with its ranks as a range (``"0-4,6-1023"``) and ``count``."""
+    if len(rows) < BAND_FROM:
+        return [_row(row) for row in rows]
+    troubled = [r for r in rows if r.problem]
+    if len(troubled) <= TROUBLE_ROWS:
+        out = [_group([r]) for r in troubled]
+    else:
+        out = _groups(troubled, lambda r: r.problem.split(":", 1)[0])
+    return out + _groups([r for r in rows if not r.problem], lambda r: r.state.value)
+
+
+def _row(row: RankSnapshot) -> dict[str, Any]:
+    return {
+        "rank": row.rank,
+        "state": row.state.value,
+        "step": row.step,
+        "memory": {"rss": row.memory.get("rss"), "cuda": row.memory.get("cuda_allocated")},
+        "heartbeat_age": row.heartbeat_age,
+        "cell": row.cell,
+        "problem": row.problem,
+    }
+
+
+def _groups(rows: list[RankSnapshot], kind: Callable[[RankSnapshot], str]) -> list[dict[str, Any]]:
+    by_kind: dict[str, list[RankSnapshot]] = {}
+    for r in rows:
+        by_kind.setdefault(kind(r), []).append(r)
+    return [_group(members) for members in by_kind.values()]
+
+
+def _group(members: list[RankSnapshot]) -> dict[str, Any]:
+    """One row for ``members``: the lowest step (the straggler), the largest memory, the oldest
+    heartbeat, their cell if they share one, the first one's problem."""
+    first, count = members[0], len(members)
+
+    def largest(key: str) -> int | None:
+        return max((r.memory[key] for r in members if r.memory.get(key) is not None), default=None)
+
+    steps = [r.step for r in members if r.step is not None]
+    ages = [r.heartbeat_age for r in members if r.heartbeat_age is not None]
+    cells = {r.cell for r in members}
+    more = f" (and {count - 1} more)" if count > 1 and first.problem else ""
+    return {
+        "rank": format_ranks([r.rank for r in members]),
+        "count": count,
+        "state": first.state.value,
+        "step": min(steps) if steps else None,
+        "memory": {"rss": largest("rss"), "cuda": largest("cuda_allocated")},
+        "heartbeat_age": max(ages) if ages else None,
+        "cell": next(iter(cells)) if len(cells) == 1 else "",
+        "problem": first.problem + more,
+    }
 
 
 def starting_text(rows: list[RankSnapshot]) -> str:

@@ -4,7 +4,10 @@
  */
 
 export interface IRankRow {
-  rank: number;
+  /** A rank, or from 9 ranks the ranks of a row per state or trouble ("0-4,6-1023"). */
+  rank: number | string;
+  /** How many ranks the row stands for (absent: one). */
+  count?: number;
   state: string;
   step: number | null;
   memory: { rss: number | null; cuda: number | null };
@@ -89,16 +92,25 @@ const hasCuda = (row: IRankRow) => row.memory.cuda !== null && row.memory.cuda !
  * rest is the row's hover text (`rankTitle`).
  */
 export function rankCells(row: IRankRow): string[] {
-  const state = row.problem ? row.problem.split(':', 1)[0] : row.state;
+  const word = row.problem ? row.problem.split(':', 1)[0] : row.state;
+  const state = row.count !== undefined && row.count > 1 ? `${word} (${row.count})` : word;
   const memory = hasCuda(row) ? formatBytes(row.memory.cuda) : formatBytes(row.memory.rss);
   return [String(row.rank), state, formatStep(row.step), memory];
 }
 
-/** The rest of a rank's row, shown on hover: the problem in full, heartbeat, host memory, cell. */
+/**
+ * The rest of a rank's row, shown on hover: the problem in full, heartbeat, host memory, cell. A row
+ * of several ranks gives the lowest step, the largest memory and the oldest heartbeat among them.
+ */
 export function rankTitle(row: IRankRow): string {
-  const parts = [`rank ${row.rank}: ${row.problem || row.state}`];
-  parts.push(`heartbeat ${formatAge(row.heartbeat_age)} ago`);
-  parts.push(hasCuda(row) ? `host ${formatBytes(row.memory.rss)} · cuda ${formatBytes(row.memory.cuda)}` : `host ${formatBytes(row.memory.rss)}`);
+  const many = row.count !== undefined && row.count > 1;
+  const parts = [many ? `ranks ${row.rank} (${row.count}): ${row.problem || row.state}` : `rank ${row.rank}: ${row.problem || row.state}`];
+  const most = many ? 'at most ' : '';
+  parts.push(`heartbeat ${most}${formatAge(row.heartbeat_age)} ago`);
+  if (many && row.step !== null) {
+    parts.push(`lowest step ${formatStep(row.step)}`);
+  }
+  parts.push(hasCuda(row) ? `host ${most}${formatBytes(row.memory.rss)} · cuda ${most}${formatBytes(row.memory.cuda)}` : `host ${most}${formatBytes(row.memory.rss)}`);
   if (row.cell) {
     parts.push(`cell: ${row.cell}`);
   }

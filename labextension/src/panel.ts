@@ -112,6 +112,7 @@ export class DistributedPanel extends Widget {
     for (const row of rows) {
       const tr = body.insertRow();
       tr.dataset.rank = String(row.rank);
+      tr.dataset.count = String(row.count ?? 1);
       tr.dataset.state = row.state;
       tr.classList.add(`jp-ShardPanel-${rankLevel(row)}`);
       tr.title = rankTitle(row);

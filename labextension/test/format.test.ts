@@ -70,6 +70,18 @@ describe('rank rows', () => {
     expect(rankLevel(row({ state: 'at a prompt', cell: 'breakpoint() · at (Pdb)' }))).toBe('warn');
   });
 
+  it('names a row of many ranks by their range and count (from 9 ranks)', () => {
+    const idle = row({ rank: '0-4,6-1023', count: 1023, step: 7, memory: { rss: 2 ** 30, cuda: null } });
+    expect(rankCells(idle)).toEqual(['0-4,6-1023', 'idle (1023)', '7', '1.0 GiB']);
+    expect(rankTitle(idle)).toBe(
+      'ranks 0-4,6-1023 (1023): idle\nheartbeat at most 0.4 s ago\nlowest step 7\nhost at most 1.0 GiB'
+    );
+    const dead = row({ rank: '0-19', count: 20, state: 'dead', problem: 'dead: exit 1 (and 19 more)' });
+    expect(rankCells(dead)[1]).toBe('dead (20)');
+    expect(rankLevel(dead)).toBe('error');
+    expect(rankCells(row({ rank: '5', count: 1 }))).toEqual(['5', 'idle', '–', '300 MiB']);
+  });
+
   it('formats numbers for people', () => {
     expect(formatBytes(null)).toBe('–');
     expect(formatBytes(512)).toBe('512 B');

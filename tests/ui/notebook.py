@@ -166,10 +166,12 @@ class Notebook:
         )
 
     def wait_panel_ranks(self, state: str, count: int, timeout: float, what: str) -> None:
-        """The jupyter_shard side panel shows ``count`` ranks in ``state``."""
+        """The jupyter_shard side panel shows ``count`` ranks in ``state`` (from 9 ranks its rows
+        stand for several ranks each: ``data-count``)."""
         self.wait_for(
-            'return document.querySelectorAll(`#jupyter-shard-panel tr[data-state="${arg.state}"]`)'
-            ".length === arg.count;",
+            "return Array.from(document.querySelectorAll("
+            '`#jupyter-shard-panel tr[data-state="${arg.state}"]`))'
+            ".reduce((n, tr) => n + Number(tr.dataset.count), 0) === arg.count;",
             arg={"state": state, "count": count},
             timeout=timeout,
             what=what,

@@ -74,15 +74,17 @@ def test_sixteen_ranks_print_a_summary_and_fail_in_one_block(
     nb.screenshot("by-rank", show=cell)
     cell.locator(".jp-ShardRankOutput-tab", has_text="summary").click()  # remembered for later cells
 
-    # the side panel: a row per rank within its width (the rest of a row on hover)
+    # the side panel: from 9 ranks a row per state (16 idle ranks: one row), within its width (the
+    # rest of a row on hover)
     nb.wait_panel_ranks("idle", RANKS, timeout=15 * SECOND, what=f"the panel to show {RANKS} idle ranks")
+    assert nb.page.locator("#jupyter-shard-panel tbody tr").count() == 1
     widths = nb.page.evaluate(
         "(() => { const p = document.querySelector('#jupyter-shard-panel');"
         " return [p.scrollWidth, p.clientWidth]; })()"
     )
     assert widths[0] <= widths[1], f"the panel's table is wider than the panel: {widths}"
     first = nb.page.locator("#jupyter-shard-panel tbody tr").first
-    assert first.get_attribute("title").startswith("rank 0: idle\nheartbeat ")
+    assert first.get_attribute("title").startswith(f"ranks 0-15 ({RANKS}): idle\nheartbeat at most ")
 
     nb.run_cell(2)
     nb.wait_finished(2, timeout=120 * SECOND)

@@ -412,3 +412,23 @@ def test_the_saved_html_of_1024_ranks_draws_their_band_not_a_line_each() -> None
     assert len(page) < 60_000, len(page)
     few = dash.render(_big_pool(ranks=4, points=40), compact=True)  # type: ignore[arg-type]
     assert few.count('class="jshard-trace"') == 2 * 4 + 1  # below 9 ranks: a line each, the loss's mean
+
+
+def test_the_text_twin_of_1024_ranks_is_a_summary_not_a_line_per_rank() -> None:
+    """The dashboard's text/plain (what a saved notebook read as text, a console and every live
+    update carry): from 9 ranks a line per state and per rank in trouble, and each metric's spread
+    with the ranks at its ends; 1,024 lines made it 47 KB of every 1,024-rank update."""
+    pool = _big_pool(ranks=1024, points=40)
+    pool.rows[5] = _row(5, "dead: was killed by SIGKILL", RankState.DEAD)
+    text = dash.text_summary(pool)  # type: ignore[arg-type]
+    assert text.splitlines() == [
+        "jupyter_shard dashboard · 8 CPU ranks · ddp",
+        "rank 5: dead: was killed by SIGKILL, step 10",
+        "ranks 0-4,6-1023: running (1023), step 10",
+        "loss: mean 511.5, lowest 0.025 (rank 0), highest 1023 (rank 1023)",
+    ]
+    few = dash.text_summary(_big_pool(ranks=2, points=40))  # type: ignore[arg-type]
+    assert few.splitlines()[1:] == [
+        "rank 0: running, step 10, loss 0.025",
+        "rank 1: running, step 10, loss 1.025",
+    ]

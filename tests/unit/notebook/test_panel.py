@@ -224,7 +224,7 @@ def test_while_the_ranks_start_the_panel_says_how_many_are_ready_not_no_pool() -
     comm, _ = _panel(_starting_pool(37, 64))
     reply = comm.request("status")
     assert reply["pool"] == "64 CPU ranks · ddp" and reply["state"] == "starting: 37 of 64 ranks ready"
-    assert len(reply["ranks"]) == 64 and reply["ranks"][40]["state"] == "starting"
+    assert [(r["rank"], r["state"]) for r in reply["ranks"]] == [("0-36", "idle"), ("37-63", "starting")]
     comm, _ = _panel(_starting_pool(61, 64))  # few left: which
     assert comm.request("status")["state"] == "starting: 61 of 64 ranks ready (waiting for rank 61-63)"
     comm, _ = _panel(_starting_pool(0, 0))  # nothing launched yet
@@ -249,3 +249,33 @@ def test_the_start_is_sent_to_open_panels_when_the_count_changes_at_most_twice_a
         "starting: 0 of 4 ranks ready",
         "starting: 2 of 4 ranks ready (waiting for rank 2-3)",
     ]
+
+
+def test_at_1024_ranks_the_panel_gets_a_row_per_state_and_per_rank_in_trouble() -> None:
+    """From 9 ranks the side panel's rows are the status table's: each rank in trouble on its own row,
+    then a row per state (its ranks as a range, how many, the lowest step, the largest memory, the
+    oldest heartbeat). A row per rank made each 2-second poll 149 KB at 1,024 ranks, and 1,024 rows
+    in a 250 px panel."""
+    states = [RankState.IDLE] * 1024
+    states[5] = RankState.DEAD
+    states[700:710] = [RankState.RUNNING] * 10
+    comm, _ = _panel(FakePool(states))
+    reply = comm.request("status")
+    assert reply["state"] == "running"
+    assert [(r["rank"], r["count"], r["state"], r["problem"]) for r in reply["ranks"]] == [
+        ("5", 1, "dead", "dead: exit 1"),
+        ("0-4,6-699,710-1023", 1013, "idle", ""),
+        ("700-709", 10, "running", ""),
+    ]
+    group = reply["ranks"][1]
+    assert group["step"] == 3.0 and group["memory"] == {"rss": 2**20, "cuda": None}
+    assert group["heartbeat_age"] == 0.4
+    assert len(json.dumps(reply)) < 2_000
+    many_dead = [RankState.DEAD] * 20 + [RankState.IDLE] * 1004
+    rows = _panel(FakePool(many_dead))[0].request("status")["ranks"]
+    assert [(r["rank"], r["count"], r["problem"]) for r in rows] == [
+        ("0-19", 20, "dead: exit 1 (and 19 more)"),
+        ("20-1023", 1004, ""),
+    ]
+    few = _panel(FakePool([RankState.IDLE] * 8))[0].request("status")["ranks"]
+    assert [r["rank"] for r in few] == list(range(8)) and "count" not in few[0]
