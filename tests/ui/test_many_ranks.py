@@ -3,7 +3,7 @@ step, with the ranks and the spread of the loss), every line stays one tab away,
 every rank raises its own message shows one traceback with the messages under it.
 
 The notebook is written here, into the server's copy of ``notebooks/``; screenshots of the summary,
-every line, and the grouped error are kept as artifacts.
+every line, the grouped error, the dashboard, the status and the side panel are kept as artifacts.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ CELLS = [
     f"%%distributed --nproc {RANKS}\nimport torch.distributed as dist\nrank = dist.get_rank()\n"
     f"for step in range({STEPS}):\n    print(f'step {{step}} loss {{0.5 + rank / 1000:.3f}}')",
     "%%distributed\nraise ValueError(f'bad {rank}')",
+    "%%distributed\nimport time\nfor step in range(40):\n"
+    "    shard.log(loss=1 / (step + 1) + rank / 100, step=step)\n    time.sleep(0.02)",
+    "%dist_dashboard",
+    "%dist_status",
     "%dist_shutdown",
 ]
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -98,5 +102,31 @@ def test_sixteen_ranks_print_a_summary_and_fail_in_one_block(
     assert len(text.splitlines()) < 25, len(text.splitlines())
     nb.screenshot("grouped-error", show=nb.code_cell(2))
 
+    # the dashboard: the loss as a band with its mean and a few strays, a legend of groups, not 16
     nb.run_cell(3)
-    nb.wait_finished(3)
+    nb.wait_finished(3, timeout=120 * SECOND)
+    nb.run_cell(4)
+    nb.wait_finished(4)
+    nb.wait_for(
+        "return document.querySelectorAll('.jp-ShardFigure.js-plotly-plot .legend .traces').length > 0;",
+        arg=None,
+        timeout=30 * SECOND,
+        what="the dashboard's figure drawn with its legend",
+    )
+    legend = nb.page.evaluate(
+        "Array.from(document.querySelectorAll('.jp-ShardFigure.js-plotly-plot .legend .traces'))"
+        ".map((t) => t.textContent)"
+    )
+    assert 0 < len(legend) <= 8 and not any(t.strip() == "rank 9" for t in legend), legend
+    nb.screenshot("dashboard", show=nb.code_cell(4).locator(".jp-OutputArea"))
+
+    # the status: a summary line, and 16 ranks alike on one row
+    nb.run_cell(5)
+    nb.wait_finished(5)
+    status = nb.code_cell(5).locator(".jp-OutputArea").inner_text().strip().splitlines()
+    assert len(status) < 15, status
+    nb.screenshot("status", show=nb.code_cell(5))
+    nb.screenshot("panel", show=nb.page.locator("#jupyter-shard-panel"))
+
+    nb.run_cell(6)
+    nb.wait_finished(6)
