@@ -27,6 +27,7 @@ from jupyter_shard.pool.figures import (
     grid_figure,
     line_traces,
     mean_across,
+    trace_uid,
 )
 from jupyter_shard.pool.history import History
 from jupyter_shard.pool.ranks import RankSnapshot
@@ -42,7 +43,7 @@ STRAYS = 3  # ranks drawn on their own in a banded chart: a NaN, the slowest, th
 SAMPLE = 4 * BINS  # records read per series for a redraw: evenly spaced, the last one always
 COMPACT_METRICS = 2
 COLUMNS = ("rank", "state", "step", "steps/s", "memory", "heartbeat", "cell", "last line")
-WIDTHS = (4, 9, 5, 5, 12, 6, 14, 20)
+WIDTHS = (7, 10, 5, 6, 9, 8, 13, 16)  # a row of many ranks ("0-4,6-1023", "running (1023)") on one line
 ROW_HEIGHT, HEADER_HEIGHT, MAX_ROWS = 20, 24, 8
 # rows that need attention, by the first word of their problem (or their state): red where only a
 # restart helps (dead; broken, its CUDA context lost, in a pinker red), yellow where a rank is stuck
@@ -132,7 +133,7 @@ def memory_chart(history: History, axis: int, legend: bool) -> Chart:
                 {
                     "type": "scatter",
                     "mode": "lines" if len(x) > 1 else "markers",
-                    "uid": f"memory:{rank}:{field}",
+                    "uid": trace_uid("memory", rank, field),
                     "name": f"rank {rank}",
                     "legendgroup": f"rank {rank}",
                     "showlegend": legend and field == lines[0][0],
@@ -171,7 +172,8 @@ def _banded_memory(
     traces += line_traces(
         "memory", [top_series], mean, axis=axis, x_label="s", legend=legend, why={top: "most"}
     )
-    return Chart(f"memory of {len(series)} ranks: {label}, MiB (mean, min–max)", "seconds", traces)
+    # short enough to clear the linear/log switch at two charts a row (the legend names the band)
+    return Chart(f"{label}, MiB · {len(series)} ranks", "seconds", traces)
 
 
 def status_trace(rows: list[RankSnapshot]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -48,6 +49,22 @@ class Logged(Protocol):
     ) -> tuple[Floats, Floats, int]: ...
 
 
+_PLAIN_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*")
+
+
+def trace_uid(*parts: object) -> str:
+    """A trace's Plotly ``uid``: its parts joined by ``-``, each as is where it is a plain name
+    (``loss-12``, ``memory-3-rss``) and otherwise as ``_`` and its UTF-8 in hex (``train/loss``:
+    ``_747261696e2f6c6f7373``), so that different parts never give one uid. When a trace goes away
+    between redraws Plotly looks its colorbar up with the CSS selector ``.cb<uid>``: a uid that is no
+    CSS name (``loss:12``) made that redraw throw, and the live figure stopped updating whenever the
+    ranks drawn on their own changed."""
+    return "-".join(
+        text if _PLAIN_UID.fullmatch(text) else "_" + text.encode().hex()
+        for text in (str(part) for part in parts)
+    )
+
+
 def color(rank: int) -> str:
     return PALETTE[rank % len(PALETTE)]
 
@@ -81,7 +98,7 @@ def line_traces(
             {
                 "type": "scatter",
                 "mode": "lines" if len(s.x) > 1 else "markers",
-                "uid": f"{metric}:{s.rank}",
+                "uid": trace_uid(metric, s.rank),
                 "name": f"rank {s.rank}" + (f" ({why[s.rank]})" if why and s.rank in why else ""),
                 "legendgroup": f"rank {s.rank}",
                 "showlegend": legend,
@@ -100,7 +117,7 @@ def line_traces(
             {
                 "type": "scatter",
                 "mode": "lines" if len(mean[0]) > 1 else "markers",
-                "uid": f"{metric}:mean",
+                "uid": trace_uid(metric, "mean"),
                 "name": "mean",
                 "legendgroup": "mean",
                 "showlegend": legend,
@@ -295,7 +312,7 @@ def band_traces(
     return [
         {
             **common,
-            "uid": f"{metric}:max",
+            "uid": trace_uid(metric, "max"),
             "name": name,
             "showlegend": False,
             "y": high,
@@ -305,7 +322,7 @@ def band_traces(
         },
         {
             **common,
-            "uid": f"{metric}:min",
+            "uid": trace_uid(metric, "min"),
             "name": name,
             "showlegend": legend,
             "y": low,

@@ -65,7 +65,7 @@ def _redraws(nb: Any, since: float) -> list[tuple[float, dict[str, Any]]]:
 def _loss_traces(figure: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The loss chart's traces by name (``rank 0``, ``rank 1``, ``mean``)."""
     data = decode(figure)["data"]
-    return {t["name"]: t for t in data if t.get("uid", "").startswith("loss:")}
+    return {t["name"]: t for t in data if t.get("uid", "").startswith("loss-")}
 
 
 def test_dashboard_updates_arrive_while_a_ten_second_cell_runs(nb: Any) -> None:

@@ -3,8 +3,8 @@ growing while it runs, with hover values, legend toggles, zoom and a log switch 
 and the saved notebook shows the same interactive figure without a kernel.
 
 The figure is read from the page: the dashboard's output holds a ``.jp-ShardFigure`` (the extension's
-renderer, a Plotly graph div) whose traces carry ``uid`` ``loss:<rank>`` / ``loss:mean`` /
-``memory:<rank>:<field>`` and ``meta.points`` (the rank's whole series so far, however few are drawn);
+renderer, a Plotly graph div) whose traces carry ``uid`` ``loss-<rank>`` / ``loss-mean`` /
+``memory-<rank>-<field>`` and ``meta.points`` (the rank's whole series so far, however few are drawn);
 the status table is its ``table`` trace; ``data-draws`` counts the figures it has drawn.
 """
 
@@ -39,7 +39,7 @@ const gd = cell.querySelector('.jp-OutputArea .jp-ShardFigure.js-plotly-plot');
 const traces = gd && gd._fullData ? gd._fullData : [];
 const points = {};
 for (const t of traces) {
-    if (t.uid && t.uid.startsWith('loss:')) { points[t.uid.slice(5)] = t.meta.points; }
+    if (t.uid && t.uid.startsWith('loss-')) { points[t.uid.slice(5)] = t.meta.points; }
 }
 const table = traces.find((t) => t.type === 'table');
 const model = panel(arg2).content.widgets.filter((c) => c.model.type === 'code')[arg].model;
@@ -49,7 +49,7 @@ return {
     prompt: promptOf(cell),
     points: points,
     status_ranks: table ? table.cells.values[0].map(String) : [],
-    memory_chart: traces.some((t) => t.uid && t.uid.startsWith('memory:')),
+    memory_chart: traces.some((t) => t.uid && t.uid.startsWith('memory-')),
     live: !!figureOutput && typeof figureOutput.data[mime].figure === 'object',
     draws: gd ? Number(gd.dataset.draws || 0) : 0,
 };
@@ -204,7 +204,7 @@ def test_hover_legend_zoom_and_log_switch_survive_redraws_and_the_saved_figure_o
     nb = open_nb(INTERACTIVE)
     train = 1
     nb.run_all()
-    _wait_gd(nb, train, "return (trace('loss:0')?.meta.points ?? 0) >= 40;", "40 loss points on rank 0")
+    _wait_gd(nb, train, "return (trace('loss-0')?.meta.points ?? 0) >= 40;", "40 loss points on rank 0")
     nb.screenshot("live", show=nb.code_cell(train).locator(".jp-OutputArea"))
 
     # a legend click hides rank 1 in every chart, and it stays hidden as new data is drawn
@@ -213,7 +213,7 @@ def test_hover_legend_zoom_and_log_switch_survive_redraws_and_the_saved_figure_o
         train,
         ".jp-ShardFigure .legend .traces",
         "rank 1",
-        "return trace('loss:1').visible === 'legendonly';",
+        "return trace('loss-1').visible === 'legendonly';",
         "rank 1 hidden by the legend click",
     )
     _after_redraws(nb, train)
@@ -223,8 +223,8 @@ def test_hover_legend_zoom_and_log_switch_survive_redraws_and_the_saved_figure_o
         "return gd._fullData.filter((t) => t.legendgroup === 'rank 1').map((t) => [t.uid, t.visible]);",
     )
     assert hidden and all(visible == "legendonly" for _, visible in hidden), hidden
-    assert {uid.split(":")[0] for uid, _ in hidden} == {"loss", "memory"}
-    shown = _gd(nb, train, "return trace('loss:0').visible;")
+    assert {uid.split("-")[0] for uid, _ in hidden} == {"loss", "memory"}
+    shown = _gd(nb, train, "return trace('loss-0').visible;")
     assert shown is True
 
     # a box zoom on the loss chart stays while the series keeps growing
@@ -239,11 +239,11 @@ def test_hover_legend_zoom_and_log_switch_survive_redraws_and_the_saved_figure_o
     nb.page.mouse.move((x0 + x1) / 2, (top + bottom) / 2, steps=5)
     nb.page.mouse.move(x1, bottom, steps=5)
     nb.page.mouse.up()
-    zoomed = _gd(nb, train, "return [gd._fullLayout.xaxis.range.slice(), trace('loss:0').meta.points];")
+    zoomed = _gd(nb, train, "return [gd._fullLayout.xaxis.range.slice(), trace('loss-0').meta.points];")
     (low, high), points = zoomed
     assert 5 < low < high < 45 < points, zoomed  # the axis moves as data arrives: about steps 10..30
     _after_redraws(nb, train)
-    kept = _gd(nb, train, "return [gd._fullLayout.xaxis.range.slice(), trace('loss:0').meta.points];")
+    kept = _gd(nb, train, "return [gd._fullLayout.xaxis.range.slice(), trace('loss-0').meta.points];")
     assert kept[0] == zoomed[0], "a redraw reset the zoom"
     assert kept[1] > zoomed[1], "no new points were drawn meanwhile"
     nb.screenshot("zoomed-rank-1-hidden", show=nb.code_cell(train).locator(".jp-OutputArea"))
@@ -271,7 +271,7 @@ def test_hover_legend_zoom_and_log_switch_survive_redraws_and_the_saved_figure_o
     _wait_gd(nb, train, "return Number(gd.dataset.draws) > 0;", "the final figure")
     outputs = [o for o in nb.outputs(train) if PLOTLY_MIME in o.get("data", {})]
     assert len(outputs) == 1 and outputs[0]["data"][FIGURE_MIME] == {"figure": PLOTLY_MIME}
-    assert _gd(nb, train, "return trace('loss:1').visible;") == "legendonly"
+    assert _gd(nb, train, "return trace('loss-1').visible;") == "legendonly"
     nb.screenshot("finished", show=nb.code_cell(train).locator(".jp-OutputArea"))
     nb.page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
     nb.wait_for(
@@ -283,7 +283,7 @@ def test_hover_legend_zoom_and_log_switch_survive_redraws_and_the_saved_figure_o
     saved = nbformat.read(lab_server.root_dir / INTERACTIVE, as_version=4)
     (figure,) = [o for o in saved.cells[train].outputs if PLOTLY_MIME in o.get("data", {})]
     assert {"text/html", "text/plain", FIGURE_MIME} <= set(figure.data)
-    ranks = {t["name"] for t in figure.data[PLOTLY_MIME]["data"] if t.get("uid", "").startswith("loss:")}
+    ranks = {t["name"] for t in figure.data[PLOTLY_MIME]["data"] if t.get("uid", "").startswith("loss-")}
     assert ranks == {"rank 0", "rank 1", "mean"}
 
     # reopened in a fresh workspace with its kernel shut down: the chart is interactive
@@ -295,7 +295,7 @@ def test_hover_legend_zoom_and_log_switch_survive_redraws_and_the_saved_figure_o
         arg=INTERACTIVE,
         what="no kernel for the notebook",
     )
-    _wait_gd(reopened, train, "return !!trace('loss:0') && !!trace('loss:mean');", "the saved figure")
+    _wait_gd(reopened, train, "return !!trace('loss-0') && !!trace('loss-mean');", "the saved figure")
     _hover_reads(reopened, train, step=20, value=1.0 / 20)
     reopened.screenshot("reopened-without-kernel", show=reopened.code_cell(train).locator(".jp-OutputArea"))
 
@@ -304,7 +304,7 @@ def test_hover_legend_zoom_and_log_switch_survive_redraws_and_the_saved_figure_o
         open_nb7: OpenNotebook = request.getfixturevalue("open_nb7")
         nb7 = open_nb7(INTERACTIVE)
         lab_server.shutdown_kernels()
-        _wait_gd(nb7, train, "return !!trace('loss:0') && !!trace('loss:mean');", "the figure in Notebook 7")
+        _wait_gd(nb7, train, "return !!trace('loss-0') && !!trace('loss-mean');", "the figure in Notebook 7")
         _hover_reads(nb7, train, step=20, value=1.0 / 20)
         nb7.screenshot("notebook7-without-kernel", show=nb7.code_cell(train).locator(".jp-OutputArea"))
 

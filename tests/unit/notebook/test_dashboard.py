@@ -120,14 +120,14 @@ def test_eight_ranks_of_100k_points_draw_a_thousand_points_each_and_count_all(sc
     board = dash.Dashboard(pool)  # type: ignore[arg-type]
     bundle = board.live_bundle()
     traces = _traces(bundle)
-    loss = [t for t in traces if t.get("uid", "").startswith("loss:")]
+    loss = [t for t in traces if t.get("uid", "").startswith("loss-")]
     assert [t["meta"]["points"] for t in loss if t["meta"]["rank"] != "mean"] == [100_000] * 8
     assert all(len(t["x"]) == len(t["y"]) <= BINS for t in loss)
     assert loss[-1]["name"] == "mean" and loss[-1]["line"]["dash"] == "dash"
     # the mean of ranks k: 1/s + k, binned, ends near 3.5 (the mean of 0..7)
     assert abs(loss[-1]["y"][-1] - 3.5) < 1e-3
     assert [t["legendgroup"] for t in loss[:8]] == [f"rank {k}" for k in range(8)]
-    memory = [t for t in traces if t.get("uid", "").startswith("memory:")]
+    memory = [t for t in traces if t.get("uid", "").startswith("memory-")]
     assert [t["y"] for t in memory[:1]] == [[256.0, 512.0]]  # MiB
     (table,) = [t for t in traces if t["type"] == "table"]
     assert table["cells"]["values"][0] == [str(k) for k in range(8)]
@@ -324,7 +324,7 @@ def test_a_cell_dashboard_ends_as_the_static_bundle(screen: _Screen) -> None:
         "rank 0: running, step 10, loss 0.02",
         "rank 1: running, step 10, loss 1.02",
     ]
-    loss = [t for t in _traces(final) if t.get("uid", "").startswith("loss:")]
+    loss = [t for t in _traces(final) if t.get("uid", "").startswith("loss-")]
     assert [t["x"] for t in loss] == [list(map(float, range(1, 51)))] * 3, "every step while short"
     assert loss[2]["y"][0] == pytest.approx(1.5)  # the mean of 1.0 and 2.0 at step 1
 
@@ -369,11 +369,11 @@ def test_on_gpu_the_memory_chart_has_allocated_reserved_and_peak_per_rank() -> N
             )
     board = dash.Dashboard(pool)  # type: ignore[arg-type]
     figure = decode(board.live_bundle()[dash.LIVE_MIME]["figure"])
-    memory = [t for t in figure["data"] if t.get("uid", "").startswith("memory:")]
+    memory = [t for t in figure["data"] if t.get("uid", "").startswith("memory-")]
     assert [(t["uid"], t["line"]["dash"], t["y"]) for t in memory[:3]] == [
-        ("memory:0:cuda_allocated", "solid", [1.0, 1.0]),
-        ("memory:0:cuda_reserved", "dash", [2.0, 2.0]),
-        ("memory:0:cuda_peak", "dot", [3.0, 3.0]),
+        ("memory-0-cuda_allocated", "solid", [1.0, 1.0]),
+        ("memory-0-cuda_reserved", "dash", [2.0, 2.0]),
+        ("memory-0-cuda_peak", "dot", [3.0, 3.0]),
     ]
     assert [t["showlegend"] for t in memory] == [True, False, False] * 2
     assert any(

@@ -42,7 +42,7 @@ def test_one_ranks_metric_is_titled_by_its_last_value() -> None:
     history.extend(0, [{"step": s, "ts": float(s), "values": {"loss": 1.0 / s}} for s in range(1, 9)])
     chart = metric_chart(history, "loss", 1, True)
     assert chart.title == "loss · 0.125"
-    assert [t["uid"] for t in chart.traces] == ["loss:0"]  # no mean of one rank
+    assert [t["uid"] for t in chart.traces] == ["loss-0"]  # no mean of one rank
 
 
 def test_the_mean_covers_only_the_steps_every_rank_reached() -> None:
@@ -51,7 +51,7 @@ def test_the_mean_covers_only_the_steps_every_rank_reached() -> None:
     _log(history, 1, range(1, 6), 2.0)  # behind: the mean ends where it is
     chart = metric_chart(history, "loss", 2, False)
     mean = chart.traces[-1]
-    assert mean["uid"] == "loss:mean" and list(mean["x"]) == [1, 2, 3, 4, 5]
+    assert mean["uid"] == "loss-mean" and list(mean["x"]) == [1, 2, 3, 4, 5]
     assert np.allclose(mean["y"], 1.0)
     assert chart.title == "loss · mean of 2 ranks 1"
     assert {t["xaxis"] for t in chart.traces} == {"x2"} and {t["yaxis"] for t in chart.traces} == {"y2"}
@@ -75,7 +75,7 @@ def test_on_cpu_memory_is_host_rss_in_mib_from_the_first_sample() -> None:
         history.add_memory(rank, 52.0, {"rss": 300 * MIB})
     chart = memory_chart(history, 3, True)
     assert chart.title == "memory per rank: host RSS, MiB" and chart.x_label == "seconds"
-    assert [t["uid"] for t in chart.traces] == ["memory:0:rss", "memory:1:rss"]
+    assert [t["uid"] for t in chart.traces] == ["memory-0-rss", "memory-1-rss"]
     first = chart.traces[0]
     assert list(first["x"]) == [0.0, 2.0] and list(first["y"]) == [100.0, 300.0]
     assert (first["xaxis"], first["yaxis"], first["mode"]) == ("x3", "y3", "lines")
@@ -185,7 +185,7 @@ def test_the_dashboard_is_the_table_then_a_chart_per_metric_then_memory() -> Non
     pool.history.add_memory(0, 1.0, {"rss": MIB})
     figure = _figure(pool)
     uids = [t["uid"] for t in figure["data"]]
-    assert uids == ["status", "loss:0", "lr:0", "acc:0", "memory:0:rss"]
+    assert uids == ["status", "loss-0", "lr-0", "acc-0", "memory-0-rss"]
     assert [t["xaxis"] for t in figure["data"][1:]] == ["x", "x2", "x3", "x4"]
     assert figure["layout"]["meta"] == {"jupyter_shard": "dashboard", "metrics": ["loss", "lr", "acc"]}
     assert figure["layout"]["title"]["text"] == "2 CPU ranks · ddp"
@@ -193,14 +193,14 @@ def test_the_dashboard_is_the_table_then_a_chart_per_metric_then_memory() -> Non
     assert legends == [True, False, False, False]  # one legend, on the first chart
     compact = _figure(pool, compact=True)
     assert compact["layout"]["meta"]["metrics"] == ["loss", "lr"]
-    assert [t["uid"] for t in compact["data"]] == ["status", "loss:0", "lr:0", "memory:0:rss"]
+    assert [t["uid"] for t in compact["data"]] == ["status", "loss-0", "lr-0", "memory-0-rss"]
 
 
 def test_memory_alone_carries_the_legend() -> None:
     pool = _Pool(rows=[_row(0)])
     pool.history.add_memory(0, 1.0, {"rss": MIB})
     memory = _figure(pool)["data"][-1]
-    assert memory["uid"] == "memory:0:rss" and memory["showlegend"] and memory["xaxis"] == "x"
+    assert memory["uid"] == "memory-0-rss" and memory["showlegend"] and memory["xaxis"] == "x"
 
 
 def test_the_title_says_a_background_run_goes_on_and_that_points_were_thinned() -> None:
@@ -277,7 +277,7 @@ def test_at_64_ranks_memory_is_a_band_and_the_rank_using_most() -> None:
         "rank 17 (most)",
         "mean",
     ]
-    assert chart.title == "memory of 64 ranks: host RSS, MiB (mean, min–max)"
+    assert chart.title == "host RSS, MiB · 64 ranks"
 
 
 def test_at_64_ranks_the_status_is_the_ranks_in_trouble_then_a_row_per_state() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 
 import numpy as np
 import pytest
@@ -40,7 +41,7 @@ def test_each_rank_keeps_its_color_in_every_chart() -> None:
 def test_a_line_per_rank_then_the_dashed_mean_on_the_charts_axes() -> None:
     mean = (np.array([0.0, 1.0]), np.array([5.0, 6.0]))
     traces = line_traces("loss", [_series(0, 3, 300), _series(2, 1)], mean, axis=3, legend=False)
-    assert [t["uid"] for t in traces] == ["loss:0", "loss:2", "loss:mean"]
+    assert [t["uid"] for t in traces] == ["loss-0", "loss-2", "loss-mean"]
     assert [t["legendgroup"] for t in traces] == ["rank 0", "rank 2", "mean"]
     assert {(t["xaxis"], t["yaxis"]) for t in traces} == {("x3", "y3")}
     assert [t["mode"] for t in traces] == ["lines", "markers", "lines"]  # one point: a marker
@@ -57,10 +58,10 @@ def test_a_line_per_rank_then_the_dashed_mean_on_the_charts_axes() -> None:
 
 def test_no_mean_trace_without_mean_points_and_axis_one_is_plain() -> None:
     traces = line_traces("acc", [_series(1, 4)], (np.empty(0), np.empty(0)), x_label="seconds")
-    assert [t["uid"] for t in traces] == ["acc:1"]
+    assert [t["uid"] for t in traces] == ["acc-1"]
     assert (traces[0]["xaxis"], traces[0]["yaxis"]) == ("x", "y")
     assert "seconds" in traces[0]["hovertemplate"] and traces[0]["showlegend"]
-    assert [t["uid"] for t in line_traces("acc", [_series(1, 4)], None)] == ["acc:1"]
+    assert [t["uid"] for t in line_traces("acc", [_series(1, 4)], None)] == ["acc-1"]
 
 
 def test_the_grid_places_charts_by_row_and_column_under_the_table() -> None:
@@ -117,3 +118,21 @@ def test_arrays_travel_as_little_endian_float64_and_come_back() -> None:
     encoded = encode(figure)
     json.dumps(encoded)  # every array is JSON now
     assert decode(encoded) == {"data": [{"x": [0.0, 1.0, 2.0], "name": "rank 0", "pair": [[1.0], 2]}], "n": 1}
+
+
+def test_trace_uids_are_css_names_and_never_the_same_for_different_traces() -> None:
+    """Plotly finds a removed trace's colorbar with the selector ``.cb<uid>``: a uid such as
+    ``loss:12`` threw in the browser as the ranks drawn on their own changed, and the live figure
+    stopped updating. Metric names are the user's (``train/loss``, ``val loss``, ``a-b``, ``_x``)."""
+    from jupyter_shard.pool.figures import band_traces, trace_uid
+
+    css = re.compile(r"[A-Za-z0-9_-]+")
+    names = ["loss", "train/loss", "val loss", "a-b", "a", "b", "_x", "x", "ünï", "", "cuda_allocated"]
+    uids = [trace_uid(name, part) for name in names for part in (0, 12, "mean", "min", "max", "b", "a-b")]
+    assert all(css.fullmatch(uid) for uid in uids), [u for u in uids if not css.fullmatch(u)]
+    assert len(set(uids)) == len(uids)
+    assert trace_uid("loss", 12) == "loss-12" and trace_uid("memory", 3, "rss") == "memory-3-rss"
+    band = band_traces(
+        "train/loss", (np.arange(3.0), np.zeros(3), np.ones(3)), 9, axis=1, legend=True, x_label="step"
+    )
+    assert all(css.fullmatch(t["uid"]) for t in band)
