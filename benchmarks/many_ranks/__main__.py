@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -349,11 +352,12 @@ def report_simulated(sizes: list[Simulated], steps: int, repeats: int) -> str:
 def main() -> None:
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--ranks", type=int, nargs="*", default=[16, 32, 64])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--simulated", type=int, nargs="*", default=[128, 256, 512, 1024])
     parser.add_argument("--results", default=str(RESULTS / "many_ranks.md"))
+    parser.add_argument("--browser", type=int, default=0, help="the browser test at this many real ranks")
     args = parser.parse_args()
     sizes, simulated = [], []
     with tempfile.TemporaryDirectory(prefix="js-many-") as logs:
@@ -366,7 +370,43 @@ def main() -> None:
     text = report(sizes, args.steps, args.repeats) if sizes else ""
     if simulated:
         text += "\n" + report_simulated(simulated, args.steps, args.repeats)
+    if args.browser:
+        print(f"the browser test at {args.browser} ranks …", flush=True)
+        if not text and Path(args.results).exists():  # the browser alone: kept under the last run's tables
+            text = Path(args.results).read_text().split(BROWSER_HEAD)[0].rstrip() + "\n"
+        text += "\n" + browser(args.browser)
     write_section(text, args.results)
+
+
+BROWSER_HEAD = "### In JupyterLab at"
+
+
+def browser(ranks: int) -> str:
+    """``tests/ui/test_many_ranks.py`` at ``ranks`` real CPU ranks in JupyterLab and headless
+    Chromium: whether every check held, how long it took, and where its screenshots are."""
+    env = {**os.environ, "JUPYTER_SHARD_UI_RANKS": str(ranks)}
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/ui/test_many_ranks.py"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    took = time.monotonic() - began
+    last = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
+    verdict = "every check held" if done.returncode == 0 else f"FAILED (exit {done.returncode}): {last}"
+    return "\n".join(
+        [
+            f"{BROWSER_HEAD} {ranks} ranks",
+            "",
+            f"`tests/ui/test_many_ranks.py` with `JUPYTER_SHARD_UI_RANKS={ranks}` (real CPU ranks, "
+            f"headless Chromium): {verdict}, in {took:.0f} s. Its screenshots (summary, every line, by "
+            "rank, the grouped error, the dashboard, the status, the side panel) are in "
+            "`test-artifacts/ui/`.",
+            "",
+        ]
+    )
 
 
 if __name__ == "__main__":
