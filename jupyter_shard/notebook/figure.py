@@ -97,7 +97,8 @@ def _banded_chart(
 def strays(last: dict[int, tuple[float, float]], at_most: int = STRAYS) -> dict[int, str]:
     """The ranks worth a line of their own among many, by their last ``(step, value)``: those with a
     NaN or infinite value, the slowest (furthest behind in step), then the furthest from the others'
-    mean (highest or lowest); at most ``at_most``, by rank within each kind."""
+    mean (``highest`` or ``lowest`` at the ends, else ``high`` or ``low``); at most ``at_most``, by rank
+    within each kind."""
     out: dict[int, str] = {}
     for rank in sorted(last):
         if not np.isfinite(last[rank][1]) and len(out) < at_most:
@@ -109,11 +110,17 @@ def strays(last: dict[int, tuple[float, float]], at_most: int = STRAYS) -> dict[
     values = {k: v for k, (_, v) in last.items() if np.isfinite(v)}
     if len(values) > 1:
         centre = float(np.mean(list(values.values())))
+        top, bottom = max(values.values()), min(values.values())
         for rank in sorted(values, key=lambda k: (-abs(values[k] - centre), k)):
             if len(out) >= at_most:
                 break
-            if rank not in out and values[rank] != centre:
-                out[rank] = "highest" if values[rank] > centre else "lowest"
+            if rank not in out and values[rank] != centre:  # "highest" and "lowest" only at the ends
+                above = values[rank] > centre
+                out[rank] = (
+                    ("highest" if values[rank] == top else "high")
+                    if above
+                    else ("lowest" if values[rank] == bottom else "low")
+                )
     return out
 
 

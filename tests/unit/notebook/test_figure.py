@@ -262,11 +262,13 @@ def test_at_64_ranks_a_chart_is_a_mean_a_band_and_the_strays() -> None:
 
 def test_strays_are_a_nan_then_the_slowest_then_the_furthest_from_the_mean() -> None:
     last = {k: (100.0, 1.0 + (k / 1000) ** 2) for k in range(20)}
-    assert fig.strays(last) == {19: "highest", 18: "highest", 17: "highest"}
+    assert fig.strays(last) == {19: "highest", 18: "high", 17: "high"}  # one highest, the next high
     last[4] = (60.0, 1.0)
     last[7] = (100.0, float("inf"))
     assert fig.strays(last) == {7: "inf", 4: "slowest", 19: "highest"}
     assert fig.strays({k: (1.0, 0.5) for k in range(12)}) == {}  # all alike: none stands out
+    spread = {k: (39.0, 1 / 40 + k / 100) for k in range(64)}  # the browser test's loss at 64 ranks
+    assert fig.strays(spread) == {0: "lowest", 63: "highest", 1: "low"}
 
 
 def test_at_64_ranks_memory_is_a_band_and_the_rank_using_most() -> None:
