@@ -228,53 +228,61 @@ def _row_values(row: RankSnapshot, cut: bool) -> tuple[str, ...]:
 
 def status_rows(rows: list[RankSnapshot], cut: bool = True) -> list[tuple[tuple[str, ...], str]]:
     """The status table's rows and what each is tinted by: a row per rank below BAND_FROM ranks;
-    from there the ranks that need attention, each on its own row (past TROUBLE_ROWS of them, a row
-    per kind of trouble), then one row per state for the others (their ranks, count, step range,
-    throughput, largest memory, oldest heartbeat)."""
+    from there a row per group of :func:`row_groups` (their ranks, count, step range, throughput,
+    largest memory, oldest heartbeat)."""
     if len(rows) < BAND_FROM:
         return [(_row_values(r, cut), row_kind(r)) for r in rows]
+    return [
+        (_row_values(members[0], cut) if alone else _group_values(members), row_kind(members[0]))
+        for members, alone in row_groups(rows)
+    ]
+
+
+def row_groups(rows: list[RankSnapshot]) -> list[tuple[list[RankSnapshot], bool]]:
+    """The rows of many ranks (the status table's, the side panel's), as ``(ranks, alone)``: the
+    ranks that need attention, each alone (past TROUBLE_ROWS of them, a group per kind of trouble:
+    1,024 failed ranks are not 1,024 rows), then a group per state for the others."""
     troubled = [r for r in rows if r.problem]
     if len(troubled) <= TROUBLE_ROWS:
-        out = [(_row_values(r, cut), row_kind(r)) for r in troubled]
-    else:  # (every rank of 1,024 failed: a row per kind of trouble, not 1,024 rows)
-        out = _grouped(
-            troubled, row_kind, lambda r, n: f"{r.problem} (and {n - 1} more)" if n > 1 else r.problem
-        )
-    out += _grouped(
-        [r for r in rows if not r.problem], lambda r: r.state.value, lambda r, n: f"{r.state.value} ({n})"
-    )
-    return out
+        out = [([r], True) for r in troubled]
+    else:
+        out = [(members, False) for members in _by(troubled, row_kind)]
+    return out + [(members, False) for members in _by([r for r in rows if not r.problem], row_kind)]
 
 
-def _grouped(
-    rows: list[RankSnapshot], kind: Callable[[RankSnapshot], str], label: Callable[[RankSnapshot, int], str]
-) -> list[tuple[tuple[str, ...], str]]:
-    """One status row per ``kind`` of rank: their ranks, ``label`` (of the first, and how many),
-    the range of their steps, mean throughput, the largest memory, the oldest heartbeat."""
+def _by(rows: list[RankSnapshot], kind: Callable[[RankSnapshot], str]) -> list[list[RankSnapshot]]:
     groups: dict[str, list[RankSnapshot]] = {}
     for r in rows:
         groups.setdefault(kind(r), []).append(r)
-    out: list[tuple[tuple[str, ...], str]] = []
-    for state, members in groups.items():
-        steps = [r.step for r in members if r.step is not None]
-        rates = [r.steps_per_s for r in members if r.steps_per_s is not None]
-        ages = [r.heartbeat_age for r in members if r.heartbeat_age is not None]
-        biggest = max(members, key=lambda r: (r.memory.get("cuda_allocated", 0), r.memory.get("rss", 0)))
-        cells = {r.cell for r in members if r.cell}
-        values = (
-            format_ranks([r.rank for r in members]),
-            label(members[0], len(members)),
-            (f"{fmt(min(steps))}–{fmt(max(steps))}" if min(steps) != max(steps) else fmt(steps[0]))
-            if steps
-            else "-",
-            f"{sum(rates) / len(rates):.1f}" if rates else "-",
-            f"≤ {memory_text(biggest.memory)}" if biggest.memory else "-",
-            f"≤ {max(ages):.0f} s ago" if ages else "-",
-            _cut(next(iter(cells)), 40) if len(cells) == 1 else ("-" if not cells else f"{len(cells)} cells"),
-            "",
-        )
-        out.append((values, state))
-    return out
+    return list(groups.values())
+
+
+def _group_values(members: list[RankSnapshot]) -> tuple[str, ...]:
+    """One status row for ``members``: their ranks, the first one's problem (and how many more) or
+    their state and count, the range of their steps, mean throughput, the largest memory, the oldest
+    heartbeat."""
+    first, count = members[0], len(members)
+    if first.problem:
+        label = f"{first.problem} (and {count - 1} more)" if count > 1 else first.problem
+    else:
+        label = f"{first.state.value} ({count})"
+    steps = [r.step for r in members if r.step is not None]
+    rates = [r.steps_per_s for r in members if r.steps_per_s is not None]
+    ages = [r.heartbeat_age for r in members if r.heartbeat_age is not None]
+    biggest = max(members, key=lambda r: (r.memory.get("cuda_allocated", 0), r.memory.get("rss", 0)))
+    cells = {r.cell for r in members if r.cell}
+    return (
+        format_ranks([r.rank for r in members]),
+        label,
+        (f"{fmt(min(steps))}–{fmt(max(steps))}" if min(steps) != max(steps) else fmt(steps[0]))
+        if steps
+        else "-",
+        f"{sum(rates) / len(rates):.1f}" if rates else "-",
+        f"≤ {memory_text(biggest.memory)}" if biggest.memory else "-",
+        f"≤ {max(ages):.0f} s ago" if ages else "-",
+        _cut(next(iter(cells)), 40) if len(cells) == 1 else ("-" if not cells else f"{len(cells)} cells"),
+        "",
+    )
 
 
 def row_kind(row: RankSnapshot) -> str:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from jupyter_shard.notebook.figure import BAND_FROM, TROUBLE_ROWS
+from jupyter_shard.notebook.figure import BAND_FROM, row_groups
 from jupyter_shard.pool.pool import Pool
 from jupyter_shard.pool.ranks import RankSnapshot, RankState
 from jupyter_shard.spec import format_ranks
@@ -71,17 +71,12 @@ def status_reply(pool: Pool | None) -> dict[str, Any]:
 
 
 def _rows(rows: list[RankSnapshot]) -> list[dict[str, Any]]:
-    """A row per rank below ``BAND_FROM`` ranks; from there the status table's rows: each rank in
-    trouble (past ``TROUBLE_ROWS`` of them, a row per kind of trouble), then a row per state, each
-    with its ranks as a range (``"0-4,6-1023"``) and ``count``."""
+    """A row per rank below ``BAND_FROM`` ranks; from there the status table's rows
+    (:func:`~jupyter_shard.notebook.figure.row_groups`), each with its ranks as a range
+    (``"0-4,6-1023"``) and ``count``."""
     if len(rows) < BAND_FROM:
         return [_row(row) for row in rows]
-    troubled = [r for r in rows if r.problem]
-    if len(troubled) <= TROUBLE_ROWS:
-        out = [_group([r]) for r in troubled]
-    else:
-        out = _groups(troubled, lambda r: r.problem.split(":", 1)[0])
-    return out + _groups([r for r in rows if not r.problem], lambda r: r.state.value)
+    return [_group(members) for members, _ in row_groups(rows)]
 
 
 def _row(row: RankSnapshot) -> dict[str, Any]:
@@ -94,13 +89,6 @@ def _row(row: RankSnapshot) -> dict[str, Any]:
         "cell": row.cell,
         "problem": row.problem,
     }
-
-
-def _groups(rows: list[RankSnapshot], kind: Callable[[RankSnapshot], str]) -> list[dict[str, Any]]:
-    by_kind: dict[str, list[RankSnapshot]] = {}
-    for r in rows:
-        by_kind.setdefault(kind(r), []).append(r)
-    return [_group(members) for members in by_kind.values()]
 
 
 def _group(members: list[RankSnapshot]) -> dict[str, Any]:
