@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 from collections.abc import Generator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,21 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 from jupyter_shard._util.digests import digest_file
+from jupyter_shard._util.writeback import Writeback
 
-__all__ = ["HashingWriter", "digests_of"]
+__all__ = ["HashingWriter", "digests_of", "without_crc32"]
+
+
+PARALLEL = 1 << 20  # writes this large are hashed alongside the write
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _hasher() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jupyter_shard-hash")
+    return _pool
 
 
 class _HashingStream(io.IOBase):
@@ -29,13 +43,27 @@ class _HashingStream(io.IOBase):
         super().__init__()
         self.raw = raw
         self.sha = hashlib.sha256()
+        try:
+            fd = int(raw.fileno())
+        except (OSError, AttributeError, io.UnsupportedOperation):
+            fd = -1  # not a file on disk: nothing to write back
+        self.writeback = Writeback(fd)
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
-        self.sha.update(data)
-        return int(self.raw.write(data))
+        if len(memoryview(data)) < PARALLEL:
+            self.sha.update(data)
+            count = int(self.raw.write(data))
+        else:  # hashed on another thread while this one writes (both let go of the GIL)
+            hashed = _hasher().submit(self.sha.update, data)
+            try:
+                count = int(self.raw.write(data))
+            finally:
+                hashed.result()
+        self.writeback.wrote(count)
+        return count
 
     def tell(self) -> int:
         return int(self.raw.tell())
@@ -82,3 +110,25 @@ def digests_of(writer: HashingWriter, paths: list[Path]) -> dict[str, str]:
     saw the bytes go by, else read back."""
     seen = writer.fs.digests if isinstance(writer.fs, _HashingFileSystem) else {}
     return {p.name: seen.get(p.name) or digest_file(p) for p in paths}
+
+
+@contextmanager
+def without_crc32() -> Generator[None, None, None]:
+    """``torch.save`` without the CRC-32 of each zip record while the block runs: the SHA-256 above
+    covers every byte already, and the CRC costs about half a second per GB on one core (torch 2.6
+    and later read such files as any other; where the setting does not exist, nothing changes)."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # pragma: no cover - older torch
+        yield
+        return
+    save = getattr(config, "save", None)
+    if save is None or not hasattr(save, "compute_crc32"):
+        yield
+        return
+    kept = save.compute_crc32
+    save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        save.compute_crc32 = kept
