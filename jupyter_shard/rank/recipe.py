@@ -35,8 +35,12 @@ class Recipe:
     clip_grad_norm: float | None = None
     problem: str = ""  # why it cannot be built again, said when a resume tries
 
-    def build(self) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        """The model on the CPU (parameters zero, non-persistent buffers as recorded) and its optimizer."""
+    def build(self, meta: bool = False) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """The model on the CPU (parameters zero, non-persistent buffers as recorded) and its optimizer.
+
+        ``meta``: parameters and persistent buffers stay on the meta device, for a strategy that
+        allocates only each rank's shard of them (FSDP), to be filled from a checkpoint; the whole
+        model is then never allocated on one rank."""
         if self.template is None:
             self.problem = self.problem or "its architecture could not be copied when it was prepared"
         if self.problem or self.template is None:
@@ -44,11 +48,13 @@ class Recipe:
                 f"the prepared model cannot be built again: {self.problem}; prepare it again in a "
                 "cell after resuming"
             )
-        model = copy.deepcopy(self.template).to_empty(device="cpu")
-        with torch.no_grad():
-            for t in model.state_dict().values():
-                if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    t.zero_()
+        model = copy.deepcopy(self.template)
+        if not meta:
+            model.to_empty(device="cpu")
+            with torch.no_grad():
+                for t in model.state_dict().values():
+                    if isinstance(t, torch.Tensor) and t.is_floating_point():
+                        t.zero_()
         for name, value in self.buffers.items():
             owner, _, leaf = name.rpartition(".")
             module = model.get_submodule(owner) if owner else model

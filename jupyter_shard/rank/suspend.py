@@ -21,6 +21,7 @@ directory atomic and keeps the manifest.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import pickle
@@ -53,6 +54,7 @@ from jupyter_shard.rank.loader_state import (
 )
 from jupyter_shard.rank.recipe import Recipe
 from jupyter_shard.strategies.fsdp_units import WRAPPED
+from jupyter_shard.strategies.sharded_init import values_from_checkpoint
 
 __all__ = ["load", "save"]
 
@@ -232,9 +234,12 @@ def _prepare_again(
     data = (root / RECIPE_FILE).read_bytes()
     check_digest(data, RECIPE_FILE, digests)
     recipe: Recipe = cloudpickle.loads(data)
-    model, optimizer = recipe.build()
+    # FSDP allocates only this rank's shard of a meta model, which the checkpoint then fills
+    on_meta = helper.strategy == "fsdp"
+    model, optimizer = recipe.build(meta=on_meta)
     clip = recipe.clip_grad_norm
-    prepared = helper.prepare(model, optimizer, accumulate=recipe.accumulate, clip_grad_norm=clip)
+    with values_from_checkpoint() if on_meta else contextlib.nullcontext():
+        prepared = helper.prepare(model, optimizer, accumulate=recipe.accumulate, clip_grad_norm=clip)
     wrapped, new_optimizer = (prepared[0], prepared[1]) if optimizer is not None else (prepared, None)
     saved, wanted = payload["dcp_format"], helper.impl.dcp_format
     if saved != wanted:

@@ -23,6 +23,7 @@ other way runs each module's initialiser, children before parents.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import threading
@@ -40,7 +41,14 @@ from torch.nn.modules.loss import _Loss
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["built_on_meta", "check_initialisable", "materialise", "meta_build", "release_storage"]
+__all__ = [
+    "built_on_meta",
+    "check_initialisable",
+    "materialise",
+    "meta_build",
+    "release_storage",
+    "values_from_checkpoint",
+]
 
 INITIALISERS = ("reset_parameters", "_reset_parameters", "init_weights")
 _KINDS = ("_parameters", "_buffers")
@@ -72,6 +80,21 @@ def check_initialisable(model: nn.Module, rng_state: torch.Tensor | None = None)
     _plan(model, _records.get(id(rng_state)) if rng_state is not None else None)
 
 
+@contextlib.contextmanager
+def values_from_checkpoint() -> Iterator[None]:
+    """While the block runs, :func:`materialise` allocates a sharded meta model and initialises
+    nothing: a checkpoint fills every parameter and persistent buffer next (a resume). Buffers that
+    hold values (a rotary table no state dict holds) keep them."""
+    token = _from_checkpoint.set(True)
+    try:
+        yield
+    finally:
+        _from_checkpoint.reset(token)
+
+
+_from_checkpoint: contextvars.ContextVar[bool] = contextvars.ContextVar("from_checkpoint", default=False)
+
+
 def materialise(
     model: nn.Module,
     device: torch.device,
@@ -82,6 +105,18 @@ def materialise(
 
     Parameters go to ``params_on`` (the CPU when they are offloaded), buffers to ``device``.
     """
+    if _from_checkpoint.get():
+        held = [
+            (module, name, b)
+            for module in model.modules()
+            for name, b in module._buffers.items()
+            if b is not None and not b.is_meta
+        ]
+        model.to_empty(device=params_on or device)
+        for module, name, b in held:
+            module._buffers[name] = b.to(device)
+        _buffers_to(model, device, params_on)
+        return
     events, keys = _plan(model, _records.pop(id(rng_state), None) if rng_state is not None else None)
     model.to_empty(device=params_on or device)
     targets: dict[int, list[torch.Tensor]] = {}
@@ -95,6 +130,11 @@ def materialise(
             _replay(events, targets)
     finally:
         torch.set_rng_state(kept)
+    _buffers_to(model, device, params_on)
+
+
+def _buffers_to(model: nn.Module, device: torch.device, params_on: torch.device | None) -> None:
+    """Buffers on ``device`` where the parameters were put elsewhere (offloaded to the CPU)."""
     if params_on is not None and params_on != device:
         for module in model.modules():
             for name, b in module._buffers.items():

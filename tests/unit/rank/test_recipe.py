@@ -50,6 +50,30 @@ def test_build_gives_the_architecture_buffers_and_optimizer_groups_by_name() -> 
     assert built(torch.ones(1, 3)).shape == (1, 2)
 
 
+def test_a_meta_build_allocates_no_parameter_and_keeps_the_non_persistent_buffers() -> None:
+    """For FSDP, which allocates only each rank's shard of a meta model: the whole model is never
+    held, and a buffer no state dict holds keeps its value (:func:`values_from_checkpoint`)."""
+    from jupyter_shard.strategies.sharded_init import built_on_meta, materialise, values_from_checkpoint
+
+    model = Scaled()
+    built, opt = record(model, _template(model), torch.optim.AdamW(model.parameters()), None, None).build(
+        meta=True
+    )
+    assert built_on_meta(built) and all(p.is_meta for p in built.parameters())
+    assert built.count.is_meta and torch.equal(built.scale, torch.tensor([2.0, 3.0]))
+    assert opt is not None and all(p.is_meta for g in opt.param_groups for p in g["params"])
+    replayed: list[str] = []
+    built.body[0].reset_parameters = lambda: replayed.append("reset")  # type: ignore[method-assign]
+    with values_from_checkpoint():
+        materialise(built, torch.device("cpu"), None)
+    assert not built_on_meta(built) and not replayed  # allocated, nothing initialised
+    assert torch.equal(built.scale, torch.tensor([2.0, 3.0]))
+    plain = nn.Sequential(nn.Linear(3, 2)).to("meta")
+    plain[0].reset_parameters = lambda: replayed.append("reset")  # type: ignore[method-assign]
+    materialise(plain, torch.device("cpu"), None)
+    assert replayed == ["reset"]  # outside the block, a meta model is initialised
+
+
 def test_without_an_optimizer_build_gives_none() -> None:
     model = Scaled()
     built, opt = record(model, _template(model), None, None, None).build()
