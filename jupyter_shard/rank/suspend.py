@@ -44,6 +44,7 @@ from jupyter_shard._util.digests import check_digest, check_file, digest_bytes
 from jupyter_shard.rank import live_objects, optimizer_state, training_state
 from jupyter_shard.rank import shard as shard_module
 from jupyter_shard.rank.dcp_digests import HashingWriter, digests_of, without_crc32
+from jupyter_shard.rank.dcp_reader import DirectReader
 from jupyter_shard.rank.fingerprint import fingerprints
 from jupyter_shard.rank.loader_state import (
     LoaderIterator,
@@ -260,7 +261,7 @@ def _prepare_again(
     if saved_keys is not None:
         training_state.keep_saved_state(state, saved_keys)
     checking.agree()
-    dcp_load(state, checkpoint_id=root / STATE_DIR)
+    dcp_load(state, checkpoint_id=root / STATE_DIR, storage_reader=DirectReader(root / STATE_DIR))
     helper.impl.load_dcp_state(wrapped, optimizer_kept, state)
     if groups is not None and new_optimizer is not None:
         training_state.set_groups(new_optimizer, groups)

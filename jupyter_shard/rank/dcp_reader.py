@@ -1,0 +1,138 @@
+"""A ``torch.distributed.checkpoint`` reader that reads each whole tensor straight into its target.
+
+Why it exists: DCP's file system reader loads every tensor of a checkpoint with ``torch.load`` into
+a tensor of its own, then copies that into the tensor being restored: each byte is copied twice and
+each page of memory faulted in twice. On a resume that was about a third of the load (1.1 s of copies
+after 1.2 s of reads for 1.9 GB on one rank). :class:`DirectReader` reads a tensor's bytes from the
+file into the target's memory in one ``readinto`` when nothing has to be reshaped on the way: the
+saved tensor (its shape, strides and dtype read from the item's header, its data not loaded) is
+contiguous, whole, of the target's dtype, on a little-endian machine, and the target is a contiguous
+CPU tensor of the same shape. Every other item (a slice of a resharded tensor, a pickled value, a
+transformed stream) goes through DCP's own reader, unchanged. The files are read only after the
+ranks checked them against the signed manifest (:mod:`jupyter_shard.rank.suspend`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import sys
+from typing import IO, Any, cast
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+__all__ = ["DirectReader"]
+
+
+class DirectReader(FileSystemReader):
+    """DCP's file system reader, with whole contiguous tensors read in place (see above)."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        storage = getattr(self, "storage_data", None)
+        skip_data = getattr(torch.serialization, "skip_data", None)
+        if not isinstance(storage, dict) or skip_data is None or sys.byteorder != "little":
+            return super().read_data(plan, planner)
+        per_file: dict[str, list[ReadItem]] = {}
+        rest: list[ReadItem] = []
+        for item in plan.items:
+            info = storage[item.storage_index]
+            if item.type == LoadItemType.BYTE_IO or getattr(info, "transform_descriptors", None):
+                rest.append(item)
+            else:
+                per_file.setdefault(info.relative_path, []).append(item)
+        for relative, items in per_file.items():
+            path = self.fs.concat_path(self.path, relative)
+            with open(path, "rb", buffering=0) as fh:
+                for item in sorted(items, key=lambda i: storage[i.storage_index].offset):
+                    if not _read_in_place(fh, item, storage[item.storage_index], planner, skip_data):
+                        rest.append(item)
+        if not rest:
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        return super().read_data(dataclasses.replace(plan, items=rest), planner)
+
+
+def _read_in_place(fh: Any, item: ReadItem, info: Any, planner: LoadPlanner, skip_data: Any) -> bool:
+    """Read ``item`` into its target if it is a whole contiguous tensor of the target's shape and
+    dtype; whether it did (False: nothing was changed)."""
+    fh.seek(info.offset)
+    header = cast(IO[bytes], _Window(fh, info.offset, info.length))
+    try:
+        with skip_data():
+            saved = torch.load(header, map_location="cpu", weights_only=True)
+        header.seek(0)
+        archive = torch._C.PyTorchFileReader(header)
+        records = [r for r in archive.get_all_records() if r.startswith("data/")]
+        byteorder = archive.get_record("byteorder") if archive.has_record("byteorder") else b"little"
+    except Exception:
+        return False
+    if not isinstance(saved, torch.Tensor) or records != ["data/0"] or bytes(byteorder) != b"little":
+        return False
+    target = planner.resolve_tensor(item).detach()
+    size = saved.numel() * saved.element_size()
+    if (
+        type(saved) is not torch.Tensor
+        or not saved.is_contiguous()
+        or saved.storage_offset() != 0
+        or saved.untyped_storage().nbytes() != size
+        or any(o != 0 for o in item.storage_offsets)
+        or tuple(item.lengths) != tuple(saved.shape)
+        or target.device.type != "cpu"
+        or not target.is_contiguous()
+        or target.dtype != saved.dtype
+        or tuple(target.shape) != tuple(saved.shape)
+    ):
+        return False
+    start = archive.get_record_offset("data/0")
+    if start + size > info.length:
+        return False
+    fh.seek(info.offset + start)
+    _fill(fh, target.reshape(-1).view(torch.uint8).numpy(), size, item)
+    planner.commit_tensor(item, target)
+    return True
+
+
+def _fill(fh: Any, out: Any, size: int, item: ReadItem) -> None:
+    view = memoryview(out).cast("B")
+    got = 0
+    while got < size:
+        count = fh.readinto(view[got:size])
+        if not count:
+            raise RuntimeError(f"the checkpoint file ended inside {item.storage_index.fqn}")
+        got += count
+
+
+class _Window(io.RawIOBase):
+    """``length`` bytes of a file from ``offset``, as a seekable file of their own (one item)."""
+
+    def __init__(self, fh: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._fh, self._offset, self._length, self._at = fh, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._length}[whence]
+        self._at = max(0, min(self._length, base + offset))
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        count = min(len(view), self._length - self._at)
+        if count <= 0:
+            return 0
+        self._fh.seek(self._offset + self._at)
+        got = int(self._fh.readinto(view[:count]) or 0)
+        self._at += got
+        return got
