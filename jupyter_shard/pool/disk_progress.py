@@ -5,8 +5,11 @@ stops it``).
 A thread in the kernel samples every half second while the ranks work: a suspend counts the bytes in
 each rank's files of the temporary directory (``namespace-R.pkl`` and DCP's ``__R_*.distcp``); a
 resume counts the bytes each local rank has read since it began (``rchar`` of ``/proc/PID/io``) out
-of the suspend's size. Nothing is shown for work that ends within :data:`QUIET_FOR` seconds, and the
-line is cleared when the work ends (the summary that follows says how long it took).
+of what it is expected to read: each of DCP's files twice (its digest checked, then loaded) and the
+rest once. A resume at another world size may read more (slices of a file by several ranks); past
+the expected total, the line shows the bytes alone. Nothing is shown for work that ends within
+:data:`QUIET_FOR` seconds, and the line is cleared when the work ends (the summary that follows says
+how long it took).
 """
 
 from __future__ import annotations
@@ -124,7 +127,7 @@ def line(doing: str, done: str, sizes: Iterable[int], elapsed: float, total: int
     """``suspending: 2.31 GiB written, 0.61 GiB/s, 4 s; per rank 578–592 MiB; Ctrl-C stops it``."""
     per_rank = sorted(sizes)
     amount = sum(per_rank)
-    of = f" of {_size(total)}" if total else ""
+    of = f" of {_size(total)}" if total and amount <= total else ""  # past it (a resharding resume): none
     rate = f"{_size(amount / elapsed)}/s" if elapsed > 0 else ""
     spread = ""
     if len(per_rank) > 1:

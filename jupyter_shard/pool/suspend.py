@@ -245,7 +245,7 @@ def resume(
     try:
         pool.start()
         load = f"__import__('jupyter_shard.rank.suspend', fromlist=['load']).load({str(root)!r}, "
-        total = sum(int(part.get("bytes", 0)) for part in manifest["ranks"].values())
+        total = _expected_reads(root, manifest)
         loading = time.monotonic()
         with DiskProgress("resuming", "read", bytes_read(_local_pids(pool)), total):
             pool.run_own(load + f"{saved_world}, {digests!r}, {positions!r})")
@@ -274,6 +274,16 @@ def resume(
         **_per_rank_names(manifest),
         load_seconds=load_seconds,
     )
+
+
+def _expected_reads(root: Path, manifest: Mapping[str, Any]) -> int:
+    """Bytes a resume's ranks read: DCP's files twice (the digest checked, then loaded), the rest once."""
+    total = sum(int(part.get("bytes", 0)) for part in manifest["ranks"].values())
+    try:
+        state = sum(p.stat().st_size for p in (root / "state").iterdir() if p.is_file())
+    except OSError:
+        state = 0
+    return total + state
 
 
 def _local_pids(pool: Pool) -> dict[int, int]:

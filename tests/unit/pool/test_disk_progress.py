@@ -40,6 +40,20 @@ def test_the_line_says_amount_rate_and_spread() -> None:
     assert text == "suspending: 1.16 GiB written, 595 MiB/s, 2 s; per rank 590–600 MiB; Ctrl-C stops it"
     text = line("resuming", "read", [1 << 30], 4.0, 4 << 30)
     assert text == "resuming: 1.00 GiB of 4.00 GiB read, 256 MiB/s, 4 s; Ctrl-C stops it"
+    # a resharding resume may read past what was expected: the bytes alone, never "5 GiB of 4 GiB"
+    text = line("resuming", "read", [5 << 30], 4.0, 4 << 30)
+    assert text == "resuming: 5.00 GiB read, 1.25 GiB/s, 4 s; Ctrl-C stops it"
+
+
+def test_a_resume_expects_dcps_files_read_twice_and_the_rest_once(tmp_path: Path) -> None:
+    from jupyter_shard.pool.suspend import _expected_reads
+
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "__0_0.distcp").write_bytes(b"x" * 1000)
+    (tmp_path / "state" / ".metadata").write_bytes(b"m" * 10)
+    manifest = {"ranks": {"0": {"bytes": 1000 + 50}, "1": {"bytes": 40}}}  # DCP's part and a namespace
+    assert _expected_reads(tmp_path, manifest) == 1090 + 1010
+    assert _expected_reads(tmp_path / "gone", manifest) == 1090
 
 
 def test_long_work_shows_one_line_redrawn_in_place_and_cleared(monkeypatch: pytest.MonkeyPatch) -> None:
