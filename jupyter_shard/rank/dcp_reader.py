@@ -65,7 +65,7 @@ def _read_in_place(fh: Any, item: ReadItem, info: Any, planner: LoadPlanner, ski
         with skip_data():
             saved = torch.load(header, map_location="cpu", weights_only=True)
         header.seek(0)
-        archive = torch._C.PyTorchFileReader(header)
+        archive: Any = torch._C.PyTorchFileReader(header)  # (its stubs lack has_record, get_record_offset)
         records = [r for r in archive.get_all_records() if r.startswith("data/")]
         byteorder = archive.get_record("byteorder") if archive.has_record("byteorder") else b"little"
     except Exception:
