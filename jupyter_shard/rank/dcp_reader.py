@@ -68,6 +68,7 @@ def _read_in_place(fh: Any, item: ReadItem, info: Any, planner: LoadPlanner, ski
         archive: Any = torch._C.PyTorchFileReader(header)  # (its stubs lack has_record, get_record_offset)
         records = [r for r in archive.get_all_records() if r.startswith("data/")]
         byteorder = archive.get_record("byteorder") if archive.has_record("byteorder") else b"little"
+        start = int(archive.get_record_offset("data/0")) if records == ["data/0"] else -1
     except Exception:
         return False
     if not isinstance(saved, torch.Tensor) or records != ["data/0"] or bytes(byteorder) != b"little":
@@ -87,8 +88,7 @@ def _read_in_place(fh: Any, item: ReadItem, info: Any, planner: LoadPlanner, ski
         or tuple(target.shape) != tuple(saved.shape)
     ):
         return False
-    start = archive.get_record_offset("data/0")
-    if start + size > info.length:
+    if start < 0 or start + size > info.length:
         return False
     fh.seek(info.offset + start)
     _fill(fh, target.reshape(-1).view(torch.uint8).numpy(), size, item)
