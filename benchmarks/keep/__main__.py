@@ -114,41 +114,51 @@ def _cost(pids: list[int], seconds: float) -> dict[str, float]:
     return {"cpu": cpu_pct, "rss": rss}
 
 
-def suspend_resume(width: int, depth: int, work: Path) -> dict[str, float]:
+def suspend_resume(width: int, depth: int, work: Path, repeats: int) -> dict[str, Any]:
+    """Each measure a list over ``repeats`` rounds: in each, a fresh pool suspends, the disk's own
+    rates are measured right after with as many bytes, and the suspend is resumed at 2 ranks (and,
+    in the first round, at 4)."""
     from jupyter_shard import Pool
     from jupyter_shard.pool.suspend import resume, suspend
     from jupyter_shard.spec import LaunchSpec
 
     spec = LaunchSpec.create(nproc=2, device="cpu", strategy="fsdp")
-    out: dict[str, float] = {"model_bytes": depth * (width * width + width) * 4.0}
+    out: dict[str, Any] = {"model_bytes": depth * (width * width + width) * 4.0}
+    lists: dict[str, list[float]] = {}
     directory = work / "suspended"
-    pool = Pool(spec=spec, sink=_sink())
-    began = time.perf_counter()
-    pool.start()
-    pool.run(MODEL.format(width=width, depth=depth), timeout=1800)
-    out["start_build_prepare"] = time.perf_counter() - began
-    pool.run(STEP.format(width=width), timeout=1800)
-    loss_before = float(pool.pull("loss"))
-    began = time.perf_counter()
-    report = suspend(pool, directory)
-    out["suspend"] = time.perf_counter() - began
-    out["disk_bytes"] = float(report.bytes)
-    # the disk's own rates in this run, for as many bytes and writers as the suspend
-    rate, files = disk.write_rate(work / "disk", int(report.bytes), writers=2)
-    out["disk_write"], out["disk_read"] = rate, disk.read_rate(files)
-    shutil.rmtree(work / "disk", ignore_errors=True)
-    parts = [p for p in directory.rglob("*") if p.is_file()]
-    for nproc in (2, 4):
-        disk.evict(parts)  # read from the disk, as the disk's read rate was
+    for round_ in range(repeats):
+        print(f"suspend and resume, round {round_ + 1} of {repeats} ...", flush=True)
+        pool = Pool(spec=spec, sink=_sink())
         began = time.perf_counter()
-        resumed, resumed_report = resume(directory, {"nproc": nproc})
-        out[f"resume_{nproc}"] = time.perf_counter() - began
-        out[f"load_{nproc}"] = resumed_report.load_seconds
-        resumed.run(STEP.format(width=width), timeout=1800)
-        out[f"loss_after_resume_{nproc}"] = float(resumed.pull("loss"))
-        resumed.shutdown()
-    out["loss_before"] = loss_before
-    shutil.rmtree(directory, ignore_errors=True)
+        pool.start()
+        pool.run(MODEL.format(width=width, depth=depth), timeout=1800)
+        lists.setdefault("start_build_prepare", []).append(time.perf_counter() - began)
+        pool.run(STEP.format(width=width), timeout=1800)
+        out["loss_before"] = float(pool.pull("loss"))
+        began = time.perf_counter()
+        report = suspend(pool, directory)
+        lists.setdefault("suspend", []).append(time.perf_counter() - began)
+        out["disk_bytes"] = float(report.bytes)
+        # the disk's own rates in this round, for as many bytes and writers as the suspend
+        rate, files = disk.write_rate(work / "disk", int(report.bytes), writers=2)
+        lists.setdefault("disk_write", []).append(rate)
+        lists.setdefault("disk_read", []).append(disk.read_rate(files))
+        shutil.rmtree(work / "disk", ignore_errors=True)
+        parts = [p for p in directory.rglob("*") if p.is_file()]
+        for nproc in (2, 4) if round_ == 0 else (2,):
+            disk.evict(parts)  # read from the disk, as the disk's read rate was
+            began = time.perf_counter()
+            resumed, resumed_report = resume(directory, {"nproc": nproc})
+            lists.setdefault(f"resume_{nproc}", []).append(time.perf_counter() - began)
+            lists.setdefault(f"load_{nproc}", []).append(resumed_report.load_seconds)
+            resumed.run(STEP.format(width=width), timeout=1800)
+            out[f"loss_after_resume_{nproc}"] = float(resumed.pull("loss"))
+            resumed.shutdown()
+        shutil.rmtree(directory, ignore_errors=True)
+    out.update(lists)
+    size = out["disk_bytes"]
+    out["write_shares"] = [size / t / r for t, r in zip(lists["suspend"], lists["disk_write"], strict=True)]
+    out["read_shares"] = [size / t / r for t, r in zip(lists["load_2"], lists["disk_read"], strict=True)]
     return out
 
 
@@ -164,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--torchrun-sizes", default="2,4", help="world sizes to attach at, over two torchrun agents"
     )
+    parser.add_argument(
+        "--io-repeats", type=int, default=3, help="rounds of suspend, disk rates and resume (medians)"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 ranks, a 34 MB model")
     parser.add_argument(
         "--results", default=str(RESULTS / "keep.md"), help="markdown file to write; - only prints"
@@ -171,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.idle, args.width, args.depth, args.sizes = 2, 2.0, 1024, 8, "2"
+        args.io_repeats = 1
         args.torchrun_sizes = "2"
     runs = [("local", int(n)) for n in args.sizes.split(",") if n]
     runs += [("torchrun", int(n)) for n in args.torchrun_sizes.split(",") if n]
@@ -183,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             for launcher, n in runs:
                 print(f"attach at {n} ranks ({launcher}) ...", flush=True)
                 attaches[launcher, n] = attach_times(launcher, n, args.repeats, args.idle)
-            print("suspend and resume ...", flush=True)
-            sr = suspend_resume(args.width, args.depth, work)
+            sr = suspend_resume(args.width, args.depth, work, args.io_repeats)
     finally:
         if old_runtime is None:
             os.environ.pop("JUPYTER_SHARD_RUNTIME_DIR", None)
@@ -197,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(
     attaches: dict[tuple[str, int], dict[str, Any]],
-    sr: dict[str, float],
+    sr: dict[str, Any],
     args: argparse.Namespace,
     watch: LoadWatch,
 ) -> list[str]:
@@ -248,9 +261,22 @@ def _report(
             )
         )
     m = sr["model_bytes"]
-    write_gbs = sr["disk_bytes"] / sr["suspend"] / 1e9
-    read_gbs = sr["disk_bytes"] / sr["load_2"] / 1e9
-    write_share, read_share = write_gbs * 1e9 / sr["disk_write"], read_gbs * 1e9 / sr["disk_read"]
+    sr = {**sr, **{f"{k}_gbs": [r / 1e9 for r in sr[k]] for k in ("disk_write", "disk_read")}}
+    med = {k: statistics.median(v) for k, v in sr.items() if isinstance(v, list)}
+    write_share, read_share = med["write_shares"], med["read_shares"]
+    size = sr["disk_bytes"]
+    n = args.io_repeats
+
+    def spread(key: str, fmt: str = "{:.1f}") -> str:
+        values = sr[key]
+        return fmt.format(med[key]) + (
+            f" ({fmt.format(min(values))}–{fmt.format(max(values))})" if len(values) > 1 else ""
+        )
+
+    def share(key: str) -> str:
+        values = sr[key]
+        return f"{med[key]:.0%}" + (f" ({min(values):.0%}–{max(values):.0%})" if len(values) > 1 else "")
+
     targets += [
         ("suspend at 80 % of the disk's write rate or more", f"{write_share:.0%}", write_share >= 0.8),
         ("resume's load at 80 % of the disk's read rate or more", f"{read_share:.0%}", read_share >= 0.8),
@@ -260,28 +286,37 @@ def _report(
         "## Suspend and resume",
         "",
         f"fsdp, {args.depth} × Linear({args.width}, {args.width}) = {m / 1e9:.2f} GB of fp32 parameters, "
-        "AdamW after one step (its state twice the parameters); each phase once. The baseline is what a "
-        "restart without a suspend costs: a fresh pool of 2 ranks that builds and prepares the model "
-        "(the training state is then lost). A resume includes starting its pool.",
+        "AdamW after one step (its state twice the parameters). "
+        + (
+            f"{n} rounds, each with a fresh pool; median (range), the resharded resume once. "
+            if n > 1
+            else "Each phase once. "
+        )
+        + "The baseline is what a restart without a suspend costs: a fresh pool of 2 ranks that builds "
+        "and prepares the model (the training state is then lost). A resume includes starting its pool.",
         "",
         "| | seconds | on disk (GB) |",
         "|---|---:|---:|",
-        f"| start a pool of 2, build and prepare the model (baseline) | {sr['start_build_prepare']:.1f} | |",
-        f"| `%dist_suspend` at 2 ranks (ranks end) | {sr['suspend']:.1f} | {sr['disk_bytes'] / 1e9:.2f} |",
-        f"| `%dist_resume` at 2 ranks | {sr['resume_2']:.1f} | |",
-        f"| `%dist_resume --nproc 4` (resharded) | {sr['resume_4']:.1f} | |",
+        f"| start a pool of 2, build and prepare the model (baseline) | {spread('start_build_prepare')} | |",
+        f"| `%dist_suspend` at 2 ranks (ranks end) | {spread('suspend')} | {size / 1e9:.2f} |",
+        f"| `%dist_resume` at 2 ranks | {spread('resume_2')} | |",
+        f"| `%dist_resume`, its load at 2 ranks | {spread('load_2')} | |",
+        f"| `%dist_resume --nproc 4` (resharded) | {spread('resume_4')} | |",
         "",
-        "Against the disk's own rate, measured in this run with as many bytes and as many processes "
-        "(`benchmarks/keep/disk.py`: written and fsynced in 16 MiB pieces; read back after the pages "
-        "were dropped from the cache, as the suspend's files were before each resume). A resume's load is "
-        "its time after its pool started (the ranks check each file's digest, then DCP reads it).",
+        "Against the disk's own rate, measured in each round right after its suspend, with as many bytes "
+        "and as many processes (`benchmarks/keep/disk.py`: written and fsynced in 16 MiB pieces; read back "
+        "after the pages were dropped from the cache, as the suspend's files were before each resume). A "
+        "resume's load is its time after its pool started (the ranks build the model while they check "
+        "each file's digest, then DCP reads it). The share is each round's rate over that round's disk "
+        "rate, median (range).",
         "",
         "| | GB/s | share of the disk's |",
         "|---|---:|---:|",
-        f"| the disk, writing | {sr['disk_write'] / 1e9:.2f} | |",
-        f"| `%dist_suspend` (all of it) | {write_gbs:.2f} | {write_share:.0%} |",
-        f"| the disk, reading | {sr['disk_read'] / 1e9:.2f} | |",
-        f"| `%dist_resume`, its load at 2 ranks | {read_gbs:.2f} | {read_share:.0%} |",
+        f"| the disk, writing | {spread('disk_write_gbs', '{:.2f}')} | |",
+        f"| `%dist_suspend` (all of it) | {size / med['suspend'] / 1e9:.2f} | {share('write_shares')} |",
+        f"| the disk, reading | {spread('disk_read_gbs', '{:.2f}')} | |",
+        f"| `%dist_resume`, its load at 2 ranks | {size / med['load_2'] / 1e9:.2f} "
+        f"| {share('read_shares')} |",
         "",
         f"The step before the suspend had loss {sr['loss_before']:.6f}; the first step after resuming at 2 "
         f"and 4 ranks: {sr['loss_after_resume_2']:.6f} and {sr['loss_after_resume_4']:.6f} (each rank's own "
