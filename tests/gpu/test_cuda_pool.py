@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -117,9 +118,16 @@ def test_ddp_training_step_on_gpu(tmp_path: Path) -> None:
     assert sums[0] == pytest.approx(_ddp_reference(n), rel=1e-4, abs=1e-4)
 
 
-def test_dashboard_shows_cuda_memory_from_heartbeats(tmp_path: Path) -> None:
-    import time
+def _until(done: Any, seconds: float, what: str) -> None:
+    """Wait for ``done()`` (polled every 0.1 s) at most ``seconds``; fail naming ``what`` otherwise."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {seconds:g} s")
+        time.sleep(0.1)
 
+
+def test_dashboard_shows_cuda_memory_from_heartbeats(tmp_path: Path) -> None:
     from jupyter_shard import Pool
     from jupyter_shard.notebook.dashboard import render
     from jupyter_shard.pool.output import ConsoleSink
@@ -127,7 +135,12 @@ def test_dashboard_shows_cuda_memory_from_heartbeats(tmp_path: Path) -> None:
     sink = ConsoleSink(io.StringIO(), io.StringIO())
     with Pool(nproc=1, device="cuda", log_dir=tmp_path, sink=sink) as pool:
         pool.run("import torch\nx = torch.zeros(64, 1024, 1024, device=shard.device)")  # 256 MiB
-        time.sleep(2.5)  # two heartbeats
+        # a short cell sends no beat of its own: the next idle one, within IDLE_HEARTBEAT_INTERVAL
+        _until(
+            lambda: pool.activity()[0].memory.get("cuda_allocated", 0) >= 256 * 2**20,
+            IDLE_HEARTBEAT_INTERVAL + 3,
+            "heartbeat with the 256 MiB allocated",
+        )
         (row,) = pool.activity()
         assert row.memory["cuda_allocated"] >= 256 * 2**20
         assert row.memory["cuda_total"] >= row.memory["cuda_free"] > 0
@@ -326,12 +339,19 @@ def test_a_device_side_assert_leaves_ranks_that_still_answer(tmp_path: Path) -> 
             )
         assert "CUDA error" in "\n".join(line for tb in caught.value.tracebacks.values() for line in tb)
         broke = time.monotonic()
-        time.sleep(IDLE_HEARTBEAT_INTERVAL + 1.5)  # heartbeats probe CUDA memory in the broken context
+        # each rank beats after the assert (heartbeats probe CUDA memory in the broken context): its
+        # I/O thread lives on
+        _until(
+            lambda: all(
+                row.heartbeat_age is not None and row.heartbeat_age < time.monotonic() - broke
+                for row in pool.activity()
+            ),
+            IDLE_HEARTBEAT_INTERVAL + 5,
+            "heartbeat from every rank after the device-side assert",
+        )
         rows = pool.status()  # what %dist_status shows
         assert [row.rank for row in rows] == list(range(n))
         assert {row.rank: row.pid for row in rows} == pids and all(row.memory["rss"] > 0 for row in rows)
-        since = time.monotonic() - broke  # each rank beat after the assert: its I/O thread lives on
-        assert all(row.heartbeat_age is not None and row.heartbeat_age < since for row in pool.activity())
         assert all("MainThread" in stack for stack in pool.stacks().values())
         # F20 on a real device: the rank is shown broken, the cell said so, the next cell is refused
         assert "lost its CUDA context" in "\n".join(caught.value.result.notes), caught.value.result.notes
