@@ -48,6 +48,7 @@ class Lease:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.record: Path | None = None  # the pool's kept.json (rank 0 writes when the kernel went)
+        self.heard = 0.0  # monotonic time a kernel last set the lease: one was attached then
         self.lock = threading.Lock()
 
 
@@ -59,6 +60,7 @@ def set_lease(seconds: float, record: str | None) -> None:
     with LEASE.lock:
         LEASE.seconds = max(0.0, float(seconds))
         LEASE.record = Path(record) if record else None
+        LEASE.heard = time.monotonic()
 
 
 def watch_owner(lifeline: int, parent_pid: int, events: zmq.Socket[bytes], rank: int) -> None:
@@ -91,6 +93,8 @@ def watch_owner(lifeline: int, parent_pid: int, events: zmq.Socket[bytes], rank:
                 elif event == zmq.EVENT_DISCONNECTED and lost_at is None:
                     lost_at = time.monotonic()
                     _kernel_went(rank)
+            if lost_at is not None and _heard_since(lost_at):
+                lost_at = None  # an attached kernel set the lease before its connection's event was read
             if lost_at is not None:
                 _check(lost_at)
 
@@ -120,6 +124,8 @@ def watch_kernel(events: zmq.Socket[bytes], parent_pid: int, rank: int) -> None:
                     lost_since, ever, noted = None, True, False
                 elif event == zmq.EVENT_DISCONNECTED and lost_since is None:
                     lost_since = time.monotonic()
+            if lost_since is not None and _heard_since(lost_since):
+                lost_since, ever, noted = None, True, False
             if os.getppid() != parent_pid:
                 _end(rank, None, "its node agent is gone", kept=False)
             if lost_since is None:
@@ -138,6 +144,14 @@ def watch_kernel(events: zmq.Socket[bytes], parent_pid: int, rank: int) -> None:
                 _end(rank, None, why, kept=False)
 
     threading.Thread(target=run, name="jupyter_shard-lifeline", daemon=True).start()
+
+
+def _heard_since(lost_at: float) -> bool:
+    """Whether a kernel set the lease after ``lost_at``: the message came from an attached kernel,
+    whatever the connection events not yet read say. (A kernel that attached and sent ``--keep 0``
+    before this thread read its connection's event ended the ranks it had just attached to.)"""
+    with LEASE.lock:
+        return LEASE.heard > lost_at
 
 
 def _kernel_went(rank: int) -> None:

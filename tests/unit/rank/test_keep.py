@@ -79,6 +79,28 @@ def test_a_lease_waits_and_an_attaching_kernel_stops_the_countdown(
     assert 0.55 < ended[0][0] - lost < 1.2
 
 
+def test_keep_0_from_an_attached_kernel_read_before_its_connection_event_keeps_the_rank(
+    watched: tuple[int, zmq.Socket[bytes], list],
+) -> None:
+    """The lease is set by a message from the kernel, so a kernel is attached when it arrives: the rank
+    goes on, though this thread has not yet read that kernel's connection event; it ends with that
+    kernel."""
+    write, feed, ended = watched
+    keep.set_lease(60, None)
+    os.close(write)  # the first kernel went: the lease holds the rank
+    time.sleep(0.3)
+    keep.set_lease(0, None)  # `--keep 0` from the kernel that attached, before its event is read
+    time.sleep(1.0)
+    assert ended == []
+    _event(feed, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    time.sleep(0.5)
+    assert ended == []
+    lost = time.monotonic()
+    _event(feed, zmq.EVENT_DISCONNECTED)  # that kernel goes: the rank ends with it, at once
+    _wait(ended, 2.0)
+    assert ended and ended[0][1] == "" and ended[0][0] - lost < 0.5
+
+
 def test_set_lease_never_goes_below_zero() -> None:
     lease = keep.LEASE
     try:
