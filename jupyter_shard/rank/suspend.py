@@ -183,15 +183,16 @@ class _StateCheck:
     rank) on a thread of its own while the model is built and prepared; :meth:`agree` waits for it,
     then all ranks agree before any rank loads a file: a file changed since the suspend stops every
     rank, each naming the same first file. DCP's metadata is the one file of them that is unpickled
-    before :meth:`agree` (to allocate the optimizer's state), so it is checked before anything else."""
+    before :meth:`agree` (to allocate the optimizer's state), so every rank checks it first and raises
+    at once if it changed (the kernel checked it too before the pool started)."""
 
     def __init__(self, helper: shard_module.Shard, root: Path, digests: dict[str, str]) -> None:
         self.names = sorted(n for n in digests if n.startswith(f"{STATE_DIR}/"))
         self.bad = torch.zeros(len(self.names) + 1, dtype=torch.int32)
         mine = []
         for i, name in enumerate(self.names):
-            if name.endswith(".metadata"):
-                self._check(i, root, digests)
+            if name.endswith(".metadata"):  # every rank, now: all stop here alike if it changed
+                check_file(root / name, name, digests)
             elif i % helper.world_size == helper.rank:
                 mine.append(i)
         self.thread = threading.Thread(
