@@ -12,7 +12,6 @@ does not exist (not Linux), it does nothing; the fsync still makes the file dura
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 from collections.abc import Callable
 
@@ -25,9 +24,8 @@ _SYNC_FILE_RANGE_WRITE = 2
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        call = libc.sync_file_range
+    try:  # the process's own symbols: libc's, without looking for the library on disk
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
         return None
     call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)

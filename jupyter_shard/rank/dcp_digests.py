@@ -53,7 +53,7 @@ class _HashingStream(io.IOBase):
         return True
 
     def write(self, data: Any) -> int:
-        if len(memoryview(data)) < PARALLEL:
+        if memoryview(data).nbytes < PARALLEL:
             self.sha.update(data)
             count = int(self.raw.write(data))
         else:  # hashed on another thread while this one writes (both let go of the GIL)

@@ -8,19 +8,23 @@ file into the target's memory in one ``readinto`` when nothing has to be reshape
 saved tensor (its shape, strides and dtype read from the item's header, its data not loaded) is
 contiguous, whole, of the target's dtype, on a little-endian machine, and the target is a contiguous
 CPU tensor of the same shape. Every other item (a slice of a resharded tensor, a pickled value, a
-transformed stream) goes through DCP's own reader, unchanged. The files are read only after the
-ranks checked them against the signed manifest (:mod:`jupyter_shard.rank.suspend`).
+transformed stream) goes through DCP's own reader, unchanged, as does every item on a torch before
+2.7 (whose ``torch.load`` does not take ``skip_data``). The files are read only after the ranks
+checked them against the signed manifest (:mod:`jupyter_shard.rank.state_check`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import os
+import pickle
 import sys
 from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
@@ -28,7 +32,23 @@ __all__ = ["DirectReader"]
 
 
 class DirectReader(FileSystemReader):
-    """DCP's file system reader, with whole contiguous tensors read in place (see above)."""
+    """DCP's file system reader, with whole contiguous tensors read in place (see above), and DCP's
+    metadata unpickled from ``metadata``, the bytes whose digest was checked, where they are given
+    (not read from the path again)."""
+
+    def __init__(self, path: str | os.PathLike[str], metadata: bytes | None = None) -> None:
+        super().__init__(path)
+        self._checked_metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._checked_metadata is None:
+            return super().read_metadata(*args, **kwargs)
+        metadata: Metadata = pickle.loads(self._checked_metadata)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        if hasattr(self, "load_id") and metadata.storage_meta is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         storage = getattr(self, "storage_data", None)
@@ -90,8 +110,12 @@ def _read_in_place(fh: Any, item: ReadItem, info: Any, planner: LoadPlanner, ski
         return False
     if start < 0 or start + size > info.length:
         return False
+    try:
+        out = target.reshape(-1).view(torch.uint8).numpy()  # the target's own memory, as bytes
+    except Exception:  # (numpy missing or unusable: DCP's reader copies instead)
+        return False
     fh.seek(info.offset + start)
-    _fill(fh, target.reshape(-1).view(torch.uint8).numpy(), size, item)
+    _fill(fh, out, size, item)
     planner.commit_tensor(item, target)
     return True
 

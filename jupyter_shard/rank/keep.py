@@ -40,6 +40,7 @@ __all__ = ["LEASE", "Lease", "set_lease", "watch_kernel", "watch_owner"]
 POLL = 0.25  # seconds between looks at the lifeline and the connection
 KERNEL_LOST_AFTER = 10.0  # a rank started by an agent ends this long after losing the kernel
 START_WAIT = 120.0  # ... or when it cannot reach the kernel this long after starting
+HEARD_GRACE = 2.0  # seconds a lease set after the kernel's loss waits for a kernel's connection event
 
 
 class Lease:
@@ -93,14 +94,19 @@ def watch_owner(lifeline: int, parent_pid: int, events: zmq.Socket[bytes], rank:
                 elif event == zmq.EVENT_DISCONNECTED and lost_at is None:
                     lost_at = time.monotonic()
                     _kernel_went(rank)
-            if lost_at is not None and _heard_since(lost_at):
-                lost_at = None  # an attached kernel set the lease before its connection's event was read
             if lost_at is not None:
                 _check(lost_at)
 
     def _check(lost_at: float) -> None:
         with LEASE.lock:
-            seconds, record = LEASE.seconds, LEASE.record
+            seconds, record, heard = LEASE.seconds, LEASE.record, LEASE.heard
+        if heard > lost_at:
+            # The lease was set after the loss: by a kernel that has just attached, whose connection's
+            # event has not been read yet, or by the kernel that went, in a cell the rank ran late.
+            # Only the event tells them apart: wait for it a little, then count from the setting.
+            if time.monotonic() - heard <= HEARD_GRACE:
+                return
+            lost_at = heard
         if seconds <= 0:
             _end(rank, None, "")
         if time.monotonic() - lost_at > seconds:
@@ -124,8 +130,6 @@ def watch_kernel(events: zmq.Socket[bytes], parent_pid: int, rank: int) -> None:
                     lost_since, ever, noted = None, True, False
                 elif event == zmq.EVENT_DISCONNECTED and lost_since is None:
                     lost_since = time.monotonic()
-            if lost_since is not None and _heard_since(lost_since):
-                lost_since, ever, noted = None, True, False
             if os.getppid() != parent_pid:
                 _end(rank, None, "its node agent is gone", kept=False)
             if lost_since is None:
@@ -144,14 +148,6 @@ def watch_kernel(events: zmq.Socket[bytes], parent_pid: int, rank: int) -> None:
                 _end(rank, None, why, kept=False)
 
     threading.Thread(target=run, name="jupyter_shard-lifeline", daemon=True).start()
-
-
-def _heard_since(lost_at: float) -> bool:
-    """Whether a kernel set the lease after ``lost_at``: the message came from an attached kernel,
-    whatever the connection events not yet read say. (A kernel that attached and sent ``--keep 0``
-    before this thread read its connection's event ended the ranks it had just attached to.)"""
-    with LEASE.lock:
-        return LEASE.heard > lost_at
 
 
 def _kernel_went(rank: int) -> None:

@@ -6,8 +6,9 @@ rate 0. That step is a whole optimizer step over the model for values that DCP t
 Adam over 0.64 GB of parameters on one CPU core, 2.6 s of a 10 s resume. :func:`allocate` instead
 gives each parameter the state entries the checkpoint lists, uninitialised, for the torch optimizers
 whose state it knows (:data:`KNOWN`): every entry a tensor of the parameter's shape (``like``
-the parameter: a DTensor where it is one) or a scalar (``step``: on the CPU, or on the parameter's
-device under ``capturable`` or ``fused``, as those optimizers keep it). Anything else (another
+the parameter: a DTensor where it is one), but the one-number entries named in :data:`SCALARS`
+(``step``: on the CPU, or on the parameter's device under ``capturable`` or ``fused``, as those
+optimizers keep it; told by name, as a 0-dim parameter's moments are 0-dim too). Anything else (another
 optimizer library, a state entry of another shape, a value that is not a tensor, a parameter the
 checkpoint names that this optimizer lacks) leaves the optimizer as it was, and torch's step makes
 the state as before.
@@ -22,13 +23,16 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-__all__ = ["KNOWN", "PREFIX", "allocate"]
+__all__ = ["KNOWN", "PREFIX", "SCALARS", "allocate"]
 
 PREFIX = "optim.state."  # a checkpoint's key for one state entry: optim.state.<parameter>.<entry>
 
 # torch's optimizers whose scalar state sits on the CPU unless ``capturable`` or ``fused`` (read in
 # torch/optim for 2.6 to 2.14); ASGD (its scalars always on the parameter's device), Adafactor (factored
 # moments), LBFGS and SparseAdam (values that are not tensors) are left to torch's own step
+SCALARS = frozenset(
+    {"step", "mu_product"}
+)  # their one-number entries; every other is shaped as the parameter
 KNOWN = frozenset(
     {"Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD"}
 )
@@ -63,11 +67,11 @@ def allocate(optimizer: torch.optim.Optimizer, names: Mapping[int, str], saved: 
             state: dict[str, torch.Tensor] = {}
             for entry, meta in entries.items():
                 dtype = meta.properties.dtype
-                if tuple(meta.size) == tuple(p.shape):
-                    state[entry] = torch.empty_like(p, dtype=dtype, requires_grad=False)
-                elif len(meta.size) == 0:
+                if entry in SCALARS and len(meta.size) == 0:  # (by name: a 0-dim parameter's moments too)
                     device = p.device if scalars_on_device else torch.device("cpu")
                     state[entry] = torch.zeros((), dtype=dtype, device=device)
+                elif entry not in SCALARS and tuple(meta.size) == tuple(p.shape):
+                    state[entry] = torch.empty_like(p, dtype=dtype, requires_grad=False)
                 else:
                     return False
             made[p] = state

@@ -26,21 +26,18 @@ import importlib
 import io
 import pickle
 import re
-import threading
 import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
-import torch
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from jupyter_shard._util.atomic import write_private
-from jupyter_shard._util.digests import check_digest, check_file, digest_bytes
+from jupyter_shard._util.digests import check_digest, digest_bytes
 from jupyter_shard.rank import live_objects, optimizer_state, training_state
 from jupyter_shard.rank import shard as shard_module
 from jupyter_shard.rank.dcp_digests import HashingWriter, digests_of, without_crc32
@@ -54,6 +51,7 @@ from jupyter_shard.rank.loader_state import (
     resharding,
 )
 from jupyter_shard.rank.recipe import Recipe
+from jupyter_shard.rank.state_check import StateCheck
 from jupyter_shard.strategies.fsdp_units import WRAPPED
 from jupyter_shard.strategies.sharded_init import values_from_checkpoint
 
@@ -149,19 +147,24 @@ def load(
     root = Path(directory)
     same = helper.world_size == saved_world_size
     source = helper.rank if same else 0
-    checking = _StateCheck(helper, root, digests)  # DCP's files, hashed while the model is built
-    name = NAMESPACE_FILE.format(rank=source)
-    data = (root / name).read_bytes()
-    check_digest(data, name, digests)
-    payload: dict[str, Any] = pickle.loads(data)
-    if payload.get("format") != FORMAT:
-        raise RuntimeError(
-            f"{root} was written by another version of jupyter_shard (format {payload.get('format')})"
-        )
-    if payload["prepared"]:
-        _prepare_again(helper, root, payload, digests, checking)
-    else:
-        checking.agree()
+    # DCP's files, hashed while the model is built
+    checking = StateCheck(helper.rank, helper.world_size, root, STATE_DIR, digests)
+    try:
+        name = NAMESPACE_FILE.format(rank=source)
+        data = (root / name).read_bytes()
+        check_digest(data, name, digests)
+        payload: dict[str, Any] = pickle.loads(data)
+        if payload.get("format") != FORMAT:
+            raise RuntimeError(
+                f"{root} was written by another version of jupyter_shard (format {payload.get('format')})"
+            )
+        if payload["prepared"]:
+            _prepare_again(helper, root, payload, digests, checking)
+        else:
+            checking.agree()
+    except BaseException:
+        checking.stop()  # no more hashing for a resume that failed
+        raise
     ns, _ = _namespace()
     reopened: dict[str, str] = {}
     with resharding(helper.rank, helper.world_size, None if same else (positions or {})):
@@ -178,59 +181,12 @@ def load(
     return {"restored": sorted(restored), "lost": lost, "namespace_of_rank": source, "reopened": reopened}
 
 
-class _StateCheck:
-    """Every rank checks DCP's metadata at once, and its share of DCP's data files (each file by one
-    rank) on a thread of its own while the model is built and prepared; :meth:`agree` waits for it,
-    then all ranks agree before any rank loads a file: a file changed since the suspend stops every
-    rank, each naming the same first file. DCP's metadata is the one file of them that is unpickled
-    before :meth:`agree` (to allocate the optimizer's state), so every rank checks it first and raises
-    at once if it changed (the kernel checked it too before the pool started)."""
-
-    def __init__(self, helper: shard_module.Shard, root: Path, digests: dict[str, str]) -> None:
-        self.names = sorted(n for n in digests if n.startswith(f"{STATE_DIR}/"))
-        self.bad = torch.zeros(len(self.names) + 1, dtype=torch.int32)
-        mine = []
-        for i, name in enumerate(self.names):
-            if name.endswith(".metadata"):  # every rank, now: all stop here alike if it changed
-                check_file(root / name, name, digests)
-            elif i % helper.world_size == helper.rank:
-                mine.append(i)
-        self.thread = threading.Thread(
-            target=self._run, args=(mine, root, digests), name="jupyter_shard-check", daemon=True
-        )
-        self.thread.start()
-
-    def _run(self, mine: list[int], root: Path, digests: dict[str, str]) -> None:
-        for i in mine:
-            self._check(i, root, digests)
-
-    def _check(self, i: int, root: Path, digests: dict[str, str]) -> None:
-        try:
-            check_file(root / self.names[i], self.names[i], digests)
-        except (OSError, RuntimeError):
-            self.bad[i] = 1
-
-    def agree(self) -> None:
-        """Wait for this rank's checks, then raise on every rank if any rank found a file changed."""
-        import torch.distributed as dist
-
-        self.thread.join()
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(self.bad, op=dist.ReduceOp.MAX)
-        first = next((self.names[i] for i in range(len(self.names)) if self.bad[i]), None)
-        if first is not None:
-            raise RuntimeError(
-                f"{first} of this suspend does not match its signed manifest (changed after the suspend, "
-                "or missing); nothing was loaded from it"
-            )
-
-
 def _prepare_again(
     helper: shard_module.Shard,
     root: Path,
     payload: Mapping[str, Any],
     digests: dict[str, str],
-    checking: _StateCheck,
+    checking: StateCheck,
 ) -> None:
     """Build, prepare and fill the model and optimizer at this pool's world size."""
     data = (root / RECIPE_FILE).read_bytes()
@@ -253,16 +209,17 @@ def _prepare_again(
         )
     groups = payload.get("groups")
     optimizer_kept = None if groups is not None else new_optimizer  # saved without state: none loaded
+    reader = DirectReader(root / STATE_DIR, checking.metadata)  # the metadata from the checked bytes
     saved_keys = None
     if optimizer_kept is not None and wanted == "torch":
-        saved_keys = FileSystemReader(root / STATE_DIR).read_metadata().state_dict_metadata
+        saved_keys = reader.read_metadata().state_dict_metadata
         # state entries allocated as the checkpoint holds them, not made by a step at learning rate 0
         optimizer_state.allocate(optimizer_kept, _state_names(helper, wrapped), saved_keys)
     state = helper.impl.dcp_state(wrapped, optimizer_kept)
     if saved_keys is not None:
         training_state.keep_saved_state(state, saved_keys)
     checking.agree()
-    dcp_load(state, checkpoint_id=root / STATE_DIR, storage_reader=DirectReader(root / STATE_DIR))
+    dcp_load(state, storage_reader=reader)
     helper.impl.load_dcp_state(wrapped, optimizer_kept, state)
     if groups is not None and new_optimizer is not None:
         training_state.set_groups(new_optimizer, groups)

@@ -90,15 +90,31 @@ def test_keep_0_from_an_attached_kernel_read_before_its_connection_event_keeps_t
     os.close(write)  # the first kernel went: the lease holds the rank
     time.sleep(0.3)
     keep.set_lease(0, None)  # `--keep 0` from the kernel that attached, before its event is read
-    time.sleep(1.0)
+    time.sleep(keep.HEARD_GRACE / 2)
     assert ended == []
     _event(feed, zmq.EVENT_HANDSHAKE_SUCCEEDED)
-    time.sleep(0.5)
+    time.sleep(keep.HEARD_GRACE + 0.5)
     assert ended == []
     lost = time.monotonic()
     _event(feed, zmq.EVENT_DISCONNECTED)  # that kernel goes: the rank ends with it, at once
     _wait(ended, 2.0)
     assert ended and ended[0][1] == "" and ended[0][0] - lost < 0.5
+
+
+def test_a_lease_the_gone_kernel_set_in_a_cell_run_late_still_ends_the_rank(
+    watched: tuple[int, zmq.Socket[bytes], list],
+) -> None:
+    """A busy rank runs the kernel's `--keep 0` after that kernel went: no kernel's connection comes
+    up, so the rank ends once the grace for one has passed; it is never kept for good."""
+    write, _, ended = watched
+    keep.set_lease(600, None)
+    os.close(write)  # the kernel went; the lease holds the rank
+    time.sleep(0.3)
+    late = time.monotonic()
+    keep.set_lease(0, None)  # that kernel's setting, run late
+    _wait(ended, keep.HEARD_GRACE + 2.0)
+    assert ended and ended[0][1] == ""
+    assert keep.HEARD_GRACE - 0.1 < ended[0][0] - late < keep.HEARD_GRACE + 1.0
 
 
 def test_set_lease_never_goes_below_zero() -> None:

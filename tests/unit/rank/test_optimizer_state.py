@@ -166,3 +166,21 @@ def test_sharded_parameters_get_sharded_state(mesh: Any, tmp_path: Path) -> None
         assert isinstance(state[key], DTensor) and state[key].placements == (Shard(0),)
         assert state[key].to_local().shape == (2, 3) and not state[key].requires_grad
     assert not isinstance(state["step"], DTensor) and state["step"].shape == ()
+
+
+def test_a_zero_dim_parameter_keeps_its_step_on_the_cpu_and_its_moments_beside_it() -> None:
+    """Told by name, not by shape: a 0-dim parameter's moments are 0-dim like its step."""
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+    scale = nn.Parameter(torch.empty((), device="meta"))  # another device than the CPU's
+    optimizer = torch.optim.Adam([scale])
+    scalar = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([]), [])
+    saved = {f"optim.state.scale.{k}": scalar for k in ("step", "exp_avg", "exp_avg_sq")}
+    assert allocate(optimizer, {id(scale): "scale"}, saved)
+    state = optimizer.state[scale]
+    assert state["step"].device.type == "cpu"  # where torch's Adam keeps it (not capturable)
+    assert state["exp_avg"].device.type == state["exp_avg_sq"].device.type == "meta"
+    other = nn.Parameter(torch.empty(3))
+    odd = {"optim.state.w.step": scalar, "optim.state.w.mystery": scalar}  # a 0-dim entry not known
+    fresh = torch.optim.Adam([other])
+    assert not allocate(fresh, {id(other): "w"}, odd) and not fresh.state

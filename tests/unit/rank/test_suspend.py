@@ -7,7 +7,6 @@ import types
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from jupyter_shard.rank.suspend import pickle_namespace, unpickle_namespace
@@ -150,29 +149,3 @@ def test_in_memory_buffers_are_kept_and_a_file_read_by_next_is_named(tmp_path: P
     fresh: dict[str, Any] = {}
     unpickle_namespace(values, {}, fresh)
     assert fresh["buf"].getvalue() == b"abc" and fresh["held"]["s"].getvalue() == "x"
-
-
-def test_the_state_check_stops_at_once_on_changed_metadata_and_at_agree_on_a_changed_shard(
-    tmp_path: Path,
-) -> None:
-    """DCP's metadata (unpickled before the ranks agree) is checked before anything else; a shard
-    is checked on the thread and reported when the ranks agree, before any loads."""
-    import hashlib
-    import types as _types
-
-    from jupyter_shard.rank.suspend import _StateCheck
-
-    state = tmp_path / "state"
-    state.mkdir()
-    (state / ".metadata").write_bytes(b"meta")
-    (state / "__0_0.distcp").write_bytes(b"shard")
-    digests = {f"state/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest() for p in state.iterdir()}
-    helper = _types.SimpleNamespace(world_size=1, rank=0)
-    _StateCheck(helper, tmp_path, digests).agree()  # unchanged: nothing said
-    (state / "__0_0.distcp").write_bytes(b"shard!")
-    check = _StateCheck(helper, tmp_path, digests)  # the shard is hashed on the thread ...
-    with pytest.raises(RuntimeError, match=r"^state/__0_0.distcp of this suspend does not match"):
-        check.agree()  # ... and said here
-    (state / ".metadata").write_bytes(b"meta!")
-    with pytest.raises(RuntimeError, match=r"^state/.metadata of this suspend does not match"):
-        _StateCheck(helper, tmp_path, digests)
