@@ -8,6 +8,7 @@ what they are about to load against the manifest, in the same bytes they then lo
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 
 CHUNK = 8 << 20
@@ -15,9 +16,18 @@ CHUNK = 8 << 20
 
 def digest_file(path: Path) -> str:
     """SHA-256 of a file's bytes, read in chunks."""
+    found = digest_file_until(path, None)
+    assert found is not None  # (nothing to stop it)
+    return found
+
+
+def digest_file_until(path: Path, stop: threading.Event | None) -> str | None:
+    """SHA-256 of a file's bytes, read in chunks; None if ``stop`` is set before the end."""
     sha = hashlib.sha256()
     with open(path, "rb", buffering=0) as fh:
         while chunk := fh.read(CHUNK):
+            if stop is not None and stop.is_set():
+                return None
             sha.update(chunk)
     return sha.hexdigest()
 

@@ -13,13 +13,12 @@ to its end (the thread stopped, a read failed, memory ran out) never lets the fi
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from pathlib import Path
 
 import torch
 
-from jupyter_shard._util.digests import CHUNK, check_digest
+from jupyter_shard._util.digests import check_digest, digest_file_until
 
 __all__ = ["METADATA", "StateCheck"]
 
@@ -80,16 +79,10 @@ class StateCheck:
 
 def _digest(path: Path, stop: threading.Event) -> str | None:
     """SHA-256 of a file, or None if ``stop`` was set or it could not be read."""
-    sha = hashlib.sha256()
     try:
-        with open(path, "rb", buffering=0) as fh:
-            while chunk := fh.read(CHUNK):
-                if stop.is_set():
-                    return None
-                sha.update(chunk)
+        return digest_file_until(path, stop)
     except OSError:
         return None
-    return sha.hexdigest()
 
 
 def _all_max(flags: torch.Tensor) -> None:
