@@ -28,7 +28,46 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-__all__ = ["DirectReader"]
+__all__ = ["DirectReader", "touch"]
+
+TOUCH_MIN = 1 << 20  # storages smaller than this are left to fault in as they are filled
+
+
+def touch(state: Any) -> int:
+    """Write zeros over every contiguous CPU tensor of ``state`` (a DCP state dict: tensors, DTensors,
+    nested dicts and lists) of at least :data:`TOUCH_MIN` bytes, and nothing beyond each tensor's own
+    elements (which the load then overwrites, as it does every tensor of the state dict); how many bytes.
+    Memory a rank has just allocated is mapped on its first write, page by page, and mapping it while
+    DCP copied a file into it made that copy 5 to 10 times slower (2 GB on this project's 2-core machine:
+    0.35 s into memory written before, 1.6 to 4.0 s into fresh memory). A resume touches its targets
+    while its files are still being checked, so the copy after the check only copies."""
+    seen: set[int] = set()
+    done = 0
+    with torch.no_grad():
+        for tensor in _tensors(state):
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # (a DTensor's shard)
+            if not isinstance(local, torch.Tensor) or local.device.type != "cpu":
+                continue
+            if local.layout != torch.strided:
+                continue
+            size = local.numel() * local.element_size()
+            if size < TOUCH_MIN or not local.is_contiguous() or local.data_ptr() in seen:
+                continue
+            seen.add(local.data_ptr())
+            local.detach().view(-1).zero_()
+            done += size
+    return done
+
+
+def _tensors(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
 
 
 class DirectReader(FileSystemReader):

@@ -41,7 +41,7 @@ from jupyter_shard._util.digests import check_digest, digest_bytes
 from jupyter_shard.rank import live_objects, optimizer_state, training_state
 from jupyter_shard.rank import shard as shard_module
 from jupyter_shard.rank.dcp_digests import HashingWriter, digests_of, without_crc32
-from jupyter_shard.rank.dcp_reader import DirectReader
+from jupyter_shard.rank.dcp_reader import DirectReader, touch
 from jupyter_shard.rank.fingerprint import fingerprints
 from jupyter_shard.rank.loader_state import (
     LoaderIterator,
@@ -218,6 +218,7 @@ def _prepare_again(
     state = helper.impl.dcp_state(wrapped, optimizer_kept)
     if saved_keys is not None:
         training_state.keep_saved_state(state, saved_keys)
+    touch(state)  # its memory mapped while the files are checked, so the load below only copies
     checking.agree()
     dcp_load(state, storage_reader=reader)
     helper.impl.load_dcp_state(wrapped, optimizer_kept, state)

@@ -94,3 +94,33 @@ def test_a_file_cut_short_is_an_error_not_a_partial_tensor(tmp_path: Path) -> No
     with pytest.raises(BaseException) as failed:  # DCP raises CheckpointException, a BaseException
         dcp_load(_targets(state), storage_reader=DirectReader(tmp_path), no_dist=True)
     assert "central directory" in str(failed.value) or "ended inside" in str(failed.value)
+
+
+def test_touch_zeroes_each_large_contiguous_cpu_tensor_and_nothing_around_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(dcp_reader, "TOUCH_MIN", 64)
+    whole = torch.ones(300)
+    inside = whole[100:200]  # a tensor of the state dict inside a larger buffer that is not
+    big = torch.ones(64)
+    state: dict[str, Any] = {
+        "inside": inside,
+        "nested": {"big": big, "again": [big]},  # one tensor under two keys (tied weights)
+        "small": torch.ones(4),  # under TOUCH_MIN: left to fault in as it is filled
+        "strided": torch.ones(40, 40).t(),  # not contiguous: its bytes are not one range
+        "value": 3,
+    }
+    assert dcp_reader.touch(state) == (100 + 64) * 4
+    assert torch.equal(whole[:100], torch.ones(100)) and torch.equal(whole[200:], torch.ones(100))
+    assert not inside.any() and not big.any()
+    assert torch.equal(state["small"], torch.ones(4)) and torch.equal(state["strided"], torch.ones(40, 40))
+
+
+def test_touched_targets_are_loaded_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dcp_reader, "TOUCH_MIN", 1)
+    state = _saved(tmp_path)
+    targets = _targets(state)
+    assert dcp_reader.touch(targets) == (64 * 32 + 17 * 2) * 4 + 100 * 2 + 4  # all but "t" and "empty"
+    dcp_load(targets, storage_reader=DirectReader(tmp_path), no_dist=True)
+    for key in ("w", "half", "ids", "t", "step", "empty"):
+        assert torch.equal(targets[key], state[key]), key

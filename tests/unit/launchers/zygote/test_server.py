@@ -61,3 +61,36 @@ def test_a_loaded_library_that_cannot_be_asked_is_not_safe_to_fork(tmp_path: Pat
 
 
 CHECK = "from jupyter_shard.launchers.zygote.server import cuda_driver_state as s; print(repr(s()))"
+
+
+# torch's CUDA queries a module could call while it is imported; any of them may run cuInit, after
+# which the zygote would refuse to fork (on a GPU machine every rank would then be spawned)
+_QUERIES = (
+    "is_available device_count _lazy_init init current_device get_device_properties get_device_capability"
+)
+PROBE = f"""
+import sys, torch, torch.cuda
+called = []
+def spy(name, real):
+    def call(*args, **kwargs):
+        called.append(name)
+        return real(*args, **kwargs)
+    return call
+for name in {_QUERIES!r}.split():
+    setattr(torch.cuda, name, spy(name, getattr(torch.cuda, name)))
+for name in [n for n in dir(torch._C) if n.startswith("_cuda_")]:
+    setattr(torch._C, name, spy(name, getattr(torch._C, name)))
+assert "torch._dynamo" not in sys.modules
+from jupyter_shard.launchers.zygote.server import _preload
+print(repr(_preload()), "torch._dynamo" in sys.modules, called)
+"""
+
+
+def test_the_zygote_preloads_torchs_compiler_front_end_without_asking_cuda_anything() -> None:
+    # torch's optimizers import torch._dynamo when first built (0.9-1.4 s per rank on this machine):
+    # imported once in the zygote, a forked rank builds its optimizer at once, and the import must not
+    # touch CUDA for the zygote to stay safe to fork
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == ["''", "True", "[]"], done.stdout + done.stderr
