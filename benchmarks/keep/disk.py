@@ -4,7 +4,10 @@ Writing: ``writers`` processes (as many as the suspending ranks) each write thei
 bytes to a file in the suspend's directory's file system, in 16 MiB pieces, and fsync it; the rate is
 all the bytes over the wall time from the first start to the last fsync. Reading: the same files,
 evicted from the page cache first (``posix_fadvise(DONTNEED)`` after the fsync), read back by as many
-processes. :func:`evict` does the same to a suspend's files before a resume is timed, so that both
+processes, each into one 16 MiB buffer it reuses; and again into fresh memory, a buffer of the file's
+size allocated first and never written before, as a load must place what it reads (a process's
+memory is mapped on its first write, page by page; on a virtual machine that can cost more than the
+disk). :func:`evict` does the same to a suspend's files before a resume is timed, so that both
 read from the disk.
 """
 
@@ -59,11 +62,24 @@ def write_rate(directory: Path, total: int, writers: int) -> tuple[float, list[P
     return share * writers / seconds, paths
 
 
-def read_rate(paths: list[Path]) -> float:
-    """Bytes per second reading ``paths`` back from the disk, one process each."""
+_READ_FRESH = """
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+size = os.fstat(fd).st_size
+out = memoryview(mmap.mmap(-1, max(size, 1)))  # anonymous memory, not yet written
+got = 0
+while got < size:
+    got += os.readv(fd, [out[got : min(size, got + int(sys.argv[2]))]])
+os.close(fd)
+"""
+
+
+def read_rate(paths: list[Path], fresh: bool = False) -> float:
+    """Bytes per second reading ``paths`` back from the disk, one process each; with ``fresh``, into
+    memory not written before (see above)."""
     evict(paths)
     total = sum(p.stat().st_size for p in paths)
-    return total / _run_all([[_READ, str(p), str(PIECE)] for p in paths])
+    return total / _run_all([[_READ_FRESH if fresh else _READ, str(p), str(PIECE)] for p in paths])
 
 
 def evict(paths: list[Path]) -> None:
