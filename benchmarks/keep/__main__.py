@@ -265,7 +265,10 @@ def _report(
             )
         )
     m = sr["model_bytes"]
-    sr = {**sr, **{f"{k}_gbs": [r / 1e9 for r in sr[k]] for k in ("disk_write", "disk_read", "disk_read_fresh")}}
+    sr = {
+        **sr,
+        **{f"{k}_gbs": [r / 1e9 for r in sr[k]] for k in ("disk_write", "disk_read", "disk_read_fresh")},
+    }
     med = {k: statistics.median(v) for k, v in sr.items() if isinstance(v, list)}
     write_share, read_share = med["write_shares"], med["read_shares"]
     size = sr["disk_bytes"]
