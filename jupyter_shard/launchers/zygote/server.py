@@ -25,6 +25,7 @@ import select
 import signal
 import socket
 import sys
+import tempfile
 from typing import Any
 
 from jupyter_shard.env import LIFELINE_FD, PARENT_PID
@@ -179,6 +180,11 @@ def _fresh_state(env: dict[str, str]) -> None:
         import numpy
 
         numpy.random.seed(None)
+    tempfile.tempdir = None  # found again from this rank's TMPDIR (torch._dynamo's import asked the zygote's)
+    dynamo_config = sys.modules.get("torch._dynamo.config")
+    default_root = getattr(dynamo_config, "default_debug_dir_root", None)
+    if callable(default_root):  # torch.compile's debug files under this rank's working directory
+        dynamo_config.debug_dir_root = default_root()  # type: ignore[union-attr]
     threads = env.get("OMP_NUM_THREADS")
     if threads and threads.isdigit():
         torch.set_num_threads(int(threads))

@@ -94,3 +94,26 @@ def test_the_zygote_preloads_torchs_compiler_front_end_without_asking_cuda_anyth
         [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.split() == ["''", "True", "[]"], done.stdout + done.stderr
+
+
+def test_a_forked_rank_finds_its_own_temporary_and_debug_directories(tmp_path: Path) -> None:
+    # the zygote's imports asked for its temporary directory and working directory (torch._dynamo
+    # keeps the one and puts torch.compile's debug files under the other); a rank with another TMPDIR
+    # and working directory gets its own
+    rank_dir, rank_tmp = tmp_path / "rank", tmp_path / "tmp"
+    rank_dir.mkdir()
+    rank_tmp.mkdir()
+    code = f"""
+import os, tempfile
+from jupyter_shard.launchers.zygote.server import _fresh_state, _preload
+_preload()
+tempfile.gettempdir()
+os.chdir({str(rank_dir)!r}); os.environ["TMPDIR"] = {str(rank_tmp)!r}
+_fresh_state(dict(os.environ))
+import torch._dynamo.config as c
+print(tempfile.gettempdir()); print(c.debug_dir_root)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, cwd="/"
+    )
+    assert done.stdout.splitlines() == [str(rank_tmp), str(rank_dir / "torch_compile_debug")], done.stderr
