@@ -12,8 +12,8 @@ to the kernel, so a rank forked here is polled, signalled and killed like a spaw
 
 A zygote serves one kernel: it ends - killing its children - when the kernel's lifeline to it
 closes. Requests whose interpreter environment (``PYTHON*``, ``LD_*``, torch's ``TORCH*``,
-``sys.executable``: :func:`interpreter_key`) differs from the zygote's go to a new zygote. ``JUPYTER_SHARD_ZYGOTE=0`` turns it off: ranks are then
-spawned one process each.
+``sys.executable``: :func:`interpreter_key`) differs from the zygote's go to a new zygote.
+``JUPYTER_SHARD_ZYGOTE=0`` turns it off: ranks are then spawned one process each.
 
 Forking is safe only while the zygote holds no CUDA driver state, which exists from ``cuInit`` on;
 the zygote checks after its imports (:func:`.server.cuda_driver_state`). If it holds some, the
