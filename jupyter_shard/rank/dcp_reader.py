@@ -30,7 +30,7 @@ from torch.futures import Future
 
 __all__ = ["DirectReader", "touch"]
 
-TOUCH_MIN = 1 << 20  # storages smaller than this are left to fault in as they are filled
+TOUCH_MIN = 1 << 20  # tensors smaller than this are left to fault in as they are filled
 
 
 def touch(state: Any) -> int:

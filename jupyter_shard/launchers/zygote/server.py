@@ -5,9 +5,9 @@ IPython, the rank runtime and ``torch._dynamo`` (which torch's optimizers import
 0.9 to 1.4 s in each rank on a 2-core machine, before), then waits on a Unix socket. For each
 request the zygote forks, and the child becomes a new session, takes the rank's environment,
 reseeds its random generators, points fds 1 and 2 at its log and runs the rank runtime as a spawned
-rank would. The zygote reaps its
-children and reports each exit status to the kernel; it ends, killing its children, when the
-kernel's lifeline to it closes (all but the ranks of a kept pool, which the kernel names).
+rank would. The zygote reaps its children and reports each exit status to the kernel; it ends,
+killing its children, when the kernel's lifeline to it closes (all but the ranks of a kept pool,
+which the kernel names).
 
 Forking is safe only while the zygote holds no CUDA driver state, which exists from ``cuInit`` on:
 ``torch.cuda.is_initialized()`` sees only torch's own initialisation, so after its imports the zygote
