@@ -9,6 +9,8 @@ sizes are ``WIDTH``, ``VOCAB`` and ``LAYERS`` unless a test passes others to :fu
 
 from __future__ import annotations
 
+import functools
+
 WIDTH, VOCAB, LAYERS, SEQ = 256, 8192, 2, 16
 
 _TEXT = """
@@ -131,3 +133,25 @@ def build(name: str, **sizes: int) -> tuple[object, object]:
     scope: dict[str, object] = {}
     exec(code(name, **sizes), scope)
     return scope["model"], scope["make_batch"]
+
+
+#: what torch raises for an LSTM under CPU autocast to bfloat16 where oneDNN has no such kernel
+ONEDNN_LSTM = "could not create a primitive descriptor for the LSTM forward propagation primitive"
+
+
+@functools.cache
+def bf16_lstm_runs_here() -> bool:
+    """Whether torch runs an LSTM under CPU autocast to bfloat16 on this CPU: its oneDNN kernel needs
+    bfloat16 instructions (missing on an AMD EPYC without AVX-512, where torch itself raises
+    :data:`ONEDNN_LSTM`, in a plain process as on a rank)."""
+    import torch
+
+    lstm, x = torch.nn.LSTM(8, 8, batch_first=True), torch.randn(2, 3, 8)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lstm(x)
+    except RuntimeError as exc:
+        if ONEDNN_LSTM in str(exc):
+            return False
+        raise
+    return True

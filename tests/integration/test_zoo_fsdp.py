@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from jupyter_shard import Pool
+from jupyter_shard.pool.results import DistributedError
 from tests import zoo
 from tests.integration.test_fsdp import fsdp_pool
 
@@ -160,6 +161,15 @@ CASES += [(name, "bf16-mixed", "FULL_SHARD") for name in zoo.NAMES]
 def test_the_zoo_trains_under_fsdp(
     pool: Pool, config: Path, name: str, precision: str, sharding: str
 ) -> None:
+    if name == "lstm" and precision == "bf16-mixed" and not zoo.bf16_lstm_runs_here():
+        # torch cannot run this case on this CPU (its reference runs the LSTM under bf16 autocast):
+        # what is checked is that torch's own error reaches the cell from both ranks, as it was raised
+        with pytest.raises(
+            DistributedError,
+            match=rf"rank [01] failed first: RuntimeError: {zoo.ONEDNN_LSTM}.*also failed: rank [01]",
+        ):
+            train(pool, config, name, precision, sharding)
+        return
     result = train(pool, config, name, precision, sharding)
     check(result, name, precision)
     if precision == "bf16-mixed" and name == "resnet":

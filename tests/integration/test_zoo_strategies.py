@@ -4,13 +4,11 @@ pools, fp32 and ``bf16-mixed``, each step's loss equal to one process's training
 
 from __future__ import annotations
 
-import functools
 import io
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 from jupyter_shard import Pool
 from jupyter_shard.pool.output import ConsoleSink
@@ -40,37 +38,18 @@ CASES = [(name, "32") for name in zoo.NAMES] + [
 ]
 
 
-ONEDNN_LSTM = "could not create a primitive descriptor for the LSTM forward propagation primitive"
-
-
-@functools.cache
-def _bf16_lstm_runs_here() -> bool:
-    """Whether torch runs an LSTM under CPU autocast to bfloat16 on this CPU: its oneDNN kernel
-    needs bfloat16 instructions (seen missing on an AMD EPYC without AVX-512, where torch itself
-    raises ``ONEDNN_LSTM``, in a plain process as on a rank)."""
-    lstm, x = torch.nn.LSTM(8, 8, batch_first=True), torch.randn(2, 3, 8)
-    try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            lstm(x)
-    except RuntimeError as exc:
-        if ONEDNN_LSTM in str(exc):
-            return False
-        raise
-    return True
-
-
 @pytest.mark.parametrize(("name", "precision"), CASES)
 def test_the_zoo_trains_under_ddp_and_zero(pool: Pool, name: str, precision: str) -> None:
     if pool.spec.precision.value != precision:
         pool.restart(pool.spec.with_changes(precision=type(pool.spec.precision)(precision)))
         pool.run(HARNESS)
     pool.push(code=zoo.code(name))
-    if name == "lstm" and precision == "bf16-mixed" and not _bf16_lstm_runs_here():
+    if name == "lstm" and precision == "bf16-mixed" and not zoo.bf16_lstm_runs_here():
         # torch cannot run this case on this CPU: what is checked is that torch's own error reaches
         # the cell from both ranks, as it was raised
         with pytest.raises(
             DistributedError,
-            match=rf"rank [01] failed first: RuntimeError: {ONEDNN_LSTM}.*also failed: rank [01]",
+            match=rf"rank [01] failed first: RuntimeError: {zoo.ONEDNN_LSTM}.*also failed: rank [01]",
         ):
             pool.run("result = zoo_check(code, low=True)")
         return

@@ -11,9 +11,9 @@ rank runtime as a spawned rank would. The zygote reaps its children and reports 
 to the kernel, so a rank forked here is polled, signalled and killed like a spawned one.
 
 A zygote serves one kernel: it ends - killing its children - when the kernel's lifeline to it
-closes. Requests whose interpreter environment (``PYTHON*``, ``LD_*``, torch's ``TORCH*``,
-``sys.executable``: :func:`interpreter_key`) differs from the zygote's go to a new zygote.
-``JUPYTER_SHARD_ZYGOTE=0`` turns it off: ranks are then spawned one process each.
+closes. Requests whose interpreter environment (``PYTHON*``, ``LD_*``, ``sys.executable``) differs
+from the zygote's go to a new zygote. ``JUPYTER_SHARD_ZYGOTE=0`` turns it off: ranks are then
+spawned one process each.
 
 Forking is safe only while the zygote holds no CUDA driver state, which exists from ``cuInit`` on;
 the zygote checks after its imports (:func:`.server.cuda_driver_state`). If it holds some, the
@@ -55,23 +55,14 @@ def interpreter_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
     A rank's own launch variables (``RANK``, ``TORCHELASTIC_RUN_ID``, ...) differ per rank and pool and
     are set in the forked rank, so they are not part of it.
     """
+    keep = ("PYTHON", "LD_", "MALLOC", "CUDA_", "NCCL_", "GLOO_", "KMP_", "MKL_", "TORCH")
     return tuple(
         sorted(
             (k, v)
             for k, v in env.items()
-            if (k.startswith(_KEPT) or k in _KEPT_NAMES)
-            and k != "PYTHONUNBUFFERED"
-            and k not in PER_RANK
-            and k not in _UNSHARED
+            if k.startswith(keep) and k != "PYTHONUNBUFFERED" and k not in PER_RANK and k not in _UNSHARED
         )
     )
-
-
-# prefixes of variables read at import: the interpreter's, allocators', and torch's (torch._dynamo,
-# preloaded, reads its compilers' settings: TORCH*, INDUCTOR_*, AOT_INDUCTOR_*, PT2_*, and the names below)
-_KEPT: tuple[str, ...] = ("PYTHON", "LD_", "MALLOC", "CUDA_", "NCCL_", "GLOO_", "KMP_", "MKL_", "TORCH")
-_KEPT += ("INDUCTOR_", "AOT_INDUCTOR", "PT2_", "UNSAFE_SKIP_FSDP")
-_KEPT_NAMES = frozenset({"CXX", "CI", "FAKE_ALLOW_META"})
 
 
 class ZygoteUnavailable(PoolError):

@@ -1,13 +1,11 @@
 """The zygote: a preloaded process that forks fresh ranks, run with ``python -m`` by :mod:`.client`.
 
 Runs in the zygote process, never in the kernel. It imports torch - without touching CUDA - ZeroMQ,
-IPython, the rank runtime and ``torch._dynamo`` (which torch's optimizers import when first built:
-0.9 to 1.4 s in each rank on a 2-core machine, before), then waits on a Unix socket. For each
-request the zygote forks, and the child becomes a new session, takes the rank's environment,
-reseeds its random generators, points fds 1 and 2 at its log and runs the rank runtime as a spawned
-rank would. The zygote reaps its children and reports each exit status to the kernel; it ends,
-killing its children, when the kernel's lifeline to it closes (all but the ranks of a kept pool,
-which the kernel names).
+IPython and the rank runtime, then waits on a Unix socket. For each request the zygote forks, and
+the child becomes a new session, takes the rank's environment, reseeds its random generators, points
+fds 1 and 2 at its log and runs the rank runtime as a spawned rank would. The zygote reaps its
+children and reports each exit status to the kernel; it ends, killing its children, when the
+kernel's lifeline to it closes (all but the ranks of a kept pool, which the kernel names).
 
 Forking is safe only while the zygote holds no CUDA driver state, which exists from ``cuInit`` on:
 ``torch.cuda.is_initialized()`` sees only torch's own initialisation, so after its imports the zygote
@@ -25,7 +23,6 @@ import select
 import signal
 import socket
 import sys
-import tempfile
 from typing import Any
 
 from jupyter_shard.env import LIFELINE_FD, PARENT_PID
@@ -44,7 +41,6 @@ def _preload() -> str:
     """Import what every rank needs; why forking now would be unsafe ("" when it is safe)."""
     import cloudpickle  # noqa: F401
     import IPython.core.interactiveshell  # noqa: F401
-    import torch._dynamo
     import torch.distributed  # noqa: F401
     import zmq  # noqa: F401
 
@@ -180,11 +176,6 @@ def _fresh_state(env: dict[str, str]) -> None:
         import numpy
 
         numpy.random.seed(None)
-    tempfile.tempdir = None  # found again from this rank's TMPDIR (torch._dynamo's import asked the zygote's)
-    dynamo_config = sys.modules.get("torch._dynamo.config")
-    default_root = getattr(dynamo_config, "default_debug_dir_root", None)
-    if callable(default_root):  # torch.compile's debug files under this rank's working directory
-        dynamo_config.debug_dir_root = default_root()  # type: ignore[union-attr]
     threads = env.get("OMP_NUM_THREADS")
     if threads and threads.isdigit():
         torch.set_num_threads(int(threads))
