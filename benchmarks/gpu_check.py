@@ -305,7 +305,7 @@ def measure(
                 save()
             import gpu_calibrate  # beside this file: the dry run against the allocator, same pool and model
 
-            try:
+            try:  # one GPU runs one plan: ddp at world size 1 (the planner shards only over 2 or more)
                 results["calibration"] = gpu_calibrate.calibrate(pool, TRAIN, sizes, device, precision)
             except Exception as e:  # the figures above stand; the report says why this did not
                 results["calibration_error"] = f"{type(e).__name__}: {e}"[-1500:]
@@ -534,6 +534,17 @@ def _git_revision() -> str:
     return f"revision {head}" + (" with uncommitted changes" if dirty else "")
 
 
+def _revisions(bundle: Path) -> str:
+    """The commit the bundle was made at (``gpu-bundle/REVISION``) and this tree's own git state,
+    which on a machine that was sent a copy of the tree can name another commit."""
+    try:
+        made = (bundle / "REVISION").read_text().strip()
+    except OSError:
+        return f"{_git_revision()} (the bundle names no revision)"
+    here = _git_revision()
+    return f"bundle made at {made}" + ("" if here == f"revision {made}" else f"; this tree's git: {here}")
+
+
 def _target(what: str, value: float, unit: str, met: bool | None) -> tuple[str, str, str]:
     shown = "n/a" if value != value else f"{value:.3f}{unit}" if not unit else f"{value:.2f} {unit}"
     return what, shown, "n/a" if met is None or value != value else "met" if met else "not met"
@@ -599,7 +610,7 @@ def report(
     lines = [
         f"# GPU check{dry}",
         "",
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {_git_revision()}; "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {_revisions(args.bundle)}; "
         f"the check took {seconds:.0f} s (budget {args.minutes:g} min).",
         "",
         "## Verdict",

@@ -8,7 +8,8 @@ and an NCCL-only group rejects them. A rank whose GPU is not visible fails at st
 that says how many are.
 
 A value pulled into the notebook leaves the rank on the CPU (:func:`jupyter_shard.transfer.pickling.dumps`
-with ``host=True`` makes the one :func:`host_copy` of each device tensor): unpickling a CUDA tensor
+with ``host=True`` makes the one
+:func:`~jupyter_shard.transfer.pickling.host_copy` of each device tensor): unpickling a CUDA tensor
 in the kernel would create a CUDA context there (about 0.5 GiB per GPU, and an error where the
 kernel cannot see that GPU).
 """
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["CUDA_BACKEND", "device_backends", "host_copy", "select_device", "tensor_bytes"]
+__all__ = ["CUDA_BACKEND", "device_backends", "select_device", "tensor_bytes"]
 
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 _HOST_TYPES = ("cpu", "meta")  # tensors that unpickle anywhere without a device
@@ -58,15 +59,6 @@ def _read_backend(backend: str) -> tuple[tuple[str, str], ...]:
         warnings.simplefilter("ignore")
         pairs = BackendConfig(dist.Backend(backend)).get_device_backend_map().items()
     return tuple((str(device), str(name)) for device, name in pairs)
-
-
-def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of ``tensor`` without its autograd history; a parameter stays a parameter and
-    ``requires_grad`` is kept, so a pulled module or optimizer state reads as it did on the rank."""
-    copy = tensor.detach().cpu()
-    if isinstance(tensor, torch.nn.Parameter):
-        return torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
-    return copy.requires_grad_(tensor.requires_grad)
 
 
 def tensor_bytes(value: Any, depth: int = 3) -> int:

@@ -35,7 +35,7 @@ from typing import Any
 
 import cloudpickle
 
-__all__ = ["Assembly", "Packed", "dumps", "loads", "pieces"]
+__all__ = ["Assembly", "Packed", "dumps", "host_copy", "loads", "pieces"]
 
 PROTOCOL = 5
 _SPARSE_VIEW = 1.25  # send a view's own elements when its storage is this much larger than it
@@ -116,7 +116,7 @@ def _reduce_tensor(torch: Any, tensor: Any, host: bool) -> tuple[Any, ...] | Non
     if tensor.device.type != "cpu":
         if not host or tensor.device.type == "meta":
             return None
-        tensor = tensor.detach().cpu()
+        tensor = host_copy(tensor)
     if tensor.is_quantized or tensor.is_nested:
         return None
     parameter = isinstance(tensor, torch.nn.Parameter)
@@ -137,6 +137,18 @@ def _reduce_tensor(torch: Any, tensor: Any, host: bool) -> tuple[Any, ...] | Non
         parameter,
     )
     return _tensor, args
+
+
+def host_copy(tensor: Any) -> Any:
+    """A CPU copy of ``tensor`` without its autograd history; a parameter stays a parameter and
+    ``requires_grad`` is kept, so a pulled module or optimizer state reads as it did on the rank
+    (``detach()`` and ``cpu()`` alone give a plain tensor: a CUDA ``nn.Parameter`` came back as one)."""
+    import torch
+
+    copy = tensor.detach().cpu()
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
+    return copy.requires_grad_(tensor.requires_grad)
 
 
 def _tensor(

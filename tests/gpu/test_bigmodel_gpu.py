@@ -142,8 +142,11 @@ def test_fsdp_cpu_offload_with_gradient_clipping(tmp_path: Path) -> None:
         assert pool.pull("param_devices") == pool.pull("grad_devices") == ["cpu"]  # offloaded
     assert len(norms) == len(clipped) == 3
     assert norms[0] > 10.0  # clipping to 1.0 has something to do
-    # the optimizer stepped with the gradients scaled to the clip norm (torch: max_norm / (norm + 1e-6))
-    assert clipped == pytest.approx([min(norm, 1.0) for norm in norms], rel=1e-4)
+    # the optimizer stepped with the gradients scaled to the clip norm (torch: max_norm / (norm + 1e-6)).
+    # Offloaded gradients are clipped on the CPU, where torch's float32 norm of a 2048 x 2048 tensor is
+    # off by about 1e-4 (9e-5 measured against float64, torch 2.13 CPU; 1.3e-4 and 1.9e-4 seen on an
+    # H200 host): a clip to 1.0 gives 1.0001, and unclipped gradients would give the norms, over 10.
+    assert clipped == pytest.approx([min(norm, 1.0) for norm in norms], rel=1e-3)
 
 
 MIXED = """

@@ -61,3 +61,21 @@ def test_failures_are_named_and_an_install_skipped_on_purpose_is_fine() -> None:
     assert problems(statuses, ALL, rows, IDS, visible=2, rehearsal=False) == [
         "tests/gpu/test_a.py::test_one failed: AssertionError: 3 != 4"
     ]
+
+
+def test_the_report_names_the_commit_the_bundle_was_made_at(tmp_path: Any, monkeypatch: Any) -> None:
+    """The GPU machine's copy of the tree carried another repository state (a report said f0ae112 for
+    a bundle made at 12d95d6): the bundle's own stamp is named, and the tree's git only where it differs."""
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(gpu_check, "_git_revision", lambda: "revision f0ae112 with uncommitted changes")
+    assert (
+        gpu_check._revisions(tmp_path)
+        == "revision f0ae112 with uncommitted changes (the bundle names no revision)"
+    )
+    (tmp_path / "REVISION").write_text("12d95d6\n")
+    assert gpu_check._revisions(tmp_path) == (
+        "bundle made at 12d95d6; this tree's git: revision f0ae112 with uncommitted changes"
+    )
+    monkeypatch.setattr(gpu_check, "_git_revision", lambda: "revision 12d95d6")
+    assert gpu_check._revisions(tmp_path) == "bundle made at 12d95d6"

@@ -1,7 +1,8 @@
 """jupyter_shard.rank.device: the device and backend a rank takes, and values pickled for the kernel.
 
 Only CPU tensors exist here, so what is checked is what a pulled value keeps on the way: the copy
-:func:`host_copy` makes (detached, a parameter still a parameter, ``requires_grad`` kept) and a
+:func:`~jupyter_shard.transfer.pickling.host_copy` makes (detached, a parameter still a parameter,
+``requires_grad`` kept) and a
 round trip of containers, modules, arrays and plain objects as a pull sends them
 (:func:`jupyter_shard.transfer.pickling.dumps` with ``host=True``). That a CUDA tensor
 comes back on the CPU, with no CUDA context in the kernel, is tests/gpu/test_cuda_pool.py's.
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from jupyter_shard.rank.device import CUDA_BACKEND, host_copy, select_device
+from jupyter_shard.rank.device import CUDA_BACKEND, select_device
 from jupyter_shard.transfer import pickling
 
 Point = namedtuple("Point", "x y")
@@ -32,18 +33,18 @@ def test_a_cpu_rank_talks_gloo_and_a_missing_gpu_says_how_many_are_visible() -> 
 
 def test_host_copy_detaches_and_keeps_what_the_tensor_was() -> None:
     weight = torch.nn.Parameter(torch.randn(3, 2))
-    copy = host_copy(weight)
+    copy = pickling.host_copy(weight)
     assert type(copy) is torch.nn.Parameter and copy.requires_grad and copy.is_leaf
     assert copy.device.type == "cpu" and torch.equal(copy, weight)
 
     activation = weight * 2  # a non-leaf with autograd history
-    copy = host_copy(activation)
+    copy = pickling.host_copy(activation)
     assert copy.grad_fn is None and copy.requires_grad and torch.equal(copy, activation)
 
     frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
-    assert not host_copy(frozen).requires_grad
+    assert not pickling.host_copy(frozen).requires_grad
     steps = torch.arange(4)
-    assert host_copy(steps).dtype == torch.int64 and not host_copy(steps).requires_grad
+    assert pickling.host_copy(steps).dtype == torch.int64 and not pickling.host_copy(steps).requires_grad
 
 
 def _round_trip(value: Any, host: bool = True) -> Any:
