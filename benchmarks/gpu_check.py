@@ -237,9 +237,12 @@ def bench(args: argparse.Namespace) -> int:
     device, results_path = args.device, Path(args.json)
     # what a one-rank pool gives its rank; set here, torchrun's worker gets the same
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    sizes = SIZES[(device, args.quick)]
+    sizes = dict(SIZES[(device, args.quick)])
     precision = "bf16-mixed" if device == "cuda" else "32"
     rounds, colds, warms = (1, 1, 2) if args.quick else (3, 2, 5)
+    rounds = args.rounds if args.rounds is not None else rounds
+    sizes["steps"] = args.steps if args.steps is not None else sizes["steps"]
+    colds, warms = (0, 0) if args.no_starts else (colds, warms)
     results: dict[str, Any] = {"device": device, "precision": precision, "sizes": sizes}
     smi = nvidia_smi("--query-gpu=name,driver_version,memory.total", "--format=csv,noheader") or ""
     results["nvidia_smi"] = smi.strip().splitlines()
@@ -434,6 +437,9 @@ def check(args: argparse.Namespace) -> int:
     if "bench" in wanted and ready:
         command = [python, __file__, "bench", "--json", str(bench_json), "--device", args.device]
         command += ["--quick"] if args.quick else []
+        command += [] if args.rounds is None else ["--rounds", str(args.rounds)]
+        command += [] if args.steps is None else ["--steps", str(args.steps)]
+        command += ["--no-starts"] if args.no_starts else []
         run_stage(stages["bench"], command, min(BENCH_LIMIT, deadline - time.monotonic()))
     collected: list[str] = []
     if "tests" in wanted and ready:
@@ -728,6 +734,9 @@ def main(argv: list[str] | None = None) -> int:
     for sub in (run, measure := commands.add_parser("bench", help="the measurements alone (in the venv)")):
         sub.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
         sub.add_argument("--quick", action="store_true", help="smaller model, one round, fewer starts")
+        sub.add_argument("--rounds", type=int, help="rounds of pool against torchrun (default 3)")
+        sub.add_argument("--steps", type=int, help="timed steps per side and round (default 40)")
+        sub.add_argument("--no-starts", action="store_true", help="measure no cold or warm start")
     measure.add_argument("--json", required=True, help="where the measurements go")
     args = parser.parse_args(argv)
     return check(args) if args.command == "check" else bench(args)

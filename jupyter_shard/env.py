@@ -14,6 +14,7 @@ Nothing here imports from the kernel, the rank, the launchers or the notebook la
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ __all__ = [
     "SECRETS",
     "RankEnv",
     "pop_secrets",
+    "progress_lines",
     "without_per_rank",
     "without_pool_variables",
 ]
@@ -58,6 +60,14 @@ RUNTIME_DIR_VAR = PREFIX + "RUNTIME_DIR"
 START_TIMEOUT_VAR = PREFIX + "START_TIMEOUT"
 METRICS_DIR_VAR = PREFIX + "METRICS_DIR"  # where an exported script writes its shard.log records
 CHECK_PROTOCOL_VAR = PREFIX + "CHECK_PROTOCOL"
+# "0": no live progress lines (suspend, resume, the dry run's tracing), for a notebook run whose
+# outputs are kept (nbconvert, papermill, nbval): the line's trace would be stored as an empty stderr
+PROGRESS_SWITCH = PREFIX + "PROGRESS"
+
+
+def progress_lines(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether long work shows its live line (unless ``JUPYTER_SHARD_PROGRESS=0``)."""
+    return (os.environ if environ is None else environ).get(PROGRESS_SWITCH, "1").strip() != "0"
 SHARED_MEMORY_VAR = PREFIX + "SHARED_MEMORY"  # "0": pushes and pulls travel in messages only
 
 # What torchrun gives each worker (torch.distributed.elastic's local agent), so that libraries which

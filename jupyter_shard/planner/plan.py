@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from jupyter_shard.env import progress_lines
 from jupyter_shard.errors import SpecError
 
 
@@ -31,7 +32,8 @@ class Plans(dict[str, "Plan"]):
 
 class Progress:
     """One live line on stderr while a call traces several plans (``dry run: tracing fsdp FULL_SHARD,
-    2 of 6...``), shown from ``quiet_for`` seconds on and cleared at the end."""
+    2 of 6...``), shown from ``quiet_for`` seconds on and cleared at the end; none under
+    ``JUPYTER_SHARD_PROGRESS=0``."""
 
     def __init__(self, total: int, quiet_for: float = 1.0) -> None:
         self.total, self.count, self.started, self.shown = total, 0, time.monotonic(), 0
@@ -39,7 +41,7 @@ class Progress:
 
     def tracing(self, name: str) -> None:
         self.count += 1
-        if self.total > 1 and time.monotonic() - self.started >= self.quiet_for:
+        if self.total > 1 and progress_lines() and time.monotonic() - self.started >= self.quiet_for:
             self._show(f"dry run: tracing {name}, {self.count} of {self.total}... (Ctrl-C stops it)")
 
     def stopped(self) -> None:

@@ -9,7 +9,7 @@ of what it is expected to read: each of DCP's files twice (its digest checked, t
 rest once. A resume at another world size may read more (slices of a file by several ranks); past
 the expected total, the line shows the bytes alone. Nothing is shown for work that ends within
 :data:`QUIET_FOR` seconds, and the line is cleared when the work ends (the summary that follows says
-how long it took).
+how long it took). ``JUPYTER_SHARD_PROGRESS=0`` turns it off (:func:`jupyter_shard.env.progress_lines`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TextIO
+
+from jupyter_shard.env import progress_lines
 
 __all__ = ["DiskProgress", "bytes_read", "bytes_written"]
 
@@ -92,12 +94,14 @@ class DiskProgress:
 
     def __enter__(self) -> DiskProgress:
         self._started = time.monotonic()
-        self._thread.start()
+        if progress_lines():
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         if self.shown:
             self._write("\r" + " " * self.shown + "\r")
             self.shown = 0

@@ -353,6 +353,10 @@ def test_several_plans_show_one_live_line_and_ctrl_c_stops_cleanly(
     err = capsys.readouterr().err
     assert "\rdry run: tracing ddp, 1 of 2" in err and "\rdry run: tracing fsdp FULL_SHARD, 2 of 2" in err
     assert err.endswith("\r") and "\n" not in err  # one live line, cleared at the end
+    monkeypatch.setenv("JUPYTER_SHARD_PROGRESS", "0")  # a notebook run whose outputs are kept
+    dry_run(mlp(64, 2), "torch.randn(4, 64)", 2, strategies=["ddp", "fsdp FULL_SHARD"])
+    assert capsys.readouterr().err == ""
+    monkeypatch.delenv("JUPYTER_SHARD_PROGRESS")
 
     calls = []
 

@@ -74,3 +74,18 @@ def test_quick_work_shows_nothing() -> None:
     with DiskProgress("resuming", "read", lambda: {0: 1}, out=out):
         pass
     assert out.getvalue() == ""
+
+
+def test_jupyter_shard_progress_0_shows_no_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For a notebook run whose outputs are kept: nothing is written, however long the work."""
+    monkeypatch.setattr(disk_progress, "QUIET_FOR", 0.0)
+    monkeypatch.setattr(disk_progress, "EVERY", 0.05)
+    monkeypatch.setenv("JUPYTER_SHARD_PROGRESS", "0")
+    out = io.StringIO()
+    with DiskProgress("resuming", "read", lambda: {0: 1 << 20}, 2 << 20, out=out):
+        time.sleep(0.3)
+    assert out.getvalue() == ""
+    monkeypatch.setenv("JUPYTER_SHARD_PROGRESS", "1")
+    with DiskProgress("resuming", "read", lambda: {0: 1 << 20}, 2 << 20, out=out):
+        time.sleep(0.3)
+    assert "resuming: " in out.getvalue()
