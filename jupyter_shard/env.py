@@ -63,11 +63,6 @@ CHECK_PROTOCOL_VAR = PREFIX + "CHECK_PROTOCOL"
 # "0": no live progress lines (suspend, resume, the dry run's tracing), for a notebook run whose
 # outputs are kept (nbconvert, papermill, nbval): the line's trace would be stored as an empty stderr
 PROGRESS_SWITCH = PREFIX + "PROGRESS"
-
-
-def progress_lines(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether long work shows its live line (unless ``JUPYTER_SHARD_PROGRESS=0``)."""
-    return (os.environ if environ is None else environ).get(PROGRESS_SWITCH, "1").strip() != "0"
 SHARED_MEMORY_VAR = PREFIX + "SHARED_MEMORY"  # "0": pushes and pulls travel in messages only
 
 # What torchrun gives each worker (torch.distributed.elastic's local agent), so that libraries which
@@ -212,6 +207,11 @@ class RankEnv:
     def node_index(self) -> int:
         """The node this rank runs on: the launcher's count, else torchrun's group rank."""
         return self.node if self.node is not None else self.group_rank
+
+
+def progress_lines(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether long work shows its live line (unless ``JUPYTER_SHARD_PROGRESS=0``)."""
+    return (os.environ if environ is None else environ).get(PROGRESS_SWITCH, "1").strip() != "0"
 
 
 def pop_secrets(environ: MutableMapping[str, str]) -> None:
