@@ -149,25 +149,26 @@ def build(python: str, out: Path, deepspeed: str) -> None:
     )
     (out / "requirements.txt").write_text("".join(f"{r}\n" for r in needs))
     pip(python, "download", *TARGET, f"--dest={out}", f"--requirement={out / 'requirements.txt'}")
-    (out / "REVISION").write_text(revision() + "\n")
+    (out / "REVISION").write_text(json.dumps(revision()) + "\n")
 
 
-def revision() -> str:
-    """This checkout's commit and whether tracked files differ from it: the GPU machine's copy of
-    the tree may carry another repository state, so its report names the bundle's."""
+def revision() -> dict[str, object]:
+    """This checkout's commit, whether tracked files differ from it, and the digest of the code the
+    check runs (``gpu_check.tree_digest``): the report says whether the GPU machine's tree is the same."""
+    try:
+        from gpu_check import tree_digest  # beside this file, run by path
+    except ImportError:
+        from benchmarks.gpu_check import tree_digest
 
     def git(*args: str) -> str:
         done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True)
         return done.stdout.strip()
 
     try:
-        head, dirty = (
-            git("rev-parse", "--short", "HEAD"),
-            git("status", "--porcelain", "--untracked-files=no"),
-        )
+        commit, dirty = git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.CalledProcessError):
-        return "not a git checkout"
-    return head + (" with uncommitted changes" if dirty else "")
+        commit, dirty = "not a git checkout", False
+    return {"commit": commit, "dirty": dirty, "tree": tree_digest(ROOT)}
 
 
 def verify(python: str, out: Path, max_mib: float, torch_version: str) -> None:

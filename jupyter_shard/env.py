@@ -60,8 +60,8 @@ RUNTIME_DIR_VAR = PREFIX + "RUNTIME_DIR"
 START_TIMEOUT_VAR = PREFIX + "START_TIMEOUT"
 METRICS_DIR_VAR = PREFIX + "METRICS_DIR"  # where an exported script writes its shard.log records
 CHECK_PROTOCOL_VAR = PREFIX + "CHECK_PROTOCOL"
-# "0": no live progress lines (suspend, resume, the dry run's tracing), for a notebook run whose
-# outputs are kept (nbconvert, papermill, nbval): the line's trace would be stored as an empty stderr
+# "0": no live progress lines in the kernel (suspend, resume, the dry run's tracing), for a notebook
+# run whose outputs are kept (nbconvert, papermill, nbval), which would store the line's fragments
 PROGRESS_SWITCH = PREFIX + "PROGRESS"
 SHARED_MEMORY_VAR = PREFIX + "SHARED_MEMORY"  # "0": pushes and pulls travel in messages only
 

@@ -45,7 +45,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_runtest_teardown(item: pytest.Item) -> None:
-    before = item.stash.get(_BEFORE, None)
+    if _BEFORE not in item.stash:  # this item's setup never set it
+        return
+    before = item.stash[_BEFORE]
     if before is None:
         os.environ.pop(PROGRESS_SWITCH, None)
     else:

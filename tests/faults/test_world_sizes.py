@@ -34,8 +34,8 @@ def test_f3_one_rank_raises_while_the_others_wait_in_all_reduce(kernel: Any, npr
     )
     failed_at = time.monotonic()
     assert not run.ok
-    # ended by the failure, not the timeout: the desync grace, then a release (within one interrupt
-    # grace; 2 of them at most). Under a full CI on 2 cores the 4-rank case once took 5.03 s.
+    # ended by the failure, not the 30 s timeout: the desync grace, then a release, with slack for
+    # dispatch and a slow release (the 4-rank case took 5.03 s under a full CI on 2 cores).
     bound = DESYNC_GRACE + 2 * INTERRUPT_GRACE
     assert run.elapsed < bound, f"the cell took {run.elapsed:.1f} s; it should end within {bound:g} s"
     text = run.error_text()

@@ -63,19 +63,29 @@ def test_failures_are_named_and_an_install_skipped_on_purpose_is_fine() -> None:
     ]
 
 
-def test_the_report_names_the_commit_the_bundle_was_made_at(tmp_path: Any, monkeypatch: Any) -> None:
+def test_the_report_names_the_bundles_commit_and_whether_the_tree_runs_its_code(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
     """The GPU machine's copy of the tree carried another repository state (a report said f0ae112 for
-    a bundle made at 12d95d6): the bundle's own stamp is named, and the tree's git only where it differs."""
-    from benchmarks import gpu_check
+    a bundle made at d635cae), and ranks and tests run the tree, not the bundled wheel: the report
+    names the bundle's commit and says whether the tree's code is the one the bundle was made from."""
+    import json
+
+    from benchmarks import gpu_bundle, gpu_check
 
     monkeypatch.setattr(gpu_check, "_git_revision", lambda: "revision f0ae112 with uncommitted changes")
     assert (
         gpu_check._revisions(tmp_path)
         == "revision f0ae112 with uncommitted changes (the bundle names no revision)"
     )
-    (tmp_path / "REVISION").write_text("12d95d6\n")
+    (tmp_path / "REVISION").write_text("")  # empty or not JSON: as good as none
+    assert gpu_check._revisions(tmp_path).endswith("(the bundle names no revision)")
+    stamp = gpu_bundle.revision()
+    assert len(str(stamp["commit"])) == 40 and stamp["tree"] == gpu_check.tree_digest()
+    (tmp_path / "REVISION").write_text(json.dumps({**stamp, "commit": "d635cae" + "0" * 33, "dirty": False}))
     assert gpu_check._revisions(tmp_path) == (
-        "bundle made at 12d95d6; this tree's git: revision f0ae112 with uncommitted changes"
+        "bundle made at d635cae00000; the tree's code is the bundle's "
+        "(this tree's git: revision f0ae112 with uncommitted changes)"
     )
-    monkeypatch.setattr(gpu_check, "_git_revision", lambda: "revision 12d95d6")
-    assert gpu_check._revisions(tmp_path) == "bundle made at 12d95d6"
+    (tmp_path / "REVISION").write_text(json.dumps({**stamp, "tree": "0" * 64, "dirty": True}))
+    assert "with uncommitted changes; the tree's code differs from it" in gpu_check._revisions(tmp_path)
