@@ -137,8 +137,11 @@ def build(name: str, **sizes: int) -> tuple[object, object]:
 
 #: what torch raises for an LSTM under CPU autocast to bfloat16 where oneDNN has no such kernel
 ONEDNN_LSTM = "could not create a primitive descriptor for the LSTM forward propagation primitive"
-#: that error as a pool reports it when both ranks raised it
-ONEDNN_LSTM_ON_RANKS = rf"rank [01] failed first: RuntimeError: {ONEDNN_LSTM}.*also failed: rank [01]"
+#: that error as a pool reports it when both ranks raised it, with the line that says what to do
+ONEDNN_LSTM_ON_RANKS = (
+    rf"(?s)rank [01] failed first: RuntimeError: {ONEDNN_LSTM}[^\n]*also failed: rank [01]\)\n"
+    r".*hint: this CPU's oneDNN has no LSTM kernel in autocast's low precision: run with --precision 32"
+)
 
 
 @functools.cache

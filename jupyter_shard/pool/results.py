@@ -91,7 +91,7 @@ class DistributedError(ShardError):
         one block per traceback (the same frames and exception type), root cause first, with the
         ranks that raised it and, where their messages differ, each message under it in rank order
         (folded past :data:`MESSAGES_SHOWN`)."""
-        lines = [self.headline, *self.result.notes]
+        lines = [self.headline, *self.result.notes, *hints(self.failures)]
         groups: dict[tuple[str, str, tuple[str, ...]], list[RankResult]] = {}  # by first failure
         for failure in self.failures:
             groups.setdefault(_place(failure), []).append(failure)
@@ -116,6 +116,25 @@ class DistributedError(ShardError):
 
 
 MESSAGES_SHOWN = 5  # of a group's different messages: the first ones and the last, the rest counted
+
+#: errors whose own message does not say what to do: (pattern in ``ename: evalue``, the line to add)
+HINTS = (
+    (
+        # oneDNN on a CPU without bfloat16 instructions (an AMD EPYC without AVX-512) has no LSTM
+        # kernel in autocast's low precision (GRU and RNN run); torch raises this in a plain process too
+        re.compile(r"could not create a primitive descriptor for the LSTM"),
+        "hint: this CPU's oneDNN has no LSTM kernel in autocast's low precision: run with --precision 32, "
+        "or call the LSTM under torch.autocast('cpu', enabled=False) with a float32 input",
+    ),
+)
+
+
+def hints(failures: list[RankResult]) -> list[str]:
+    """One line per known error among ``failures`` that says what to do, once each, in HINTS' order."""
+    texts = [_summary(f) for f in failures]
+    return [line for pattern, line in HINTS if any(pattern.search(text) for text in texts)]
+
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 

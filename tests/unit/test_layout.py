@@ -33,6 +33,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
         _P + "spec",
         _P + "gpus",
         _P + "errors",
+        _P + "env",  # JUPYTER_SHARD_PROGRESS, for its live line
         _P + "strategies",
     ),  # a dry run wraps as they do
     _P + "launchers": (*ROOT, _P + "_util"),

@@ -235,3 +235,19 @@ def _ranks_of(text: str) -> list[int]:
         lo, _, hi = part.partition("-")
         out.extend(range(int(lo), int(hi or lo) + 1))
     return out
+
+
+def test_an_lstm_that_onednn_cannot_run_in_low_precision_gets_one_line_saying_what_to_do() -> None:
+    """torch's own message (an AMD EPYC without AVX-512, bf16-mixed) names a oneDNN primitive and no
+    way out; the error gains one hint line, once however many ranks raised it."""
+    onednn = "could not create a primitive descriptor for the LSTM forward propagation primitive"
+    r = RunResult("c", {k: _failed(k, at=float(k), evalue=onednn) for k in range(4)})
+    lines = DistributedError(r).render()
+    hint = [line for line in lines if line.startswith("hint: ")]
+    assert hint == [
+        "hint: this CPU's oneDNN has no LSTM kernel in autocast's low precision: run with --precision 32, "
+        "or call the LSTM under torch.autocast('cpu', enabled=False) with a float32 input"
+    ]
+    assert lines.index(hint[0]) == 1  # under the headline, before the tracebacks
+    other = RunResult("c", {0: _failed(0, at=0.0, evalue="could not create a primitive descriptor for conv")})
+    assert not any(line.startswith("hint: ") for line in DistributedError(other).render())
