@@ -156,18 +156,11 @@ def revision() -> dict[str, object]:
     """This checkout's commit, whether tracked files differ from it, and the digest of the code the
     check runs (``gpu_check.tree_digest``): the report says whether the GPU machine's tree is the same."""
     try:
-        from gpu_check import tree_digest  # beside this file, run by path
+        from gpu_check import git_state, tree_digest  # beside this file, run by path
     except ImportError:
-        from benchmarks.gpu_check import tree_digest
+        from benchmarks.gpu_check import git_state, tree_digest
 
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True)
-        return done.stdout.strip()
-
-    try:
-        commit, dirty = git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "not a git checkout", False
+    commit, dirty = git_state(ROOT) or ("not a git checkout", False)
     return {"commit": commit, "dirty": dirty, "tree": tree_digest(ROOT)}
 
 

@@ -534,13 +534,21 @@ def _seconds(value: float) -> str:
     return "n/a" if value != value else f"{value:.2f}"
 
 
-def _git_revision() -> str:
+def git_state(root: Path = ROOT) -> tuple[str, bool] | None:
+    """``(commit, tracked files differ from it)`` of the checkout at ``root``; None outside git."""
     try:
-        head = _output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], 10).strip()
-        dirty = _output(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], 10).strip()
+        head = _output(["git", "-C", str(root), "rev-parse", "HEAD"], 10).strip()
+        dirty = _output(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], 10).strip()
     except (OSError, subprocess.SubprocessError):
+        return None
+    return head, bool(dirty)
+
+
+def _git_revision() -> str:
+    state = git_state()
+    if state is None:
         return "not a git checkout"
-    return f"revision {head}" + (" with uncommitted changes" if dirty else "")
+    return f"revision {state[0][:7]}" + (" with uncommitted changes" if state[1] else "")
 
 
 def tree_digest(root: Path = ROOT) -> str:

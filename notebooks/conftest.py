@@ -8,10 +8,11 @@ A cell may run for up to :data:`CELL_TIMEOUT` seconds, against 120 s for a test:
 hang, not a speed check. The picker's dry run of six plans on a 1B-parameter model
 (``06_choosing_a_strategy.ipynb``) ran past 120 s on an AMD EPYC with 2 cores, alone.
 
-The kernels run with ``JUPYTER_SHARD_PROGRESS=0`` (set around each notebook cell's setup, where nbval
-starts a notebook's kernel, and taken away after: other suites in the same run check the line): a live progress line appears only for work that
-runs past a few seconds, so whether a stored output holds one depends on the machine (a resume at
-3 ranks in ``08_keep_suspend_resume.ipynb`` left one on a slower machine and failed the comparison).
+The kernels run with ``JUPYTER_SHARD_PROGRESS=0`` (set around each notebook cell's setup, where
+nbval starts a notebook's kernel, and taken away after: other suites in the same run check the
+line). A live progress line appears only for work that runs past a few seconds, so whether a stored
+output holds one depends on the machine (a resume at 3 ranks in ``08_keep_suspend_resume.ipynb``
+left one on a slower machine and failed the comparison).
 """
 
 from __future__ import annotations
