@@ -69,6 +69,8 @@ lint: setup
 # fails if any stage failed. pytest's exit code 5 (no tests collected) counts as a failure.
 # SLURM (.ci/slurm.sh) is started before the suites and stopped on exit, failure or interrupt
 # included, unless it was already up; a failed start fails the run under CI and is a warning elsewhere.
+# DeepSpeed's CPU ops are built (.ci/build_ops.py) at low priority beside lint and tests/unit, which keep
+# one core busy, and waited for before the suites; an interrupt stops the build's whole process group.
 test: setup
 	@failed=""; \
 	run_pytest() { \
@@ -77,15 +79,18 @@ test: setup
 		if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests in: $$*"; fi; \
 		if [ $$rc -ne 0 ]; then failed="$$failed $$name(exit $$rc)"; fi; \
 	}; \
-	$(LINT_SH); [ $$status -eq 0 ] || failed="$$failed lint"; \
 	mkdir -p test-artifacts; rm -f test-artifacts/junit-*.xml; \
+	echo "+ .ci/build_ops.py, in the background at low priority (DeepSpeed's CPU ops, before the suites)"; \
+	setsid nice -n 19 $(PY) .ci/build_ops.py >test-artifacts/build-ops.log 2>&1 & ops=$$!; \
+	trap 'kill -- -$$ops 2>/dev/null || true' EXIT; trap 'exit 130' INT; trap 'exit 143' TERM; \
+	$(LINT_SH); [ $$status -eq 0 ] || failed="$$failed lint"; \
 	run_pytest unit tests/unit --junitxml=test-artifacts/junit-unit.xml; \
 	if command -v npm >/dev/null 2>&1; then \
 		echo "+ npm test (labextension, Jest)"; (cd labextension && npm test) || failed="$$failed jest"; \
 	elif [ -n "$(CI)" ]; then echo "error: npm not found; the extension's Jest tests need Node"; failed="$$failed jest"; \
 	else echo "npm not found: skipping the extension's Jest tests"; fi; \
 	if ! bash .ci/slurm.sh status >/dev/null 2>&1; then \
-		trap 'bash .ci/slurm.sh stop || true' EXIT; trap 'exit 130' INT; trap 'exit 143' TERM; \
+		trap 'kill -- -$$ops 2>/dev/null || true; bash .ci/slurm.sh stop || true' EXIT; \
 	fi; \
 	echo "+ .ci/slurm.sh start"; \
 	if ! bash .ci/slurm.sh start; then \
@@ -97,6 +102,8 @@ test: setup
 			echo "error: $$suite has no test files"; failed="$$failed $$suite(missing)"; \
 		fi; \
 	done; \
+	echo "+ wait for .ci/build_ops.py"; wait $$ops || true; grep '^build_ops:' test-artifacts/build-ops.log || \
+		tail -n 5 test-artifacts/build-ops.log; \
 	run_pytest integration+faults+notebooks $(foreach s,$(SUITES),$(wildcard $(s))) notebooks \
 		--nbval --nbval-current-env --nbval-sanitize-with tests/notebooks/nbval_sanitize.cfg \
 		--junitxml=test-artifacts/junit-suites.xml; \
