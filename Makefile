@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.setup-stamp
 # accelerate, transformers, deepspeed would otherwise be free to pull a newer, multi-GB CUDA build).
 TORCH  := torch==2.13.0
 QUICKSTART := notebooks/00_quickstart.ipynb
-LINT_PATHS := jupyter_shard tests benchmarks notebooks/run_headless.py
+LINT_PATHS := jupyter_shard tests benchmarks notebooks/run_headless.py .ci/build_ops.py
 # Collected after tests/unit; each must exist and hold tests, so none is skipped silently.
 SUITES := tests/integration tests/faults tests/notebooks tests/gpu tests/ui tests/launchers
 PIP_FLAGS := $(if $(CI),--progress-bar off,)
@@ -54,8 +54,8 @@ LINT_SH = status=0; \
 	echo "+ ruff check $(LINT_PATHS)"; $(VENV)/bin/ruff check $(LINT_PATHS) || status=1; \
 	echo "+ ruff format --check $(LINT_PATHS)"; $(VENV)/bin/ruff format --check $(LINT_PATHS) || status=1; \
 	echo "+ mypy (strict, jupyter_shard)"; $(VENV)/bin/mypy || status=1; \
-	echo "+ mypy --strict notebooks/run_headless.py"; \
-	$(VENV)/bin/mypy --strict notebooks/run_headless.py || status=1; \
+	echo "+ mypy --strict notebooks/run_headless.py .ci/build_ops.py"; \
+	$(VENV)/bin/mypy --strict notebooks/run_headless.py .ci/build_ops.py || status=1; \
 	echo "+ nbqa ruff notebooks (cells under %%distributed and %%rank included)"; \
 	$(VENV)/bin/nbqa ruff notebooks || status=1; \
 	echo "+ nbqa 'ruff format --check' notebooks"; \
@@ -69,8 +69,9 @@ lint: setup
 # fails if any stage failed. pytest's exit code 5 (no tests collected) counts as a failure.
 # SLURM (.ci/slurm.sh) is started before the suites and stopped on exit, failure or interrupt
 # included, unless it was already up; a failed start fails the run under CI and is a warning elsewhere.
-# DeepSpeed's CPU ops are built (.ci/build_ops.py) at low priority beside lint and tests/unit, which keep
-# one core busy, and waited for before the suites; an interrupt stops the build's whole process group.
+# DeepSpeed's CPU ops are built (.ci/build_ops.py, at most 30 min) at low priority beside lint and
+# tests/unit, in the CPU time they leave, and waited for before the suites; an interrupt, hangup or
+# failure stops the build's whole process group.
 test: setup
 	@failed=""; \
 	run_pytest() { \
@@ -81,8 +82,9 @@ test: setup
 	}; \
 	mkdir -p test-artifacts; rm -f test-artifacts/junit-*.xml; \
 	echo "+ .ci/build_ops.py, in the background at low priority (DeepSpeed's CPU ops, before the suites)"; \
-	setsid nice -n 19 $(PY) .ci/build_ops.py >test-artifacts/build-ops.log 2>&1 & ops=$$!; \
-	trap 'kill -- -$$ops 2>/dev/null || true' EXIT; trap 'exit 130' INT; trap 'exit 143' TERM; \
+	setsid nice -n 19 timeout 1800 $(PY) .ci/build_ops.py >test-artifacts/build-ops.log 2>&1 & ops=$$!; \
+	trap '[ -z "$$ops" ] || kill -- -$$ops 2>/dev/null || true' EXIT; \
+	trap 'exit 129' HUP; trap 'exit 130' INT; trap 'exit 131' QUIT; trap 'exit 143' TERM; \
 	$(LINT_SH); [ $$status -eq 0 ] || failed="$$failed lint"; \
 	run_pytest unit tests/unit --junitxml=test-artifacts/junit-unit.xml; \
 	if command -v npm >/dev/null 2>&1; then \
@@ -90,7 +92,7 @@ test: setup
 	elif [ -n "$(CI)" ]; then echo "error: npm not found; the extension's Jest tests need Node"; failed="$$failed jest"; \
 	else echo "npm not found: skipping the extension's Jest tests"; fi; \
 	if ! bash .ci/slurm.sh status >/dev/null 2>&1; then \
-		trap 'kill -- -$$ops 2>/dev/null || true; bash .ci/slurm.sh stop || true' EXIT; \
+		trap '[ -z "$$ops" ] || kill -- -$$ops 2>/dev/null || true; bash .ci/slurm.sh stop || true' EXIT; \
 	fi; \
 	echo "+ .ci/slurm.sh start"; \
 	if ! bash .ci/slurm.sh start; then \
@@ -102,8 +104,8 @@ test: setup
 			echo "error: $$suite has no test files"; failed="$$failed $$suite(missing)"; \
 		fi; \
 	done; \
-	echo "+ wait for .ci/build_ops.py"; wait $$ops || true; grep '^build_ops:' test-artifacts/build-ops.log || \
-		tail -n 5 test-artifacts/build-ops.log; \
+	echo "+ wait for .ci/build_ops.py"; wait $$ops || true; ops=""; \
+	tr '\r' '\n' <test-artifacts/build-ops.log | grep '^build_ops:' || tail -c 2000 test-artifacts/build-ops.log; \
 	run_pytest integration+faults+notebooks $(foreach s,$(SUITES),$(wildcard $(s))) notebooks \
 		--nbval --nbval-current-env --nbval-sanitize-with tests/notebooks/nbval_sanitize.cfg \
 		--junitxml=test-artifacts/junit-suites.xml; \
