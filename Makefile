@@ -69,9 +69,10 @@ lint: setup
 # fails if any stage failed. pytest's exit code 5 (no tests collected) counts as a failure.
 # SLURM (.ci/slurm.sh) is started before the suites and stopped on exit, failure or interrupt
 # included, unless it was already up; a failed start fails the run under CI and is a warning elsewhere.
-# DeepSpeed's CPU ops are built (.ci/build_ops.py, at most 30 min) at low priority beside lint and
-# tests/unit, in the CPU time they leave, and waited for before the suites; an interrupt, hangup or
-# failure stops the build's whole process group.
+# DeepSpeed's CPU ops are built (.ci/build_ops.py, at most 30 min) at low priority from the start, in
+# the CPU time the tests leave; a test that reaches an op still building waits for it, and the one that
+# needs the op built last is marked `late` (run last). An interrupt, hangup or failure stops the build's
+# whole process group.
 test: setup
 	@failed=""; \
 	run_pytest() { \
@@ -81,7 +82,7 @@ test: setup
 		if [ $$rc -ne 0 ]; then failed="$$failed $$name(exit $$rc)"; fi; \
 	}; \
 	mkdir -p test-artifacts; rm -f test-artifacts/junit-*.xml; \
-	echo "+ .ci/build_ops.py, in the background at low priority (DeepSpeed's CPU ops, before the suites)"; \
+	echo "+ .ci/build_ops.py in the background at nice 19 (DeepSpeed's CPU ops; a test waits for one still building)"; \
 	setsid nice -n 19 timeout 1800 $(PY) .ci/build_ops.py >test-artifacts/build-ops.log 2>&1 & ops=$$!; \
 	trap '[ -z "$$ops" ] || kill -- -$$ops 2>/dev/null || true' EXIT; \
 	trap 'exit 129' HUP; trap 'exit 130' INT; trap 'exit 131' QUIT; trap 'exit 143' TERM; \
@@ -104,11 +105,12 @@ test: setup
 			echo "error: $$suite has no test files"; failed="$$failed $$suite(missing)"; \
 		fi; \
 	done; \
-	echo "+ wait for .ci/build_ops.py"; wait $$ops || true; ops=""; \
-	tr '\r' '\n' <test-artifacts/build-ops.log | grep '^build_ops:' || tail -c 2000 test-artifacts/build-ops.log; \
+	echo "+ .ci/build_ops.py so far:"; tr '\r' '\n' <test-artifacts/build-ops.log | grep '^build_ops:'; \
 	run_pytest integration+faults+notebooks $(foreach s,$(SUITES),$(wildcard $(s))) notebooks \
 		--nbval --nbval-current-env --nbval-sanitize-with tests/notebooks/nbval_sanitize.cfg \
 		--junitxml=test-artifacts/junit-suites.xml; \
+	wait $$ops || true; ops=""; echo "+ .ci/build_ops.py:"; \
+	tr '\r' '\n' <test-artifacts/build-ops.log | grep '^build_ops:' || tail -c 2000 test-artifacts/build-ops.log; \
 	echo "+ .ci/ran_each.py (each test folder ran a test; tests/gpu needs a GPU)"; \
 	if ! $(PY) .ci/ran_each.py test-artifacts/junit-*.xml -- tests/unit $(filter-out tests/gpu,$(SUITES)) notebooks; then \
 		if [ -n "$(CI)" ]; then failed="$$failed ran-each"; else echo "warning: (outside CI, a folder may skip for what this machine lacks)"; fi; \

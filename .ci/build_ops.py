@@ -6,7 +6,7 @@ A fresh clone's venv has a new path, so torch's extension builder writes new inc
 op's build.ninja and compiles it again: 10 min 51 s of wall time on this project's 2-core machine, with
 ninja running 2 to 3 compilers at once (deepspeed_shm_comm about 1 min, cpu_adam 103 s, pin_memory 47 s,
 async_io 430 s). The suites would wait on that inside a test's time limit. ``make test`` runs this at
-nice 19 beside lint and the unit tests, in the CPU time they leave, and waits for it before the suites.
+nice 19 from its start, in the CPU time the tests leave; the test that needs async_io runs last.
 Each op is loaded the way a CPU rank loads it (``jupyter_shard.strategies.deepspeed.import_deepspeed``:
 the same accelerator, build cache and guarded lock), so a rank finds it built. An op whose build.ninja
 is unchanged only loads. The cache is shared by every checkout on the machine (one directory per op),

@@ -248,3 +248,19 @@ def pytest_make_collect_report(collector: Any) -> Iterator[None]:
 def pytest_runtest_makereport(item: Any, call: Any) -> Iterator[None]:
     outcome = yield
     _fail_missing(outcome.get_result())  # type: ignore[attr-defined]
+
+
+def late_last(items: list[Any]) -> list[Any]:
+    """``items`` with those marked ``late`` moved after all the others, each group in its order.
+
+    ``make test`` builds DeepSpeed's CPU ops in the background at low priority (.ci/build_ops.py)
+    instead of making the suites wait for them: a test that needs the op built last (async_io, 7 min
+    of compiling on 2 cores) is marked ``late`` so the build has the suites' idle time to finish. A
+    test that reaches an op still building waits for it, as a notebook would (one live line)."""
+    return [item for item in items if not item.get_closest_marker("late")] + [
+        item for item in items if item.get_closest_marker("late")
+    ]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items[:] = late_last(items)

@@ -168,6 +168,7 @@ def test_cpu_offload_of_optimizer_and_parameters(tmp_path: Path) -> None:
         assert rel <= 1e-5, f"ZeRO-3 + CPU offload: relative weight difference {rel:.3g}"
 
 
+@pytest.mark.late  # make test's background build compiles async_io last (tests/conftest.py: late_last)
 @pytest.mark.timeout(900)  # the first run compiles DeepSpeed's async_io extension (cached afterwards)
 def test_nvme_offload_swaps_to_the_given_directory(tmp_path: Path) -> None:
     """ZeRO-Infinity: parameters and optimizer state swapped to files (needs libaio; .ci/run installs it)."""
