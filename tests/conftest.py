@@ -257,9 +257,7 @@ def late_last(items: list[Any]) -> list[Any]:
     instead of making the suites wait for them: a test that needs the op built last (async_io, 7 min
     of compiling on 2 cores) is marked ``late`` so the build has the suites' idle time to finish. A
     test that reaches an op still building waits for it, as a notebook would (one live line)."""
-    return [item for item in items if not item.get_closest_marker("late")] + [
-        item for item in items if item.get_closest_marker("late")
-    ]
+    return sorted(items, key=lambda item: item.get_closest_marker("late") is not None)  # (a stable sort)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
