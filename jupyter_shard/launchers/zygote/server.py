@@ -1,11 +1,11 @@
 """The zygote: a preloaded process that forks fresh ranks, run with ``python -m`` by :mod:`.client`.
 
-Runs in the zygote process, never in the kernel. It imports torch - without touching CUDA - ZeroMQ,
-IPython and the rank runtime, then waits on a Unix socket. For each request the zygote forks, and
-the child becomes a new session, takes the rank's environment, reseeds its random generators, points
-fds 1 and 2 at its log and runs the rank runtime as a spawned rank would. The zygote reaps its
-children and reports each exit status to the kernel; it ends, killing its children, when the
-kernel's lifeline to it closes (all but the ranks of a kept pool, which the kernel names).
+Runs in the zygote process, never in the kernel. It imports torch - without touching CUDA - ``torch._dynamo``,
+ZeroMQ, IPython and the rank runtime, then waits on a Unix socket. For each request the zygote forks, and the
+child becomes a new session, takes the rank's environment, reseeds its random generators, points fds 1 and 2
+at its log and runs the rank runtime as a spawned rank would. The zygote reaps its children and reports each
+exit status to the kernel; it ends, killing its children, when the kernel's lifeline to it closes (all but the
+ranks of a kept pool, which the kernel names).
 
 Forking is safe only while the zygote holds no CUDA driver state, which exists from ``cuInit`` on:
 ``torch.cuda.is_initialized()`` sees only torch's own initialisation, so after its imports the zygote
@@ -41,6 +41,7 @@ def _preload() -> str:
     """Import what every rank needs; why forking now would be unsafe ("" when it is safe)."""
     import cloudpickle  # noqa: F401
     import IPython.core.interactiveshell  # noqa: F401
+    import torch._dynamo  # a rank's first optimizer imports it: about 1 s of CPU per rank
     import torch.distributed  # noqa: F401
     import zmq  # noqa: F401
 

@@ -34,6 +34,39 @@ def test_the_zygotes_imports_leave_it_safe_to_fork_here() -> None:
     assert done.stdout.strip() == "''"
 
 
+_QUERIES = """
+import sys, threading, torch
+asked = []
+def asking(name, real):
+    def query(*args, **kwargs):
+        asked.append(name)
+        return real(*args, **kwargs)
+    return query
+for name in ("is_available", "device_count", "init", "_lazy_init", "current_device", "get_device_properties",
+             "get_device_capability", "is_bf16_supported"):
+    setattr(torch.cuda, name, asking(name, getattr(torch.cuda, name)))
+for name in ("_cuda_getDeviceCount", "_cuda_init", "_cuda_getDevice"):  # (a CUDA build's own)
+    if hasattr(torch._C, name):
+        setattr(torch._C, name, asking(name, getattr(torch._C, name)))
+from jupyter_shard.launchers.zygote.server import _preload
+_preload()
+print(repr((asked, [t.name for t in threading.enumerate()], "torch._dynamo" in sys.modules)))
+"""
+
+
+def test_the_zygote_preloads_dynamo_without_asking_cuda_anything_or_starting_a_thread() -> None:
+    """A rank's first optimizer imports ``torch._dynamo`` (about 1 s of CPU per rank); the zygote imports
+    it once, for every rank it forks. On a GPU machine that import must not reach the driver: no
+    device query (``torch.cuda.is_available()`` loads ``libcuda``), and no thread a fork would cut."""
+    done = subprocess.run(
+        [sys.executable, "-c", _QUERIES], capture_output=True, text=True, timeout=120, check=True
+    )
+    asked, threads, preloaded = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert asked == [], f"the zygote's imports asked torch.cuda: {asked}"
+    assert threads == ["MainThread"]
+    assert preloaded, "the zygote no longer imports torch._dynamo: each rank's first optimizer pays for it"
+
+
 def test_a_loaded_driver_is_safe_to_fork_until_cuinit_in_this_process(tmp_path: Path) -> None:
     fake = fake_driver(tmp_path / "lib")
     # Loaded as torch loads it (a plain dlopen), asked before and after cuInit.
