@@ -142,8 +142,10 @@ def suspend_resume(width: int, depth: int, work: Path, repeats: int) -> dict[str
         # the disk's own rates in this round, for as many bytes and writers as the suspend
         rate, files = disk.write_rate(work / "disk", int(report.bytes), writers=2)
         lists.setdefault("disk_write", []).append(rate)
-        lists.setdefault("disk_read", []).append(disk.read_rate(files))
-        lists.setdefault("disk_read_fresh", []).append(disk.read_rate(files, fresh=True))
+        for key, fresh in (("disk_read", False), ("disk_read_fresh", True)):
+            rate, cpu_per_gb = disk.read_cost(files, fresh=fresh)
+            lists.setdefault(key, []).append(rate)
+            lists.setdefault(f"{key}_cpu", []).append(cpu_per_gb)
         shutil.rmtree(work / "disk", ignore_errors=True)
         parts = [p for p in directory.rglob("*") if p.is_file()]
         for nproc in (2, 4) if round_ == 0 else (2,):
@@ -156,6 +158,8 @@ def suspend_resume(width: int, depth: int, work: Path, repeats: int) -> dict[str
             out[f"loss_after_resume_{nproc}"] = float(resumed.pull("loss"))
             resumed.shutdown()
         shutil.rmtree(directory, ignore_errors=True)
+    out["hash_cpu"], out["place_cpu"] = disk.check_cost()
+    out["cores"] = len(os.sched_getaffinity(0))
     out.update(lists)
     size = out["disk_bytes"]
     out["write_shares"] = [size / t / r for t, r in zip(lists["suspend"], lists["disk_write"], strict=True)]
@@ -271,6 +275,7 @@ def _report(
     }
     med = {k: statistics.median(v) for k, v in sr.items() if isinstance(v, list)}
     write_share, read_share = med["write_shares"], med["read_shares"]
+    ceiling = disk.ceiling(med["disk_read_cpu"], sr["hash_cpu"], sr["place_cpu"], sr["cores"])
     size = sr["disk_bytes"]
     n = args.io_repeats
 
@@ -329,6 +334,24 @@ def _report(
         f"| the disk, reading into fresh memory | {spread('disk_read_fresh_gbs', '{:.2f}')} | |",
         f"| `%dist_resume`'s load, against that | {size / med['load_2'] / 1e9:.2f} "
         f"| {share('fresh_shares')} |",
+        "",
+        "What a load must do to each byte costs CPU time, here in CPU seconds per GB: reading it from the "
+        "disk (the readers above, the kernel's work included; median over rounds), checking its SHA-256 "
+        "against the signed manifest (the project's own digest, one core) and the first write of the "
+        "fresh memory it lands in (`touch`, which a resume runs on its targets while the files are "
+        f"checked). On {sr['cores']} cores, no load that does all three can pass "
+        "cores / (their sum), even with every core busy for the whole load:",
+        "",
+        "| | CPU s per GB | GB/s | share of the disk's read rate |",
+        "|---|---:|---:|---:|",
+        f"| reading the disk | {med['disk_read_cpu']:.2f} | | |",
+        f"| reading the disk into fresh memory | {med['disk_read_fresh_cpu']:.2f} | | |",
+        f"| SHA-256 | {sr['hash_cpu']:.2f} | | |",
+        f"| first write of fresh memory | {sr['place_cpu']:.2f} | | |",
+        f"| the most a checked load can reach on {sr['cores']} cores | "
+        f"{med['disk_read_cpu'] + sr['hash_cpu'] + sr['place_cpu']:.2f} | {ceiling / 1e9:.2f} "
+        f"| {ceiling / (med['disk_read_gbs'] * 1e9):.0%} |",
+        f"| `%dist_resume`, its load at 2 ranks | | {size / med['load_2'] / 1e9:.2f} | {read_share:.0%} |",
         "",
         f"The step before the suspend had loss {sr['loss_before']:.6f}; the first step after resuming at 2 "
         f"and 4 ranks: {sr['loss_after_resume_2']:.6f} and {sr['loss_after_resume_4']:.6f} (each rank's own "

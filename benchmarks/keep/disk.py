@@ -9,17 +9,25 @@ size allocated first and never written before, as a load must place what it read
 memory is mapped on its first write, page by page; on a virtual machine that can cost more than the
 disk). :func:`evict` does the same to a suspend's files before a resume is timed, so that both
 read from the disk.
+
+Each read also says how much CPU it took (all its processes together, per GB), and :func:`check_cost`
+what the other two things a resume's load must do to each byte cost in CPU: its SHA-256, against the
+signed manifest, and the first write of the fresh memory it lands in. Together they bound a load: no
+loader that reads, checks and places every byte on this machine's cores can be faster than
+:func:`ceiling`.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["evict", "read_rate", "write_rate"]
+__all__ = ["ceiling", "check_cost", "evict", "read_cost", "read_rate", "write_rate"]
 
 PIECE = 16 << 20
 
@@ -77,9 +85,56 @@ os.close(fd)
 def read_rate(paths: list[Path], fresh: bool = False) -> float:
     """Bytes per second reading ``paths`` back from the disk, one process each; with ``fresh``, into
     memory not written before (see above)."""
+    return read_cost(paths, fresh)[0]
+
+
+def read_cost(paths: list[Path], fresh: bool = False) -> tuple[float, float]:
+    """(bytes per second, CPU seconds per GB, user and system, of all the readers) for :func:`read_rate`;
+    the CPU the readers' interpreters take to start and end (as many doing nothing) is left out."""
     evict(paths)
     total = sum(p.stat().st_size for p in paths)
-    return total / _run_all([[_READ_FRESH if fresh else _READ, str(p), str(PIECE)] for p in paths])
+    idle, _ = _children_cpu(lambda: _run_all([["pass"] for _ in paths]))
+    used, seconds = _children_cpu(
+        lambda: _run_all([[_READ_FRESH if fresh else _READ, str(p), str(PIECE)] for p in paths])
+    )
+    return total / seconds, max(0.0, used - idle) / (total / 1e9)
+
+
+def _children_cpu(run: Callable[[], float]) -> tuple[float, float]:
+    """(CPU seconds of the child processes ``run`` waited for, what ``run`` returned)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = run()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), result
+
+
+def check_cost(size: int = 512 << 20, repeats: int = 3) -> tuple[float, float]:
+    """CPU seconds per GB, least over ``repeats``, of the project's own SHA-256 of a suspend's bytes
+    (:func:`jupyter_shard._util.digests.digest_bytes`) and of its first write of fresh memory
+    (:func:`jupyter_shard.rank.dcp_reader.touch` of a tensor just allocated), on this thread."""
+    import torch
+
+    from jupyter_shard._util.digests import digest_bytes
+    from jupyter_shard.rank.dcp_reader import touch
+
+    data = os.urandom(1 << 20) * (size >> 20)
+    hashing, placing = [], []
+    for _ in range(repeats):
+        began = time.thread_time()
+        digest_bytes(data)
+        hashing.append(time.thread_time() - began)
+        began = time.thread_time()
+        fresh = torch.empty(size, dtype=torch.uint8)
+        touch(fresh)
+        placing.append(time.thread_time() - began)
+        del fresh
+    return min(hashing) / (size / 1e9), min(placing) / (size / 1e9)
+
+
+def ceiling(read_cpu: float, hash_cpu: float, place_cpu: float, cores: int) -> float:
+    """Bytes per second no load can pass on ``cores`` cores if each GB costs the three in CPU seconds
+    (read from the disk, hashed, written into fresh memory), even with every core busy all the time."""
+    return cores / (read_cpu + hash_cpu + place_cpu) * 1e9
 
 
 def evict(paths: list[Path]) -> None:
