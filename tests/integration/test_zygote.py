@@ -136,3 +136,21 @@ def test_a_zygote_holding_cuda_driver_state_refuses_and_status_says_why(
         assert pool.log_dir is not None and why in (pool.log_dir / "rank-0.log").read_text()
     with Pool(nproc=1, device="cpu", log_dir=tmp_path, sink=ConsoleSink()) as pool:  # remembered
         assert pool.launch_path == f"spawned: {why}"
+
+
+def test_a_rank_forked_after_a_cd_puts_compile_debug_output_under_its_own_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The zygote imports torch._dynamo, which fixes its debug directory from the working directory at
+    import; a rank forked later, in another directory, has it under its own (where a spawned rank has it)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    monkeypatch.delenv("TORCH_COMPILE_DEBUG_DIR", raising=False)
+    monkeypatch.chdir(first)
+    probe = "import torch._dynamo\nprint(torch._dynamo.config.debug_dir_root)"
+    with Pool(nproc=1, device="cpu", log_dir=tmp_path / "logs", sink=ConsoleSink()) as pool:
+        assert pool.run(probe).ranks[0].stdout.strip() == str(first.resolve() / "torch_compile_debug")
+        monkeypatch.chdir(second)
+        pool.restart()
+        assert pool.run(probe).ranks[0].stdout.strip() == str(second.resolve() / "torch_compile_debug")

@@ -1,17 +1,17 @@
 """The kernel's side of the zygote, a preloaded process that forks fresh ranks: torch is imported once.
 
-Runs in the process that drives a pool (the notebook kernel, a script); the zygote itself is
-:mod:`.server`. The kernel starts the zygote with exec (``python -m`` and the server's module), never by
-forking itself, so nothing of the kernel (CUDA state included) reaches a rank. The zygote imports
-torch - without touching CUDA - ZeroMQ, IPython and the rank runtime, then waits on a Unix socket.
-Each request carries one rank's environment, working directory and log path, plus the pool's
-lifeline pipe as a passed file descriptor; the zygote forks, and the child becomes a new session,
-takes that environment, reseeds its random generators, points fds 1 and 2 at its log and runs the
-rank runtime as a spawned rank would. The zygote reaps its children and reports each exit status
-to the kernel, so a rank forked here is polled, signalled and killed like a spawned one.
+Runs in the process that drives a pool (the notebook kernel, a script); the zygote itself is :mod:`.server`.
+The kernel starts the zygote with exec (``python -m`` and the server's module), never by forking itself, so
+nothing of the kernel (CUDA state included) reaches a rank. The zygote imports torch - without touching CUDA -
+``torch._dynamo``, ZeroMQ, IPython and the rank runtime, then waits on a Unix socket. Each request carries one
+rank's environment, working directory and log path, plus the pool's lifeline pipe as a passed file descriptor;
+the zygote forks, and the child becomes a new session, takes that environment, reseeds its random generators,
+points fds 1 and 2 at its log and runs the rank runtime as a spawned rank would. The zygote reaps its children
+and reports each exit status to the kernel, so a rank forked here is polled, signalled and killed like a
+spawned one.
 
 A zygote serves one kernel: it ends - killing its children - when the kernel's lifeline to it
-closes. Requests whose interpreter environment (``PYTHON*``, ``LD_*``, ``sys.executable``) differs
+closes. Requests whose interpreter environment (``PYTHON*``, ``LD_*``, ``TORCH*``, ``sys.executable``) differs
 from the zygote's go to a new zygote. ``JUPYTER_SHARD_ZYGOTE=0`` turns it off: ranks are then
 spawned one process each.
 
@@ -42,6 +42,9 @@ ENV_SWITCH = ZYGOTE_SWITCH
 READY_TIMEOUT = 120.0
 MAX_MSG = 1 << 20  # the largest request or answer on the socket between the kernel and a zygote
 SERVER = "jupyter_shard.launchers.zygote.server"  # the module the zygote runs, with ``python -m``
+# read when the zygote imports torch._dynamo (torch._inductor's config, Triton), not only TORCH*
+_COMPILER: tuple[str, ...] = ("TRITON", "INDUCTOR", "AOT", "CXX", "PT2_", "UNSAFE_", "CUTLASS", "CUTEDSL")
+_COMPILER += ("DUMP_AOTI", "LOG_", "ENABLE_")
 _UNSHARED = ("CUDA_VISIBLE_DEVICES",)  # read by CUDA at its initialisation, which happens after the fork
 
 
@@ -55,7 +58,7 @@ def interpreter_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
     A rank's own launch variables (``RANK``, ``TORCHELASTIC_RUN_ID``, ...) differ per rank and pool and
     are set in the forked rank, so they are not part of it.
     """
-    keep = ("PYTHON", "LD_", "MALLOC", "CUDA_", "NCCL_", "GLOO_", "KMP_", "MKL_", "TORCH")
+    keep = ("PYTHON", "LD_", "MALLOC", "CUDA_", "NCCL_", "GLOO_", "KMP_", "MKL_", "TORCH", *_COMPILER)
     return tuple(
         sorted(
             (k, v)

@@ -177,6 +177,9 @@ def _fresh_state(env: dict[str, str]) -> None:
         import numpy
 
         numpy.random.seed(None)
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and hasattr(dynamo.config, "default_debug_dir_root"):  # set from its import's cwd
+        dynamo.config.debug_dir_root = dynamo.config.default_debug_dir_root()
     threads = env.get("OMP_NUM_THREADS")
     if threads and threads.isdigit():
         torch.set_num_threads(int(threads))

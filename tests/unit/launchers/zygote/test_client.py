@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from jupyter_shard.launchers.zygote.client import interpreter_key
 
 
@@ -24,6 +26,16 @@ def test_one_zygote_serves_every_rank_and_pool_of_an_interpreter() -> None:
     keys = {interpreter_key(rank(k, pool)) for k in range(4) for pool in ("pool-a", "pool-b")}
     assert keys == {(("PYTHONPATH", "/src"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"))}
     assert interpreter_key(base | {"LD_PRELOAD": "x.so"}) != interpreter_key(base)
+
+
+@pytest.mark.parametrize(
+    "name", ["TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CXX", "INDUCTOR_TEST_FLAG", "AOT_INDUCTOR_DEBUG"]
+)
+def test_a_setting_the_zygotes_compiler_imports_read_needs_another_zygote(name: str) -> None:
+    """The zygote imports torch._dynamo, whose import reads these: a rank forked from a zygote that
+    read another value would not see the user's."""
+    base = {"PYTHONPATH": "/src"}
+    assert interpreter_key(base | {name: "x"}) != interpreter_key(base)
 
 
 def test_which_gpus_a_rank_uses_does_not_need_another_zygote() -> None:

@@ -35,7 +35,8 @@ def test_the_zygotes_imports_leave_it_safe_to_fork_here() -> None:
 
 
 _QUERIES = """
-import sys, threading, torch
+import os, sys, torch
+torchs = len(os.listdir("/proc/self/task"))  # (import torch starts a native thread of its own)
 asked = []
 def asking(name, real):
     def query(*args, **kwargs):
@@ -50,20 +51,22 @@ for name in ("_cuda_getDeviceCount", "_cuda_init", "_cuda_getDevice"):  # (a CUD
         setattr(torch._C, name, asking(name, getattr(torch._C, name)))
 from jupyter_shard.launchers.zygote.server import _preload
 _preload()
-print(repr((asked, [t.name for t in threading.enumerate()], "torch._dynamo" in sys.modules)))
+print(repr((asked, len(os.listdir("/proc/self/task")) - torchs, "torch._dynamo" in sys.modules)))
 """
 
 
 def test_the_zygote_preloads_dynamo_without_asking_cuda_anything_or_starting_a_thread() -> None:
     """A rank's first optimizer imports ``torch._dynamo`` (about 1 s of CPU per rank); the zygote imports
     it once, for every rank it forks. On a GPU machine that import must not reach the driver: no
-    device query (``torch.cuda.is_available()`` loads ``libcuda``), and no thread a fork would cut."""
+    device query (``torch.cuda.is_available()`` loads ``libcuda``), and no thread a fork would cut. On this
+    CPU build the ``torch._C._cuda_*`` hooks have nothing to catch; that the import loads no ``libcuda`` on
+    a CUDA build (2.14.1+cu130, with Triton) was seen with ``LD_DEBUG=libs`` (docs/cuda.md)."""
     done = subprocess.run(
         [sys.executable, "-c", _QUERIES], capture_output=True, text=True, timeout=120, check=True
     )
     asked, threads, preloaded = ast.literal_eval(done.stdout.strip().splitlines()[-1])
     assert asked == [], f"the zygote's imports asked torch.cuda: {asked}"
-    assert threads == ["MainThread"]
+    assert threads == 0, f"the zygote's imports after torch's started {threads} thread(s) (Python or native)"
     assert preloaded, "the zygote no longer imports torch._dynamo: each rank's first optimizer pays for it"
 
 
