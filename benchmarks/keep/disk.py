@@ -111,14 +111,28 @@ def _children_cpu(run: Callable[[], float]) -> tuple[float, float]:
 def check_cost(size: int = 512 << 20, repeats: int = 3) -> tuple[float, float]:
     """CPU seconds per GB, least over ``repeats``, of the project's own SHA-256 of a suspend's bytes
     (:func:`jupyter_shard._util.digests.digest_bytes`) and of its first write of fresh memory
-    (:func:`jupyter_shard.rank.dcp_reader.touch` of a tensor just allocated), on this thread."""
+    (:func:`jupyter_shard.rank.dcp_reader.touch` of a tensor just allocated), on this thread, with torch
+    on one thread too (as a rank is where there are as many ranks as cores), so that no CPU is left out."""
+    import torch
+
+    data = os.urandom(1 << 20) * (size >> 20)
+    hashing: list[float] = []
+    placing: list[float] = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _costs(data, size, repeats, hashing, placing)
+    finally:
+        torch.set_num_threads(threads)
+    return min(hashing) / (size / 1e9), min(placing) / (size / 1e9)
+
+
+def _costs(data: bytes, size: int, repeats: int, hashing: list[float], placing: list[float]) -> None:
     import torch
 
     from jupyter_shard._util.digests import digest_bytes
     from jupyter_shard.rank.dcp_reader import touch
 
-    data = os.urandom(1 << 20) * (size >> 20)
-    hashing, placing = [], []
     for _ in range(repeats):
         began = time.thread_time()
         digest_bytes(data)
@@ -128,12 +142,12 @@ def check_cost(size: int = 512 << 20, repeats: int = 3) -> tuple[float, float]:
         touch(fresh)
         placing.append(time.thread_time() - began)
         del fresh
-    return min(hashing) / (size / 1e9), min(placing) / (size / 1e9)
 
 
 def ceiling(read_cpu: float, hash_cpu: float, place_cpu: float, cores: int) -> float:
-    """Bytes per second no load can pass on ``cores`` cores if each GB costs the three in CPU seconds
-    (read from the disk, hashed, written into fresh memory), even with every core busy all the time."""
+    """Bytes per second that a load paying these CPU seconds per GB (read from the disk with ``read``,
+    hashed with SHA-256, written into fresh 4 KiB pages) cannot pass on ``cores`` cores, even with every
+    core busy all the time and the three costs overlapping perfectly."""
     return cores / (read_cpu + hash_cpu + place_cpu) * 1e9
 
 
