@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["ceiling", "check_cost", "evict", "read_cost", "read_rate", "write_rate"]
+__all__ = ["ceiling", "check_cost", "evict", "read_cost", "write_rate"]
 
 PIECE = 16 << 20
 
@@ -82,15 +82,10 @@ os.close(fd)
 """
 
 
-def read_rate(paths: list[Path], fresh: bool = False) -> float:
-    """Bytes per second reading ``paths`` back from the disk, one process each; with ``fresh``, into
-    memory not written before (see above)."""
-    return read_cost(paths, fresh)[0]
-
-
 def read_cost(paths: list[Path], fresh: bool = False) -> tuple[float, float]:
-    """(bytes per second, CPU seconds per GB, user and system, of all the readers) for :func:`read_rate`;
-    the CPU the readers' interpreters take to start and end (as many doing nothing) is left out."""
+    """(bytes per second, CPU seconds per GB, user and system, of all the readers) reading ``paths`` back
+    from the disk, one process each; with ``fresh``, into memory not written before (see above). The CPU
+    the readers' interpreters take to start and end (as many doing nothing) is left out."""
     evict(paths)
     total = sum(p.stat().st_size for p in paths)
     idle, _ = _children_cpu(lambda: _run_all([["pass"] for _ in paths]))
@@ -115,33 +110,27 @@ def check_cost(size: int = 512 << 20, repeats: int = 3) -> tuple[float, float]:
     on one thread too (as a rank is where there are as many ranks as cores), so that no CPU is left out."""
     import torch
 
+    from jupyter_shard._util.digests import digest_bytes
+    from jupyter_shard.rank.dcp_reader import touch
+
     data = os.urandom(1 << 20) * (size >> 20)
     hashing: list[float] = []
     placing: list[float] = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _costs(data, size, repeats, hashing, placing)
+        for _ in range(repeats):
+            began = time.thread_time()
+            digest_bytes(data)
+            hashing.append(time.thread_time() - began)
+            began = time.thread_time()
+            fresh = torch.empty(size, dtype=torch.uint8)
+            touch(fresh)
+            placing.append(time.thread_time() - began)  # (before the memory is let go)
+            del fresh
     finally:
         torch.set_num_threads(threads)
     return min(hashing) / (size / 1e9), min(placing) / (size / 1e9)
-
-
-def _costs(data: bytes, size: int, repeats: int, hashing: list[float], placing: list[float]) -> None:
-    import torch
-
-    from jupyter_shard._util.digests import digest_bytes
-    from jupyter_shard.rank.dcp_reader import touch
-
-    for _ in range(repeats):
-        began = time.thread_time()
-        digest_bytes(data)
-        hashing.append(time.thread_time() - began)
-        began = time.thread_time()
-        fresh = torch.empty(size, dtype=torch.uint8)
-        touch(fresh)
-        placing.append(time.thread_time() - began)
-        del fresh
 
 
 def ceiling(read_cpu: float, hash_cpu: float, place_cpu: float, cores: int) -> float:

@@ -43,8 +43,19 @@ READY_TIMEOUT = 120.0
 MAX_MSG = 1 << 20  # the largest request or answer on the socket between the kernel and a zygote
 SERVER = "jupyter_shard.launchers.zygote.server"  # the module the zygote runs, with ``python -m``
 # read when the zygote imports torch._dynamo (torch._inductor's config, Triton), not only TORCH*
-_COMPILER: tuple[str, ...] = ("TRITON", "INDUCTOR", "AOT", "CXX", "PT2_", "UNSAFE_", "CUTLASS", "CUTEDSL")
-_COMPILER += ("DUMP_AOTI", "LOG_", "ENABLE_")
+_COMPILER = (
+    "TRITON",
+    "INDUCTOR",
+    "AOT",
+    "CXX",
+    "PT2_",
+    "UNSAFE_",
+    "CUTLASS",
+    "CUTEDSL",
+    "DUMP_AOTI",
+    "LOG_",
+    "ENABLE_",
+)
 _UNSHARED = ("CUDA_VISIBLE_DEVICES",)  # read by CUDA at its initialisation, which happens after the fork
 
 
